@@ -48,6 +48,7 @@ class MoEConfig:
     routed_scaling: float = 1.0  # multiplier on routed gate weights (GLM routed_scaling_factor)
     num_heads: int = 8  # attention heads (used by the trainable model only)
     num_kv_heads: int = 8
+    head_dim: int = 0  # 0: hidden // num_heads
     vocab_size: int = 256  # byte-level tokenizer for the debug models
     seq_len: int = 256
     dtype: str = "bfloat16"
@@ -55,7 +56,7 @@ class MoEConfig:
     def __post_init__(self) -> None:
         _positive(self, "hidden", "expert_ffn", "num_experts", "top_k", "num_layers", "num_heads",
                   "num_kv_heads", "vocab_size", "seq_len", "routed_scaling")
-        _non_negative(self, "first_dense_layers", "num_shared_experts", "shared_ffn", "dense_ffn")
+        _non_negative(self, "first_dense_layers", "num_shared_experts", "shared_ffn", "dense_ffn", "head_dim")
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if self.router not in ROUTER_FAMILIES:
@@ -74,7 +75,7 @@ class MoEConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"MoEConfig.num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
-        if self.hidden % self.num_heads:
+        if not self.head_dim and self.hidden % self.num_heads:
             raise ValueError(f"MoEConfig.hidden={self.hidden} is not divisible by num_heads={self.num_heads}")
 
     @property
@@ -155,20 +156,20 @@ class ClusterConfig:
 
 # --- model presets -------------------------------------------------------------------------------------------
 # Qwen3-30B-A3B: Hugging Face config.json of Qwen/Qwen3-30B-A3B (hidden_size 2048, moe_intermediate_size 768,
-# num_experts 128, num_experts_per_tok 8, norm_topk_prob true, num_hidden_layers 48, 32 query / 4 KV heads,
+# num_experts 128, num_experts_per_tok 8, norm_topk_prob true, num_hidden_layers 48, 32 query / 4 KV heads of 128,
 # vocab 151936); DESIGN.md §5.
 # GLM-4.5-Air: config.json of zai-org/GLM-4.5-Air (hidden_size 4096, moe_intermediate_size 1408,
 # n_routed_experts 128, n_shared_experts 1, num_experts_per_tok 8, routed_scaling_factor 1.0,
-# first_k_dense_replace 1, intermediate_size 10944, num_hidden_layers 46, 96 query / 8 KV heads,
+# first_k_dense_replace 1, intermediate_size 10944, num_hidden_layers 46, 96 query / 8 KV heads of 128,
 # vocab 151552); DESIGN.md §5.
 _MODELS = {
     "qwen3-30b-a3b": MoEConfig(
         name="qwen3-30b-a3b", hidden=2048, expert_ffn=768, num_experts=128, top_k=8, router="softmax_topk",
-        num_layers=48, num_heads=32, num_kv_heads=4, vocab_size=151936, seq_len=4096, dtype="bfloat16"),
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, vocab_size=151936, seq_len=4096, dtype="bfloat16"),
     "glm-4.5-air": MoEConfig(
         name="glm-4.5-air", hidden=4096, expert_ffn=1408, num_experts=128, top_k=8, router="sigmoid_bias",
         num_layers=46, first_dense_layers=1, dense_ffn=10944, num_shared_experts=1, shared_ffn=1408,
-        routed_scaling=1.0, num_heads=96, num_kv_heads=8, vocab_size=151552, seq_len=4096, dtype="bfloat16"),
+        routed_scaling=1.0, num_heads=96, num_kv_heads=8, head_dim=128, vocab_size=151552, seq_len=4096, dtype="bfloat16"),
     # CPU-trainable variants: same router family and block structure, tiny sizes (ours).
     "qwen3-30b-a3b-debug": MoEConfig(
         name="qwen3-30b-a3b-debug", hidden=64, expert_ffn=32, num_experts=16, top_k=4, router="softmax_topk",
