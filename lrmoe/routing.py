@@ -37,9 +37,9 @@ def route(logits_TE: torch.Tensor, family: str, top_k: int, bias_E: torch.Tensor
         weight_TK = top_TK / top_TK.sum(dim=-1, keepdim=True)
     elif family == "sigmoid_bias":
         scores_TE = torch.sigmoid(logits_TE)
-        choice_TE = scores_TE.detach() if bias_E is None else scores_TE.detach() + bias_E.float()
         if bias_E is not None and bias_E.shape != (num_experts,):
             raise ValueError(f"bias_E must have shape ({num_experts},), got {tuple(bias_E.shape)}")
+        choice_TE = scores_TE.detach() if bias_E is None else scores_TE.detach() + bias_E.float()
         _, idx_TK = torch.topk(choice_TE, top_k, dim=-1)
         top_TK = scores_TE.gather(1, idx_TK)
         weight_TK = top_TK / top_TK.sum(dim=-1, keepdim=True) * scaling
