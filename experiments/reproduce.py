@@ -1,0 +1,95 @@
+"""The main job: run every experiment stage, then regenerate the figures, and write a Markdown summary.
+
+    python experiments/reproduce.py --mode quick      # minutes on a 2-core CPU
+    python experiments/reproduce.py --mode full       # the full sweeps (hours on a CPU)
+
+Outputs go to outputs/<mode>/: one results file (JSON lines) per stage, its figures, the W&B offline runs and
+SUMMARY.md. An existing output folder is never overwritten: pass --overwrite to start again, or --resume to
+skip the stages whose results are complete and run the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Stage:
+    name: str
+    script: str
+    quick: list[str] = field(default_factory=list)
+    full: list[str] = field(default_factory=list)
+
+
+STAGES = [
+    Stage("trace_stats", "experiments/trace_stats.py",
+          quick=["--steps", "10", "--layers", "4"], full=["--steps", "100", "--layers", "48"]),
+]
+
+
+def markdown_tables(text: str) -> str:
+    """The Markdown table lines a stage printed."""
+    return "\n".join(line for line in text.splitlines() if line.startswith("|"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["quick", "full"], default="quick")
+    parser.add_argument("--out-dir", default=None, help="default: outputs/<mode>")
+    parser.add_argument("--overwrite", action="store_true", help="delete an existing output folder first")
+    parser.add_argument("--resume", action="store_true", help="skip stages whose results are complete")
+    parser.add_argument("--only", nargs="*", help="run only these stages")
+    args = parser.parse_args(argv)
+    out = Path(args.out_dir or ROOT / "outputs" / args.mode)
+    if out.exists() and any(out.iterdir()):
+        if args.overwrite:
+            shutil.rmtree(out)
+        elif not args.resume:
+            sys.exit(f"error: {out} holds the results of an earlier run; pass --overwrite to replace them or "
+                     f"--resume to finish the stages that did not complete")
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, WANDB_DIR=str(out), MPLBACKEND="Agg", PYTHONPATH=str(ROOT))
+    summary = [f"# lrmoe reproduction ({args.mode} mode)", ""]
+    started = time.time()
+    for stage in STAGES:
+        if args.only and stage.name not in args.only:
+            continue
+        results = out / f"{stage.name}.jsonl"
+        done = out / f"{stage.name}.done"
+        if done.exists():
+            print(f"== {stage.name}: complete, skipped (--resume)")
+            summary += [f"## {stage.name}", "", done.read_text(), ""]
+            continue
+        extra = stage.quick if args.mode == "quick" else stage.full
+        cmd = [sys.executable, str(ROOT / stage.script), "--out", str(results), *extra]
+        if results.exists():  # an interrupted stage: its scripts append to what it already wrote
+            cmd.append("--resume")
+        print(f"== {stage.name}: {' '.join(cmd[1:])}", flush=True)
+        t0 = time.time()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=None, text=True)
+        print(proc.stdout, end="", flush=True)
+        if proc.returncode:
+            print(f"error: stage {stage.name} failed with exit status {proc.returncode}", file=sys.stderr)
+            return proc.returncode
+        section = f"{markdown_tables(proc.stdout)}\n\n({time.time() - t0:.0f} s; results: {results.name})"
+        done.write_text(section)
+        summary += [f"## {stage.name}", "", section, ""]
+    summary.append(f"Total wall time: {time.time() - started:.0f} s.")
+    (out / "SUMMARY.md").write_text("\n".join(summary) + "\n")
+    print("\n".join(summary))
+    print(f"\nOutputs in {out}: SUMMARY.md, one results file per stage, figures (PNG + PDF); "
+          f"W&B offline runs in {out / 'wandb'} (upload with `wandb sync {out / 'wandb'}/offline-run-*`).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

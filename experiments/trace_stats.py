@@ -1,0 +1,81 @@
+"""Generate synthetic routing traces over the skew range of DESIGN.md §5, save them, summarise their skew and
+plot it. A recorded trace (from training) can be summarised beside them with --recorded.
+
+    python experiments/trace_stats.py --out outputs/trace_stats.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from lrmoe.config import model_preset  # noqa: E402
+from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
+from lrmoe.traces import generate_trace, load_trace  # noqa: E402
+
+SKEWS = [("zipf", 0.2), ("zipf", 0.4), ("zipf", 0.6), ("zipf", 0.8), ("dirichlet", 4.0), ("dirichlet", 1.0),
+         ("dirichlet", 0.5)]
+
+
+def main(argv=None) -> pd.DataFrame:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-30b-a3b")
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens-per-rank", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--recorded", nargs="*", default=[], help="recorded trace files to summarise too")
+    add_tracking_args(parser, "outputs/trace_stats.jsonl")
+    args = parser.parse_args(argv)
+    model = model_preset(args.model)
+    torch.manual_seed(args.seed)
+    rows = []
+    trace_dir = Path(args.out).with_suffix("")
+    with Tracker("trace_stats", vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
+                 resume=args.resume, wandb=not args.no_wandb) as run:
+        for skew, param in tqdm(SKEWS, desc="traces", disable=None):
+            trace = generate_trace(args.steps, args.layers, args.ranks, model.num_experts, model.top_k,
+                                   args.tokens_per_rank, skew=skew, skew_param=param, seed=args.seed,
+                                   model=model.name)
+            path = trace.save(trace_dir / f"{skew}{param}.npz", overwrite=args.overwrite or args.resume)
+            row = {"trace": f"{skew} {param}", **trace.summary(), "path": str(path)}
+            run.log(row)
+            rows.append(row)
+        for path in args.recorded:
+            trace = load_trace(path)
+            row = {"trace": f"recorded {Path(path).stem}", **trace.summary(), "path": str(path)}
+            run.log(row)
+            rows.append(row)
+        table = pd.DataFrame(rows)
+        sns.set_theme(style="whitegrid", context="paper")
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+        sns.barplot(table, x="trace", y="gini_mean", ax=axes[0], color="C0")
+        sns.barplot(table, x="trace", y="max_over_mean_mean", ax=axes[1], color="C1")
+        axes[0].set(ylabel="Gini of per-expert pairs", xlabel="")
+        axes[1].set(ylabel="hottest expert / mean", xlabel="")
+        for ax in axes:
+            ax.tick_params(axis="x", rotation=45)
+        fig.suptitle(f"Routing skew of synthetic traces ({model.name}: E={model.num_experts}, top-{model.top_k})")
+        fig.tight_layout()
+        figs = run.log_figure("skew", fig)
+        cols = ["trace", "gini_mean", "max_over_mean_mean", "max_over_mean_max", "source"]
+        print(table[cols].to_markdown(index=False, floatfmt=".3f"))
+        print(f"results: {args.out}; figure: {figs[0]}; traces in {trace_dir}")
+    return table
+
+
+if __name__ == "__main__":
+    main()
