@@ -1,0 +1,107 @@
+"""Text data for the small training runs: a byte-level tokenizer and a deterministic train/validation split.
+
+The default corpus is the running Python's standard-library source: real text, present on every machine,
+offline and deterministic for a given Python version. Any folder or glob of text files works instead.
+The split is by file, decided by a hash of the file's path relative to the corpus root, so it is stable across
+machines and independent of listing order.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 256  # bytes
+
+
+def encode(text: str) -> torch.Tensor:
+    """UTF-8 bytes as token ids (uint8 values in a long tensor)."""
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+
+def decode(ids: torch.Tensor) -> str:
+    return bytes(ids.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def default_corpus() -> str:
+    """The standard library's Python files of the running interpreter, as a glob."""
+    return os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py")
+
+
+def list_files(source: str) -> tuple[Path, list[Path]]:
+    """Resolve a folder or a glob to (root, sorted files)."""
+    path = Path(source)
+    if path.is_dir():
+        root, files = path, sorted(p for p in path.rglob("*") if p.is_file())
+    else:
+        files = sorted(Path(p) for p in glob.glob(source, recursive=True) if Path(p).is_file())
+        root = Path(os.path.commonpath([str(p) for p in files])) if files else Path(".")
+        if len(files) == 1:
+            root = files[0].parent
+    if not files:
+        raise ValueError(f"no text files found at {source!r}")
+    return root, files
+
+
+def is_validation(relpath: str, val_fraction: float) -> bool:
+    digest = hashlib.sha256(relpath.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+
+
+@dataclass
+class Corpus:
+    train: torch.Tensor  # long [n_train]: byte ids of the training files, concatenated
+    val: torch.Tensor  # long [n_val]
+    source: str
+    num_files: tuple[int, int]  # (train, validation)
+
+
+def load_corpus(source: str | None = None, val_fraction: float = 0.05, max_bytes: int | None = 8_000_000,
+                exclude: tuple[str, ...] = ("test", "idlelib", "site-packages")) -> Corpus:
+    """Read a corpus, split it by file and tokenise it. ``max_bytes`` caps each split (in file order)."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    source = source or default_corpus()
+    root, files = list_files(source)
+    parts: dict[bool, list[bytes]] = {False: [], True: []}
+    sizes = {False: 0, True: 0}
+    counts = {False: 0, True: 0}
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        if any(part in exclude for part in Path(rel).parts):
+            continue
+        split = is_validation(rel, val_fraction)
+        if max_bytes is not None and sizes[split] >= max_bytes:
+            continue
+        data = path.read_bytes()
+        parts[split].append(data)
+        sizes[split] += len(data)
+        counts[split] += 1
+    if not parts[False] or not parts[True]:
+        raise ValueError(f"corpus {source!r} is too small to split: {counts[False]} train and {counts[True]} "
+                         f"validation files")
+
+    def tokens(chunks: list[bytes]) -> torch.Tensor:
+        blob = b"\n".join(chunks)
+        if max_bytes is not None:
+            blob = blob[:max_bytes]
+        return torch.frombuffer(bytearray(blob), dtype=torch.uint8).long()
+
+    return Corpus(tokens(parts[False]), tokens(parts[True]), source, (counts[False], counts[True]))
+
+
+def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor,
+                                                                                                       torch.Tensor]:
+    """Random windows: inputs [B, T] and next-byte targets [B, T], drawn with ``generator`` (deterministic)."""
+    if data.numel() <= seq_len + 1:
+        raise ValueError(f"data of {data.numel()} tokens is too short for seq_len={seq_len}")
+    starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=generator)
+    offsets = torch.arange(seq_len + 1)
+    windows = data[starts[:, None] + offsets]
+    return windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,64 @@
+"""Byte-level data (deterministic split by file) and the small MoE transformer."""
+
+import pytest
+import torch
+
+from lrmoe.config import model_preset
+from lrmoe.data import decode, encode, get_batch, is_validation, load_corpus
+from lrmoe.model import MoETransformer
+from lrmoe.reference import ReferenceMoE
+
+
+def test_tokenizer_round_trips_utf8():
+    text = "def f(x):\n    return x  # café"
+    assert decode(encode(text)) == text and encode("A").tolist() == [65]
+
+
+def test_split_is_by_file_and_stable(tmp_path):
+    for i in range(40):
+        (tmp_path / f"f{i}.txt").write_text(f"file {i}\n" * 20)
+    a, b = load_corpus(str(tmp_path), val_fraction=0.25), load_corpus(str(tmp_path / "*.txt"), val_fraction=0.25)
+    assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
+    val_files = [f"f{i}.txt" for i in range(40) if is_validation(f"f{i}.txt", 0.25)]
+    assert a.num_files == (40 - len(val_files), len(val_files))
+    assert f"file {val_files[0][1:-4]}\n" in decode(a.val) and f"file {val_files[0][1:-4]}\n" not in decode(a.train)
+
+
+def test_default_corpus_is_the_standard_library():
+    corpus = load_corpus(max_bytes=200_000)
+    assert corpus.train.numel() == 200_000 and corpus.val.numel() > 0
+    assert "def " in decode(corpus.train[:20_000])
+
+
+def test_bad_data_input_raises(tmp_path):
+    with pytest.raises(ValueError, match="no text files"):
+        load_corpus(str(tmp_path / "*.nothing"))
+    with pytest.raises(ValueError, match="val_fraction"):
+        load_corpus(str(tmp_path), val_fraction=1.5)
+    with pytest.raises(ValueError, match="too short"):
+        get_batch(torch.arange(10), 2, 16, torch.Generator())
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-debug", "glm-4.5-air-debug"])
+def test_a_few_steps_lower_the_loss_and_are_deterministic(name):
+    cfg = model_preset(name)
+
+    def run():
+        model = MoETransformer(cfg, lambda i: ReferenceMoE.from_config(cfg, seed=10 + i), seed=1)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        data = torch.arange(4000) % 97  # a periodic sequence is learnable in a few steps
+        gen = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(8):
+            x, y = get_batch(data, 4, 32, gen)
+            _, infos, loss, total = model(x, y, aux_coef=1e-2)
+            opt.zero_grad()
+            total.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, infos
+
+    losses, infos = run()
+    assert losses[-1] < losses[0] - 0.5
+    assert len(infos) == cfg.num_moe_layers and infos[0].counts_E.sum() == 4 * 32 * cfg.top_k
+    assert run()[0] == losses
