@@ -1,0 +1,167 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # The recalibration metric, interactively
+#
+# LRMoE keeps only some token-expert pairs in the backward pass. Which ones? A **recalibration metric** scores
+# every pair at its token's home rank, from what that rank already holds, and the **selection** keeps the best
+# inside each (source rank, expert) quota:
+#
+# | metric | score | cost |
+# |---|---|---|
+# | `m1` | g · ‖δ‖ | free |
+# | `m2` | g · ‖δ‖ · ‖h‖ — the exact norm of the pair's down-projection gradient term | one scalar per pair from the forward |
+# | `m3` | g · \|⟨δ, o⟩\| — first-order loss change | ⟨δ, o⟩ is needed by the router gradient anyway |
+# | `gate` | g | free |
+# | `random` | uniform | free |
+#
+# Selection is `topk` (biased, lowest variance) or `unbiased` (keep with probability p ∝ score, scale by 1/p).
+#
+# Move the controls: retention ρ, the routing skew (Zipf s of the expert popularity), metric and mode. The
+# panels show the score distribution, which pairs are kept, how close the recalibrated expert-weight gradients
+# stay to the full ones, and the per-rank backward load before and after recalibration.
+# The layer is a debug preset's MoE layer at random initialisation, on random data (synthetic).
+
+# %%
+import os
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+import torch
+
+from lrmoe.config import model_preset
+from lrmoe.recalibrate import Recalibration, pair_groups, pair_hook, proportional_quotas
+from lrmoe.reference import ReferenceMoE
+from lrmoe.traces import zipf_popularity
+
+QUICK = os.environ.get("LRMOE_NOTEBOOK_QUICK") == "1"  # the tests run every notebook in a small mode
+PRESET = "qwen3-30b-a3b-debug"
+TOKENS = 256 if QUICK else 2048
+RANKS = 4  # simulated source ranks (and expert-parallel ranks for the load panel)
+SEED = 0
+sns.set_theme(style="whitegrid", context="notebook")
+cfg = model_preset(PRESET)
+print(f"{PRESET}: D={cfg.hidden}, F={cfg.expert_ffn}, E={cfg.num_experts}, top-{cfg.top_k}; {TOKENS} tokens, "
+      f"{RANKS} ranks")
+
+
+# %% [markdown]
+# ## The experiment behind every panel
+#
+# Skew is imposed on the router: inputs get a shared offset b solving W_router · b = log p, so every token's
+# logits are its own plus log p (p: Zipf popularity). The upstream gradient δ has a log-normal per-token scale,
+# as tokens with different losses have in training.
+
+# %%
+def run(metric="m2", rho=0.7, skew=0.8, mode="topk", seed=SEED):
+    gen = torch.Generator().manual_seed(seed)
+    layer = ReferenceMoE.from_config(cfg, seed=seed, dtype=torch.float64)
+    log_p = torch.log(zipf_popularity(cfg.num_experts, skew, gen))
+    offset_D = torch.linalg.lstsq(layer.w_router_ED.detach(), log_p[:, None]).solution[:, 0]
+    x = (torch.randn(TOKENS, cfg.hidden, generator=gen, dtype=torch.float64) + offset_D).requires_grad_()
+    delta = torch.randn(TOKENS, cfg.hidden, generator=gen, dtype=torch.float64)
+    delta *= torch.exp(torch.randn(TOKENS, 1, generator=gen, dtype=torch.float64))
+
+    def grads(hook=None):
+        layer.zero_grad()
+        x.grad = None
+        y, aux = layer(x, pair_hook=hook)
+        (y * delta).sum().backward()
+        w = torch.cat([layer.w_gate_EDF.grad.flatten(1), layer.w_up_EDF.grad.flatten(1),
+                       layer.w_down_EFD.grad.flatten(1)], 1)
+        return w, aux
+
+    full_w, aux = grads()
+    group_P, counts_Q = pair_groups(aux.idx_TK, cfg.num_experts, RANKS)
+    rec = Recalibration(metric, mode, group_P, proportional_quotas(counts_Q, rho),
+                        generator=torch.Generator().manual_seed(seed + 1))
+    recal_w, _ = grads(pair_hook(rec))
+    cos = torch.nn.functional.cosine_similarity(recal_w, full_w, dim=1)
+    rel = (recal_w - full_w).norm(dim=1) / full_w.norm(dim=1).clamp_min(1e-30)
+    routed = aux.counts_E > 0
+    return dict(aux=aux, rec=rec, group_P=group_P, counts_Q=counts_Q, cos_E=cos[routed], rel_E=rel[routed],
+                rel_all=float((recal_w - full_w).norm() / full_w.norm()))
+
+
+def per_rank_load(result):
+    """Pairs per expert-parallel rank (static placement: E/N consecutive experts per rank), computed in the
+    forward and retained for the backward."""
+    expert_P = result["aux"].idx_TK.reshape(-1)
+    rank_P = expert_P // (cfg.num_experts // RANKS)
+    keep_P = result["rec"].keep_P
+    return pd.DataFrame({"rank": list(range(RANKS)) * 2,
+                         "pairs": torch.cat([torch.bincount(rank_P, minlength=RANKS),
+                                             torch.bincount(rank_P[keep_P], minlength=RANKS)]).tolist(),
+                         "pass": ["forward (dropless)"] * RANKS + ["backward (retained)"] * RANKS})
+
+
+def show(metric="m2", rho=0.7, skew=0.8, mode="topk"):
+    result = run(metric, rho, skew, mode)
+    rec = result["rec"]
+    scores = rec.scores_P.detach().double()
+    gate = result["aux"].gate_TK.detach().reshape(-1).double()
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
+    sns.histplot(x=torch.log10(scores.clamp_min(1e-12)).numpy(), hue=rec.keep_P.numpy(), bins=40, ax=axes[0],
+                 multiple="stack")
+    axes[0].set(title=f"{metric} scores (log10) by kept", xlabel="log10 score")
+    axes[1].scatter(gate, scores, c=rec.keep_P.numpy(), cmap="coolwarm", s=6)
+    axes[1].set(xscale="log", yscale="log", title="kept pairs (red) by gate and score", xlabel="gate g",
+                ylabel="score")
+    sns.histplot(x=result["cos_E"].numpy(), bins=20, ax=axes[2])
+    axes[2].set(title=f"per-expert cosine to full grad (rel err {result['rel_all']:.2f})", xlabel="cosine")
+    sns.barplot(per_rank_load(result), x="rank", y="pairs", hue="pass", ax=axes[3])
+    axes[3].set(title="per-rank load, static placement")
+    fig.suptitle(f"{metric}, {mode}, rho={rho}, Zipf s={skew}")
+    fig.tight_layout()
+    plt.show()
+    return result
+
+
+# %% [markdown]
+# ## Explore
+#
+# The controls re-run the experiment on every change. Headless (as in the tests) the widgets are created and the
+# default view below is drawn once.
+
+# %%
+import ipywidgets as widgets  # noqa: E402
+
+controls = dict(
+    metric=widgets.Dropdown(options=["m1", "m2", "m3", "gate", "random"], value="m2", description="metric"),
+    rho=widgets.FloatSlider(value=0.7, min=0.1, max=1.0, step=0.05, description="retention ρ"),
+    skew=widgets.FloatSlider(value=0.8, min=0.0, max=1.2, step=0.1, description="Zipf s"),
+    mode=widgets.ToggleButtons(options=["topk", "unbiased"], value="topk", description="mode"),
+)
+explorer = widgets.interactive(show, **controls)
+explorer
+
+# %%
+default = show()
+print(f"kept {int(default['rec'].keep_P.sum())} of {default['rec'].keep_P.numel()} pairs; "
+      f"relative error of all expert gradients: {default['rel_all']:.3f}")
+
+# %% [markdown]
+# ## Does the metric beat random at the same retention?
+#
+# The same batch under every metric, topk selection: mean relative error of the expert-weight gradients.
+
+# %%
+rows = []
+for metric in ["m1", "m2", "m3", "gate", "random"]:
+    for rho in ([0.5, 0.85] if QUICK else [0.5, 0.7, 0.85]):
+        r = run(metric, rho, 0.8, "topk")
+        rows.append({"metric": metric, "rho": rho, "rel_err_all": r["rel_all"], "cos_mean": float(r["cos_E"].mean())})
+table = pd.DataFrame(rows)
+ax = sns.lineplot(table, x="rho", y="rel_err_all", hue="metric", marker="o")
+ax.set(title="gradient error against retention (topk)", ylabel="relative error, all experts")
+plt.show()
+table.pivot(index="metric", columns="rho", values="rel_err_all").round(3)

@@ -1,0 +1,36 @@
+"""Every notebook runs top to bottom, headless, in its small mode; each .ipynb matches its paired .py source."""
+
+import os
+from pathlib import Path
+
+import jupytext
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS, "no notebooks found"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_matches_its_source(path):
+    source = path.with_suffix(".py")
+    assert source.exists(), f"{path.name} has no paired {source.name}"
+    cells = [(c.cell_type, c.source) for c in jupytext.read(source).cells]
+    assert cells == [(c.cell_type, c.source) for c in nbformat.read(path, as_version=4).cells], (
+        f"{path.name} is out of date: run `jupytext --sync {source}`")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_executes(path, monkeypatch, tmp_path):
+    monkeypatch.setenv("LRMOE_NOTEBOOK_QUICK", "1")
+    monkeypatch.setenv("LRMOE_NOTEBOOK_OUT", str(tmp_path))
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs), "the notebook drew no figure"
