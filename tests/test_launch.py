@@ -1,0 +1,98 @@
+"""The fork launcher returns every rank's result, and fails fast and loudly when a rank fails or hangs."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lrmoe.dist.launch import LaunchError, launch
+
+
+def _rank_info(rank, offset, scale=1):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return {"rank": rank, "world": dist.get_world_size(), "sum": t.item() * scale + offset,
+            "threads": torch.get_num_threads()}
+
+
+def _raise_on_rank(rank, bad_rank):
+    if rank == bad_rank:
+        raise RuntimeError(f"planted failure on rank {rank}")
+    dist.barrier()  # the healthy ranks block here until they are killed
+    return rank
+
+
+def _die_on_rank(rank, bad_rank):
+    if rank == bad_rank:
+        os._exit(3)
+    dist.barrier()
+    return rank
+
+
+def _sleep_forever(rank):
+    time.sleep(3600)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_launch_returns_each_rank_value_in_rank_order(world_size):
+    out = launch(_rank_info, world_size, 10, scale=2)
+    expected_sum = sum(range(world_size)) * 2 + 10
+    assert [o["rank"] for o in out] == list(range(world_size))
+    assert all(o["world"] == world_size and o["sum"] == expected_sum for o in out)
+    assert all(o["threads"] == 1 for o in out)  # ranks share the cores: one intra-op thread each
+
+
+def test_a_raising_rank_fails_the_launch_quickly_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(_raise_on_rank, 4, 2, timeout_s=60)
+    assert time.monotonic() - start < 20  # far below both the launch and the process-group timeout
+    assert info.value.rank == 2
+    assert "planted failure on rank 2" in str(info.value) and "Traceback" in str(info.value)
+
+
+def test_a_dying_rank_fails_the_launch():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 1 of 2 died with exit code 3"):
+        launch(_die_on_rank, 2, 1, timeout_s=60)
+    assert time.monotonic() - start < 20
+
+
+def test_a_hanging_launch_times_out():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="timed out"):
+        launch(_sleep_forever, 2, timeout_s=2)
+    assert time.monotonic() - start < 10
+
+
+def test_bad_arguments_name_the_problem():
+    with pytest.raises(ValueError, match="world_size"):
+        launch(_rank_info, 0, 0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        launch(_rank_info, 2, 0, timeout_s=0)
+
+
+def test_a_script_whose_rank_fails_exits_non_zero(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(textwrap.dedent("""
+        from lrmoe.dist.launch import launch
+
+        def work(rank):
+            if rank == 1:
+                raise ValueError("rank one is broken")
+            import torch.distributed as dist
+            dist.barrier()
+
+        if __name__ == "__main__":
+            launch(work, 2, timeout_s=60)
+    """))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert proc.returncode != 0
+    assert "rank one is broken" in proc.stderr
+    assert time.monotonic() - start < 60

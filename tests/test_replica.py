@@ -1,0 +1,190 @@
+"""The replica substrate: shard plans, replica gradient sync and collection, sharded Adam, redistribution.
+
+Distributed cases run on gloo with 2 and 4 forked ranks and tiny experts (D=3, F=2: P=18 parameters, so shards of
+unequal length with 4 ranks: 5, 5, 4, 4).
+"""
+
+import pytest
+import torch
+
+from lrmoe.dist.accounting import Accountant, check_counts, expected_step, symi_step_bytes
+from lrmoe.dist.launch import launch
+from lrmoe.dist.replica import (AdamConfig, RangeGroups, ReplicaStore, flatten_experts, hosted_experts,
+                                ring_allreduce_bytes, shard_bounds, shard_sizes, sync_plan)
+
+E, D, F = 6, 3, 2
+P = 3 * D * F
+
+# placements of 6 experts; a row per rank, -1 an empty slot
+CONTIGUOUS_4 = [[0, 0, 1], [1, 1, 2], [3, 4, 5], [5, 5, 5]]  # SYMI-like: 1 spans ranks 0-1, 5 spans 2-3
+SCATTERED_4 = [[0, 1, 2], [3, 4, -1], [5, 0, 1], [2, 3, 4]]  # hosts not consecutive: 0 on ranks 0 and 2
+MOVED_4 = [[5, 4, 3], [2, 2, -1], [1, 0, 0], [0, 1, 5]]
+PAIR_2 = [[0, 1, 2], [2, 3, 4]]  # 5 hosted nowhere: its gradient is zero
+PAIR_2_NEXT = [[5, 5, 0], [1, 2, 3]]
+
+
+def _weights(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(E, D, F, generator=g, dtype=dtype), torch.randn(E, D, F, generator=g, dtype=dtype),
+            torch.randn(E, F, D, generator=g, dtype=dtype))
+
+
+# -- pure helpers ----------------------------------------------------------------------------------------------
+def test_shards_cover_the_vector_in_order():
+    assert shard_sizes(18, 4) == [5, 5, 4, 4]
+    assert shard_bounds(18, 4) == [(0, 5), (5, 10), (10, 14), (14, 18)]
+    assert shard_sizes(3, 4) == [1, 1, 1, 0]
+    with pytest.raises(ValueError, match="num_ranks"):
+        shard_sizes(3, 0)
+
+
+def test_sync_plan_spans_and_round_robin_sources():
+    plan = sync_plan(torch.tensor(CONTIGUOUS_4), E)
+    assert plan.span_E2.tolist() == [[0, 0], [0, 1], [1, 1], [2, 2], [2, 2], [2, 3]]
+    # rank n takes shard n of e from itself if it holds e, else from the holders in turn
+    assert plan.source_NE.tolist() == [[0, 0, 1, 2, 2, 2],
+                                       [0, 1, 1, 2, 2, 3],
+                                       [0, 0, 1, 2, 2, 2],
+                                       [0, 1, 1, 2, 2, 3]]
+    scattered = sync_plan(torch.tensor(SCATTERED_4), E)
+    assert scattered.span_E2[0].tolist() == [0, 2]  # rank 1 sits inside the span without hosting 0
+    assert scattered.source_NE[:, 0].tolist() == [0, 1, 2, 0]
+    unhosted = sync_plan(torch.tensor(PAIR_2), E)
+    assert unhosted.span_E2[5].tolist() == [-1, -1] and unhosted.source_NE[:, 5].tolist() == [-1, -1]
+    assert hosted_experts(torch.tensor(CONTIGUOUS_4), 3) == [5]
+
+
+def test_bad_placements_are_rejected():
+    with pytest.raises(ValueError, match="outside"):
+        sync_plan(torch.tensor([[0, 7]]), E)
+    with pytest.raises(ValueError, match="long"):
+        sync_plan(torch.tensor([[0.0, 1.0]]), E)
+    with pytest.raises(ValueError, match="lr"):
+        AdamConfig(lr=0)
+
+
+def test_ring_model_and_symi_totals():
+    assert ring_allreduce_bytes(1000, 1) == 0
+    assert ring_allreduce_bytes(1000, 2) == 1000  # each of two ranks sends half twice
+    assert ring_allreduce_bytes(1200, 4) == 1800
+    assert symi_step_bytes(slots_per_rank=4, num_ranks=16, hidden=2, ffn=3, param_bytes=2) == {
+        "redistribute": 4 * 16 * 36, "gradient": 4 * 16 * 36}
+
+
+def test_static_ep_step_bytes_match_symi_less_the_owned_shards():
+    """Without replicas every expert is held by one rank: the gradient side moves s·N·G·(N−1)/N in all."""
+    N, S = 4, 2
+    static = torch.arange(N * S).view(N, S)
+    got = expected_step(static, static, N * S, D, F, param_bytes=4)
+    G = P * 4
+    assert int(got["replica_sync.sent_bytes"].sum()) == 0
+    assert int(got["grad_collect.recv_bytes"].sum()) == S * N * G * (N - 1) // N
+    assert int(got["grad_collect.sent_bytes"].sum()) == int(got["grad_collect.recv_bytes"].sum())
+    assert int(got["redistribute.recv_bytes"].sum()) == S * N * G * (N - 1) // N
+
+
+# -- distributed -----------------------------------------------------------------------------------------------
+def _adam_matches_torch(rank, placement, cfg, steps, foreach):
+    wg, wu, wd = _weights()
+    store = ReplicaStore(wg, wu, wd, torch.tensor(placement), RangeGroups(), adam=AdamConfig(**cfg))
+    params = [torch.nn.Parameter(w.clone()) for w in (wg, wu, wd)]
+    opt = torch.optim.Adam(params, lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["eps"],
+                           weight_decay=cfg["weight_decay"], foreach=foreach)
+    g = torch.Generator().manual_seed(1)  # the same gradients on every rank
+    lo, hi = store.bounds[rank]
+    for _ in range(steps):
+        grads = [torch.randn(p.shape, generator=g) * 10 for p in params]
+        for p, gr in zip(params, grads):
+            p.grad = gr
+        opt.step()
+        store.adam_step(flatten_experts(*grads)[:, lo:hi])
+    return store.full_master(), flatten_experts(*[p.detach() for p in params])
+
+
+@pytest.mark.parametrize("world_size,placement", [(2, PAIR_2), (4, CONTIGUOUS_4)])
+def test_sharded_adam_equals_torch_adam(world_size, placement):
+    cfg = dict(lr=1e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1)
+    for full, ref in launch(_adam_matches_torch, world_size, placement, cfg, 4, False):
+        assert torch.equal(full, ref)  # torch's single-tensor Adam: identical arithmetic, bit for bit
+    for full, ref in launch(_adam_matches_torch, world_size, placement, cfg, 4, None):
+        torch.testing.assert_close(full, ref, rtol=1e-6, atol=1e-7)  # the default (foreach) implementation
+
+
+def _slot_grads(world_size, slots, dtype):
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(world_size, slots, P, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _sync_and_collect(rank, placement, next_placement, dtype, scale):
+    placement, next_placement = torch.tensor(placement), torch.tensor(next_placement)
+    N, S = placement.shape
+    acc = Accountant()
+    wg, wu, wd = _weights(dtype=dtype)
+    store = ReplicaStore(wg, wu, wd, placement, RangeGroups(), adam=AdamConfig(lr=0.1), accountant=acc)
+    # the initial slots hold their experts' weights
+    flat = flatten_experts(wg, wu, wd)
+    for j, e in enumerate(placement[rank].tolist()):
+        assert torch.equal(store.slots_SP[j].detach(), flat[e] if e >= 0 else torch.zeros(P, dtype=dtype))
+    grads_NSP = _slot_grads(N, S, dtype)
+    store.slots_SP.grad = grads_NSP[rank].clone()
+    store.sync_replica_grads()
+    shards = store.collect_grad_shards(scale)
+    full_grad = store.gather_full(shards)
+    store.adam_step()
+    store.redistribute(next_placement)
+    master = store.full_master()
+    slots = store.slots_SP.detach().clone()
+    elem = torch.tensor([], dtype=dtype).element_size()
+    expected = expected_step(placement, next_placement, E, D, F, param_bytes=elem)
+    check_counts(acc.record(), expected, rank)
+    return full_grad, master, slots, store.slots_SP.grad
+
+
+@pytest.mark.parametrize("world_size,placement,next_placement", [
+    (2, PAIR_2, PAIR_2_NEXT), (4, CONTIGUOUS_4, MOVED_4), (4, SCATTERED_4, CONTIGUOUS_4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_sync_adam_and_redistribution(world_size, placement, next_placement, dtype):
+    scale = 0.25  # a placement-independent constant (e.g. 1 / data-parallel ranks)
+    out = launch(_sync_and_collect, world_size, placement, next_placement, dtype, scale)
+    place, nxt = torch.tensor(placement), torch.tensor(next_placement)
+    grads_NSP = _slot_grads(world_size, place.shape[1], dtype).float()
+    # each expert's gradient = scale x the sum of the gradients of all its slots, on every rank
+    expected = torch.zeros(E, P)
+    for n in range(world_size):
+        for j, e in enumerate(place[n].tolist()):
+            if e >= 0:
+                expected[e] += grads_NSP[n, j]
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for full_grad, master, slots, slot_grad in out:
+        torch.testing.assert_close(full_grad, expected * scale, **tol)
+        assert torch.equal(master, out[0][1])
+    # after the redistribution every slot holds exactly the updated weights of its new expert, empty slots zero
+    master = out[0][1]
+    for n, (_, _, slots, slot_grad) in enumerate(out):
+        assert slot_grad is None
+        for j, e in enumerate(nxt[n].tolist()):
+            want = master[e].to(dtype) if e >= 0 else torch.zeros(P, dtype=dtype)
+            assert torch.equal(slots[j], want), (n, j, e)
+    # and the update moved the weights (Adam's first step moves each weight by about lr)
+    initial = flatten_experts(*_weights()).float()
+    hosted = sorted({e for row in placement for e in row if e >= 0})
+    moved = (master[hosted] - initial[hosted]).abs()
+    assert moved.min() > 0.05 or dtype == torch.bfloat16
+
+
+def test_range_groups_are_all_consecutive_ranges():
+    def body(rank):
+        groups = RangeGroups()
+        import torch.distributed as dist
+        sizes = {}
+        for lo in range(4):
+            for hi in range(lo + 1, 4):
+                if lo <= rank <= hi:
+                    sizes[(lo, hi)] = dist.get_world_size(groups.get(lo, hi))
+        with pytest.raises(ValueError, match="no range group"):
+            groups.get(2, 2)
+        return len(groups), sizes
+
+    out = launch(body, 4)
+    assert all(n == 6 for n, _ in out)  # N(N-1)/2
+    assert out[1][1] == {(0, 1): 2, (0, 2): 3, (0, 3): 4, (1, 2): 2, (1, 3): 3}
