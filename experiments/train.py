@@ -1,0 +1,285 @@
+"""Train a scaled-down Qwen3-MoE or GLM-4.5-Air model on real text with expert parallelism.
+
+Experts are expert-parallel (the replica substrate of the EP layer: slots, sharded Adam, redistribution into the
+next placement); everything else is data-parallel (gradients all-reduced, AdamW). The policy decides placement,
+forward routing and what the backward keeps. Each rank draws its own batches from a generator seeded by
+(seed, rank), so every policy sees the same data in the same order.
+
+    python experiments/train.py --preset qwen3-30b-a3b-debug --policy lrmoe-m2 --ranks 4 --steps 200
+    torchrun --nproc-per-node 4 experiments/train.py --torchrun --policy symi-dropless ...
+
+Logged per step: loss, validation loss (every --eval-every), dropped pairs, retained backward pairs per rank,
+throughput, and the per-layer routing counts, saved as a recorded trace. Checkpoints every --ckpt-every steps;
+--resume continues from the latest checkpoint exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from lrmoe.config import model_preset  # noqa: E402
+from lrmoe.data import get_batch, load_corpus  # noqa: E402
+from lrmoe.dist.replica import AdamConfig, RangeGroups  # noqa: E402
+from lrmoe.layer import EPMoELayer, initial_placement  # noqa: E402
+from lrmoe.model import MoETransformer  # noqa: E402
+from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi  # noqa: E402
+from lrmoe.reference import ReferenceMoE  # noqa: E402
+from lrmoe.routing import update_expert_bias  # noqa: E402
+from lrmoe.traces import Trace  # noqa: E402
+
+POLICIES = ("static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m2", "lrmoe-m2-unbiased",
+            "lrmoe-random")
+
+
+def make_policy(name: str, num_experts: int, num_ranks: int, extra_slots: int = 1, eps: float = 0.1,
+                gamma: float = 0.1):
+    """A policy by name. SYMI and LRMoE get the same memory: E/N home slots plus ``extra_slots`` per rank."""
+    slots = num_experts // num_ranks + extra_slots
+    if name == "static-ep":
+        return StaticEP()
+    if name == "capacity-cf1":
+        return Capacity(cf=1.0)
+    if name == "symi-cf1":
+        return Symi(slots_per_rank=slots, cf=1.0)
+    if name == "symi-dropless":
+        return Symi(slots_per_rank=slots, cf=None)
+    if name.startswith("lrmoe"):
+        metric = {"lrmoe-m2": "m2", "lrmoe-m2-unbiased": "m2", "lrmoe-random": "random"}[name]
+        mode = "unbiased" if name.endswith("unbiased") else "topk"
+        policy = LRMoE(eps=eps, gamma=gamma, extra_slots=extra_slots)
+        policy.metric, policy.mode = metric, mode  # read by the layer's recalibrated backward
+        return policy
+    raise ValueError(f"unknown policy {name!r}; known: {POLICIES}")
+
+
+def build(args, rank: int, world: int):
+    cfg = model_preset(args.preset)
+    cfg.check_divisible(world)
+    groups = RangeGroups()
+    layers = []
+
+    def moe_factory(i: int):
+        weights = ReferenceMoE.from_config(cfg, seed=args.seed * 1000 + i).export_weights()
+        policy = make_policy(args.policy, cfg.num_experts, world, args.extra_slots, args.eps, args.gamma)
+        placement = initial_placement(policy, world, cfg.num_experts, args.batch * cfg.seq_len * cfg.top_k)
+        layer = EPMoELayer(weights, cfg.top_k, cfg.router, policy, placement, groups,
+                           routed_scaling=cfg.routed_scaling, adam=AdamConfig(lr=args.lr, weight_decay=0.0))
+        layers.append(layer)
+        return layer
+
+    model = MoETransformer(cfg, moe_factory, seed=args.seed)
+    expert_params = {id(layer.store.slots_SP) for layer in layers}
+    dense = [p for p in model.parameters() if id(p) not in expert_params]
+    opt = torch.optim.AdamW(dense, lr=args.lr, weight_decay=0.0)
+    return cfg, model, layers, dense, opt
+
+
+def all_reduce_mean_(tensors: list[torch.Tensor], world: int) -> None:
+    """Average gradients over the data-parallel ranks in one flat all-reduce."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if world > 1:
+        dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def evaluate(model, layers, data, args, world: int) -> float:
+    """Mean validation loss over fixed batches (the same for every policy); leaves the layers' state as it was."""
+    saved = [(layer.prev_counts_E, layer.last_dispatch) for layer in layers]
+    gen = torch.Generator().manual_seed(10_000 + dist.get_rank())
+    total = torch.zeros(1, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(args.eval_batches):
+            for layer, (prev, last) in zip(layers, saved):
+                layer.prev_counts_E, layer.last_dispatch = prev, last
+            x, y = get_batch(data, args.batch, args.seq_len, gen)
+            total += model(x, y)[2].double()
+    for layer, (prev, last) in zip(layers, saved):
+        layer.prev_counts_E, layer.last_dispatch = prev, last
+    if world > 1:
+        dist.all_reduce(total)
+    return float(total) / (args.eval_batches * world)
+
+
+def checkpoint_path(args, step: int, rank: int) -> Path:
+    return Path(args.ckpt_dir) / f"step{step:06d}" / f"rank{rank}.pt"
+
+
+def save_checkpoint(args, step, rank, model, layers, opt, gen, counts, history) -> None:
+    path = checkpoint_path(args, step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"step": step, "model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+             "layers": [{"placement_NS": l.store.placement_NS, "adam_steps": l.store.adam_steps,
+                         "prev_counts_E": l.prev_counts_E} for l in layers],
+             "counts": counts, "history": history, "args": vars(args)}
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)  # atomic: a crash mid-save leaves the previous checkpoint intact
+
+
+def latest_checkpoint(args, world: int) -> int | None:
+    root = Path(args.ckpt_dir)
+    steps = sorted(int(p.name[4:]) for p in root.glob("step*") if
+                   all((p / f"rank{r}.pt").exists() for r in range(world))) if root.exists() else []
+    return steps[-1] if steps else None
+
+
+def load_checkpoint(args, step, rank, model, layers, opt, gen):
+    state = torch.load(checkpoint_path(args, step, rank), weights_only=False)
+    for layer, saved in zip(layers, state["layers"]):
+        layer.store.placement_NS = saved["placement_NS"].clone()
+        layer.store.adam_steps = saved["adam_steps"]
+        layer.prev_counts_E = saved["prev_counts_E"]
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    gen.set_state(state["gen"])
+    return state["counts"], state["history"]
+
+
+def worker(rank: int, args) -> list[dict]:
+    torch.manual_seed(args.seed)
+    world = dist.get_world_size()
+    cfg, model, layers, dense, opt = build(args, rank, world)
+    corpus = load_corpus(args.data, max_bytes=args.max_bytes)
+    gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    counts: list[torch.Tensor] = []  # per step: [layers, N, E] routed pairs (the recorded trace)
+    history: list[dict] = []
+    start = 0
+    if args.resume:
+        found = latest_checkpoint(args, world)
+        if found is not None:
+            counts, history = load_checkpoint(args, found, rank, model, layers, opt, gen)
+            start = found
+    tracker = None
+    if rank == 0 and args.out:
+        from lrmoe.tracking import Tracker
+
+        tracker = Tracker("train", vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
+                          resume=args.resume, wandb=not args.no_wandb, group=args.preset, quiet=args.quiet)
+    progress = None
+    if rank == 0 and not args.quiet:
+        from tqdm import tqdm
+
+        progress = tqdm(total=args.steps, initial=start, desc=f"{args.policy}", disable=None)
+    try:
+        for step in range(start, args.steps):
+            t0 = time.perf_counter()
+            x, y = get_batch(corpus.train, args.batch, args.seq_len, gen)
+            _, infos, loss, total = model(x, y, aux_coef=args.aux_coef)
+            opt.zero_grad(set_to_none=False)
+            for layer in layers:
+                layer.store.slots_SP.grad = None
+            total.backward()
+            all_reduce_mean_([p.grad if p.grad is not None else torch.zeros_like(p) for p in dense], world)
+            opt.step()
+            for layer in layers:
+                layer.expert_step(grad_scale=1.0 / world)
+                if cfg.router == "sigmoid_bias":  # GLM-4.5: aux-loss-free balancing of the selection bias
+                    layer.bias_E.copy_(update_expert_bias(layer.bias_E, layer.prev_counts_E, args.bias_rate))
+            elapsed = time.perf_counter() - t0
+            loss_mean = loss.detach().double().reshape(1)
+            if world > 1:
+                dist.all_reduce(loss_mean)
+            plans = [info.dispatch.plan for info in infos]
+            counts.append(torch.stack([info.dispatch.counts_NE for info in infos]))
+            fwd_N = torch.stack([p.fwd_load_N for p in plans]).sum(0).double()
+            bwd_N = torch.stack([p.bwd_load_N for p in plans]).sum(0).double()
+            hot = int(fwd_N.argmax())
+            record = {
+                "policy": args.policy, "step": step + 1, "loss": float(loss_mean) / world,
+                "dropped_frac": float(sum(p.dropped_NE.sum() for p in plans)) /
+                float(sum(c.sum() for c in counts[-1])),
+                "fwd_pairs_max": float(fwd_N.max()), "fwd_pairs_mean": float(fwd_N.mean()),
+                "bwd_pairs_max": float(bwd_N.max()), "bwd_pairs_mean": float(bwd_N.mean()),
+                "hot_rank_bwd_cut": 1.0 - float(bwd_N[hot] / fwd_N[hot]),
+                "tokens_per_s": args.batch * args.seq_len * world / elapsed,
+            }
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                record["val_loss"] = evaluate(model, layers, corpus.val, args, world)
+            history.append(record)
+            if tracker is not None:
+                tracker.log(record, step=step + 1)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{record['loss']:.3f}")
+            if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+                save_checkpoint(args, step + 1, rank, model, layers, opt, gen, counts, history)
+            if args.stop_after and step + 1 >= args.stop_after:  # simulate an interruption (tests)
+                break
+        if rank == 0 and args.trace_out:
+            trace = Trace(torch.stack(counts), {"source": "recorded", "model": cfg.name, "seed": args.seed,
+                                                 "policy": args.policy, "steps": len(counts),
+                                                 "tokens_per_rank": args.batch * args.seq_len})
+            trace.save(args.trace_out, overwrite=args.overwrite or args.resume)
+    finally:
+        if progress is not None:
+            progress.close()
+        if tracker is not None:
+            tracker.finish()
+    return history
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-30b-a3b-debug")
+    parser.add_argument("--policy", default="lrmoe-m2", choices=POLICIES)
+    parser.add_argument("--ranks", type=int, default=4, help="ranks of the fork launcher")
+    parser.add_argument("--torchrun", action="store_true", help="run under torchrun (one process per rank)")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--aux-coef", type=float, default=1e-3, help="global-batch load-balancing loss weight")
+    parser.add_argument("--bias-rate", type=float, default=1e-3, help="aux-free bias update rate (GLM)")
+    parser.add_argument("--extra-slots", type=int, default=1, help="replica slots per rank beside E/N home slots")
+    parser.add_argument("--eps", type=float, default=0.1, help="LRMoE balance slack")
+    parser.add_argument("--gamma", type=float, default=0.1, help="LRMoE per-expert floor")
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--eval-batches", type=int, default=4)
+    parser.add_argument("--data", default=None, help="folder or glob of text files (default: Python's stdlib)")
+    parser.add_argument("--max-bytes", type=int, default=4_000_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ckpt-dir", default="outputs/checkpoints/train")
+    parser.add_argument("--ckpt-every", type=int, default=50)
+    parser.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--trace-out", default=None, help="save the routing counts as a recorded trace (.npz)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="fork launcher timeout, seconds")
+    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--out", default="outputs/train.jsonl")
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--no-wandb", action="store_true")
+    args = parser.parse_args(argv)
+    for name in ("steps", "batch", "seq_len", "ranks", "eval_every", "eval_batches"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if args.torchrun:
+        from lrmoe.dist.comm import init_process_group_from_env
+
+        info = init_process_group_from_env()
+        history = worker(info.rank, args)
+        dist.destroy_process_group()
+        return history
+    from lrmoe.dist.launch import launch
+
+    return launch(worker, args.ranks, args, timeout_s=args.timeout)[0]
+
+
+if __name__ == "__main__":
+    main()
