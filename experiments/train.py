@@ -253,8 +253,8 @@ def parse_args(argv=None):
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--aux-coef", type=float, default=0.1,
-                        help="global-batch load-balancing loss weight (0.1: recorded Gini ≈ 0.3-0.4 on the debug models;
-                        1e-3, Qwen3's value at scale, lets the tiny models collapse to Gini ≈ 0.65)")
+                        help="global-batch load-balancing loss weight (0.1: recorded Gini 0.3-0.4 on the debug "
+                             "models; 1e-3, Qwen3's value at scale, lets the tiny models collapse to Gini 0.65)")
     parser.add_argument("--bias-rate", type=float, default=1e-3, help="aux-free bias update rate (GLM)")
     parser.add_argument("--extra-slots", type=int, default=1, help="replica slots per rank beside E/N home slots")
     parser.add_argument("--eps", type=float, default=0.1, help="LRMoE balance slack")
