@@ -1,0 +1,362 @@
+"""Expert placement: which expert each slot of each rank hosts, for one layer and one iteration.
+
+A placement is a LongTensor ``placement_NS`` [N ranks, S slots per rank]; global slot g = rank g // S, local index
+g % S; ``-1`` marks an empty slot. Three layouts:
+
+* :func:`static_placement`: expert parallelism, expert e on rank e // (E/N), one replica each;
+* :func:`symi_placement`: SYMI's Algorithm 1 (DESIGN.md §3), proportional replica counts laid out contiguously;
+* :func:`lrmoe_placement`: the static home layout plus extra slots that hold replicas of the hottest experts,
+  with :func:`slots_that_fit` choosing how many extra slots the memory budget allows.
+
+:class:`ReplicaTable` is the slot → expert / rank lookup the routers and quotas share.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _popularity(popularity_E: Tensor) -> Tensor:
+    """Validated float64 copy of a popularity vector: 1-D, finite, non-negative, not empty."""
+    if not isinstance(popularity_E, Tensor):
+        popularity_E = torch.as_tensor(popularity_E)
+    if popularity_E.dim() != 1 or popularity_E.numel() == 0:
+        raise ValueError(f"popularity_E must be a non-empty 1-D tensor, got shape {tuple(popularity_E.shape)}")
+    pop_E = popularity_E.detach().cpu().to(torch.float64)
+    if not torch.isfinite(pop_E).all():
+        raise ValueError("popularity_E holds a non-finite value")
+    if (pop_E < 0).any():
+        raise ValueError(f"popularity_E must be non-negative, got min {pop_E.min().item()}")
+    return pop_E
+
+
+# --- static expert parallelism ---------------------------------------------------------------------------------
+
+def static_placement(num_experts: int, num_ranks: int) -> Tensor:
+    """Home layout of expert parallelism: rank n hosts experts n·E/N ... (n+1)·E/N - 1, in order. [N, E/N]"""
+    _positive_int("num_experts", num_experts)
+    _positive_int("num_ranks", num_ranks)
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} is not divisible by num_ranks={num_ranks}")
+    return torch.arange(num_experts, dtype=torch.long).view(num_ranks, num_experts // num_ranks)
+
+
+# --- SYMI (DESIGN.md §3, Algorithm 1) -------------------------------------------------------------------------
+
+def _algorithm1(pop_E: np.ndarray, factors: tuple[int, ...]) -> np.ndarray:
+    """SYMI's replica counts, bit-for-bit the pseudo-code of DESIGN.md §3, with its two while loops vectorised.
+
+    ``goal = pop / sum(pop) * factors[0] * factors[1] ...`` (the multiplication order of the pseudo-code matters
+    for the last bit). The first loop picks argmax(diff) and decrements diff by 1 each time, so its picks are
+    the items (e, j) with value diff_e - 1 - 1 ... (j times) taken in decreasing value, ties to the lowest e;
+    pick (e, j) decrements cnt_e iff cnt_e > 1 still, i.e. iff j <= cnt_e - 2; the loop stops once
+    sum(cnt) = N·s. The second loop is the mirror image with argmin and +1. We generate J levels per expert
+    (by repeated ±1, as the loop computes them), sort once, and double J until no missing level could have
+    been picked before the stopping point. float64 in, int64 out.
+    """
+    total = math.prod(factors)
+    if pop_E.sum() == 0:  # nothing routed yet: uniform popularity (the pseudo-code would divide by zero)
+        pop_E = np.ones_like(pop_E)
+    goal_E = pop_E / pop_E.sum()
+    for f in factors:
+        goal_E = goal_E * f
+    cnt_E = np.floor(np.maximum(goal_E, 1.0))
+    diff_E = cnt_E - goal_E
+    cnt_E = cnt_E.astype(np.int64)
+    surplus = int(cnt_E.sum()) - total
+    if surplus == 0:
+        return cnt_E
+    E = len(pop_E)
+    sign = -1.0 if surplus > 0 else 1.0  # loop 1 walks diff down, loop 2 walks it up
+    need = abs(surplus)
+    levels = 2
+    while True:
+        value_EJ = np.empty((E, levels))
+        value_EJ[:, 0] = diff_E
+        for j in range(1, levels):
+            value_EJ[:, j] = value_EJ[:, j - 1] + sign  # repeated ±1, exactly as the loop updates diff
+        # order of picks: loop 1 takes the largest value first, loop 2 the smallest; ties to the lowest expert,
+        # which a stable sort of the expert-major flattening gives for free (equal values never share an expert)
+        key = value_EJ.ravel() * sign
+        order = np.argsort(key, kind="stable")
+        expert_P, level_P = np.divmod(order, levels)
+        if surplus > 0:
+            effective_P = level_P <= cnt_E[expert_P] - 2  # this pick lowers cnt (cnt was still > 1)
+        else:
+            effective_P = np.ones(len(order), dtype=bool)
+        stop = int(np.searchsorted(np.cumsum(effective_P), need))  # the pick that ends the loop
+        if stop < len(order):
+            # every level we did not generate, (e, levels), must sort after the stopping pick
+            stop_key, stop_e = key[order[stop]], expert_P[stop]
+            missing_key_E = (value_EJ[:, -1] + sign) * sign
+            after = (missing_key_E > stop_key) | ((missing_key_E == stop_key) & (np.arange(E) > stop_e))
+            if after.all():
+                picked_E = np.bincount(expert_P[:stop + 1][effective_P[:stop + 1]], minlength=E)
+                return cnt_E - picked_E if surplus > 0 else cnt_E + picked_E
+        levels *= 2
+
+
+def symi_replica_counts(popularity_E: Tensor, total_slots: int) -> Tensor:
+    """SYMI's replica count per expert (DESIGN.md §3 Algorithm 1 with N·s = total_slots). LongTensor[E].
+
+    Σ r_e = total_slots and r_e >= 1. All-zero popularity is treated as uniform. Computed in float64.
+    """
+    pop_E = _popularity(popularity_E)
+    _positive_int("total_slots", total_slots)
+    if total_slots < pop_E.numel():
+        raise ValueError(f"total_slots={total_slots} is fewer than num_experts={pop_E.numel()}: every expert "
+                         f"needs at least one slot")
+    return torch.from_numpy(_algorithm1(pop_E.numpy(), (total_slots,)))
+
+
+def symi_placement(popularity_E: Tensor, num_ranks: int, slots_per_rank: int) -> Tensor:
+    """SYMI's placement: Algorithm 1's counts laid out contiguously, slot j of rank n = the (n·s + j)-th entry.
+
+    A class fills a rank's slots before spilling to the next, so each class's hosts are a consecutive rank range.
+    LongTensor[num_ranks, slots_per_rank]; no empty slots.
+    """
+    pop_E = _popularity(popularity_E)
+    _positive_int("num_ranks", num_ranks)
+    _positive_int("slots_per_rank", slots_per_rank)
+    if num_ranks * slots_per_rank < pop_E.numel():
+        raise ValueError(f"num_ranks*slots_per_rank={num_ranks * slots_per_rank} is fewer than num_experts="
+                         f"{pop_E.numel()}: every expert needs at least one slot")
+    cnt_E = _algorithm1(pop_E.numpy(), (num_ranks, slots_per_rank))
+    return torch.from_numpy(np.repeat(np.arange(pop_E.numel()), cnt_E).reshape(num_ranks, slots_per_rank))
+
+
+# --- LRMoE memory-aware placement ------------------------------------------------------------------------------
+
+def slots_that_fit(mem_budget_bytes, slot_bytes: float, pair_buffer_bytes: float, planned_pairs_per_rank,
+                   base_slots: int, max_extra: int) -> int:
+    """How many extra slots per rank fit beside the base slots and the buffers of the planned load.
+
+    Rank n needs (base + extra)·slot_bytes + planned_n·pair_buffer_bytes <= budget_n. ``mem_budget_bytes`` and
+    ``planned_pairs_per_rank`` are scalars or per-rank tensors; every rank has the same slot count, so the
+    tightest rank decides. The result is capped at ``max_extra``. Raises ``ValueError`` when even the base
+    slots and the planned buffers do not fit.
+    """
+    if not slot_bytes > 0:
+        raise ValueError(f"slot_bytes must be positive, got {slot_bytes!r}")
+    if pair_buffer_bytes < 0:
+        raise ValueError(f"pair_buffer_bytes must be non-negative, got {pair_buffer_bytes!r}")
+    if isinstance(base_slots, bool) or not isinstance(base_slots, int) or base_slots < 0:
+        raise ValueError(f"base_slots must be a non-negative int, got {base_slots!r}")
+    if isinstance(max_extra, bool) or not isinstance(max_extra, int) or max_extra < 0:
+        raise ValueError(f"max_extra must be a non-negative int, got {max_extra!r}")
+    budget = torch.as_tensor(mem_budget_bytes, dtype=torch.float64)
+    planned = torch.as_tensor(planned_pairs_per_rank, dtype=torch.float64)
+    if (planned < 0).any():
+        raise ValueError(f"planned_pairs_per_rank must be non-negative, got {planned_pairs_per_rank!r}")
+    free = budget - base_slots * slot_bytes - planned * pair_buffer_bytes
+    tightest = float(free.min())
+    if tightest < 0:
+        raise ValueError(f"mem_budget_bytes={mem_budget_bytes!r} cannot hold base_slots={base_slots} slots of "
+                         f"{slot_bytes} bytes plus planned_pairs_per_rank={planned_pairs_per_rank!r} pairs of "
+                         f"{pair_buffer_bytes} bytes (short by {-tightest:.0f} bytes)")
+    return min(max_extra, int(tightest // slot_bytes))
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Per-rank memory of one MoE layer as LRMoE's placement sees it (DESIGN.md §4 step 1; the model is ours).
+
+    budget_bytes: memory a rank gives this layer's expert slots and token buffers;
+    slot_bytes: one expert replica slot (weights + gradients);
+    pair_bytes: buffers per retained pair (dispatch/combine rows and saved activations of the backward).
+    """
+
+    budget_bytes: float
+    slot_bytes: float
+    pair_bytes: float
+
+    def __post_init__(self) -> None:
+        for name in ("budget_bytes", "slot_bytes", "pair_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"MemoryModel.{name} must be positive, got {getattr(self, name)!r}")
+
+    def extra_slots(self, planned_pairs_per_rank, base_slots: int, max_extra: int) -> int:
+        return slots_that_fit(self.budget_bytes, self.slot_bytes, self.pair_bytes, planned_pairs_per_rank,
+                              base_slots, max_extra)
+
+    def pair_cap(self, slots_per_rank: int) -> int:
+        """Retained pairs whose buffers fit beside ``slots_per_rank`` slots: Q^mem of DESIGN.md §4 step 3."""
+        return max(0, int((self.budget_bytes - slots_per_rank * self.slot_bytes) // self.pair_bytes))
+
+
+def lrmoe_placement(popularity_E: Tensor, num_ranks: int, base_slots: int, extra_slots: int) -> Tensor:
+    """LRMoE's placement: the static home layout plus ``extra_slots`` slots per rank of hot-expert replicas.
+
+    [N, base + extra]. Columns 0..base-1 are the home layout (base_slots must be E / N), so every expert keeps
+    one replica where static expert parallelism puts it. How many replicas each expert gets is SYMI's
+    proportional rule (Algorithm 1 over all N·(base + extra) slots, so r_e >= 1 is the home slot and the
+    extra slots go to the hottest experts in proportion to demand), capped at one replica per rank (a second
+    copy on a rank adds no capacity) with the freed slots handed out by D'Hondt. Where they go is a greedy
+    that prefers lightly loaded hosts: in round t (one per extra column) the N hottest remaining replicas,
+    by expected load per replica pop_e / r_e (ties to the lower expert), are paired with the ranks sorted by
+    expected load (ties to the lower rank), hottest with lightest. A replica paired with a rank that already
+    hosts its expert adds no capacity there, so it swaps rank with another pair of the round (one that clears
+    both, else a colder one); if no swap helps, its slot stays empty (-1). Deterministic.
+    """
+    pop_E = _popularity(popularity_E)
+    E = pop_E.numel()
+    _positive_int("num_ranks", num_ranks)
+    _positive_int("base_slots", base_slots)
+    if isinstance(extra_slots, bool) or not isinstance(extra_slots, int) or extra_slots < 0:
+        raise ValueError(f"extra_slots must be a non-negative int, got {extra_slots!r}")
+    if E % num_ranks or base_slots != E // num_ranks:
+        raise ValueError(f"base_slots={base_slots} must equal num_experts/num_ranks for the home layout "
+                         f"(num_experts={E}, num_ranks={num_ranks})")
+    home_NB = static_placement(E, num_ranks)
+    if extra_slots == 0:
+        return home_NB
+    N = num_ranks
+    pop = pop_E.numpy()
+    if pop.sum() == 0:
+        pop = np.ones_like(pop)
+    replicas_E = _cap_replicas(_algorithm1(pop, (N * (base_slots + extra_slots),)), pop, N)
+    per_replica_E = pop / replicas_E
+    # extra replicas, hottest first (stable sort keeps the lower expert first among equals)
+    by_heat = np.argsort(-per_replica_E, kind="stable")
+    queue_X = np.repeat(by_heat, (replicas_E - 1)[by_heat])
+    load_N = per_replica_E.reshape(N, base_slots).sum(1)
+    hosts_NE = np.zeros((N, E), dtype=bool)
+    hosts_NE[np.repeat(np.arange(N), base_slots), home_NB.numpy().ravel()] = True
+    extra_NX = np.full((N, extra_slots), -1, dtype=np.int64)
+    for t in range(extra_slots):
+        batch = queue_X[t * N:(t + 1) * N]  # shorter than N only when capping left slots nobody can use
+        ranks = np.argsort(load_N, kind="stable")[:len(batch)]
+        if hosts_NE[ranks, batch].any():
+            ranks, keep = _swap_clashes(batch.tolist(), ranks.tolist(), hosts_NE)
+            ranks, batch = np.array(ranks, dtype=np.int64), batch[np.array(keep, dtype=bool)]
+        extra_NX[ranks, t] = batch
+        hosts_NE[ranks, batch] = True
+        load_N[ranks] += per_replica_E[batch]  # ranks are distinct within a round
+    return torch.cat([home_NB, torch.from_numpy(extra_NX)], dim=1)
+
+
+def _cap_replicas(replicas_E: np.ndarray, pop_E: np.ndarray, num_ranks: int) -> np.ndarray:
+    """At most one replica per rank is useful: cap r_e at N and give the freed slots, one at a time, to the
+    expert with the largest load per replica after the gift, pop_e / (r_e + 1) (D'Hondt; ties to the lower
+    expert). Slots nobody can use (every expert on every rank) are dropped, leaving empty slots."""
+    freed = int(np.maximum(replicas_E - num_ranks, 0).sum())
+    if freed == 0:
+        return replicas_E
+    capped_E = np.minimum(replicas_E, num_ranks)
+    room_E = num_ranks - capped_E
+    expert_C = np.repeat(np.arange(len(pop_E)), room_E)
+    nth_C = np.arange(len(expert_C)) - np.repeat(np.cumsum(room_E) - room_E, room_E)
+    value_C = pop_E[expert_C] / (capped_E[expert_C] + nth_C + 1)
+    chosen = np.argsort(-value_C, kind="stable")[:freed]
+    return capped_E + np.bincount(expert_C[chosen], minlength=len(pop_E))
+
+
+def _swap_clashes(experts: list[int], ranks: list[int], hosts_NE: np.ndarray) -> tuple[list[int], list[bool]]:
+    """Pairs (experts[i], ranks[i]) of one round, hottest first; swap ranks between pairs to clear clashes (a
+    rank that already hosts the expert). For each clash, hottest first: a swap that clears both pairs, the
+    nearest partner first; else a swap with a colder pair that clears this one (the colder pair is handled in
+    its turn). Returns the kept pairs' ranks and a keep mask (False: nothing cleared it, the slot stays empty).
+    """
+    hosts = hosts_NE.tolist()
+    n = len(experts)
+
+    def clash(i: int) -> bool:
+        return hosts[ranks[i]][experts[i]]
+
+    for i in range(n):
+        if not clash(i):
+            continue
+        partner = next((j for d in range(1, n) for j in (i + d, i - d) if 0 <= j < n and
+                        not hosts[ranks[j]][experts[i]] and not hosts[ranks[i]][experts[j]]), None)
+        if partner is None:
+            partner = next((j for j in range(i + 1, n) if not hosts[ranks[j]][experts[i]]), None)
+        if partner is not None:
+            ranks[i], ranks[partner] = ranks[partner], ranks[i]
+    keep = [not clash(i) for i in range(n)]
+    return [r for r, k in zip(ranks, keep) if k], keep
+
+
+# --- slot lookups ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReplicaTable:
+    """Slot → expert / rank lookups of one placement, computed once and shared by routers and quotas.
+
+    expert_G [G]: expert hosted by global slot g (-1 empty); rank_G [G]: g // S.
+    replicas_E [E]: slots hosting each expert; replica_G [G]: index of slot g among its expert's slots in
+    increasing g (-1 empty).
+    hosted_R [R]: the non-empty slots sorted by (expert, g); start_E [E]: where expert e's run begins in it.
+    A *unit* is the set of slots of one expert on one rank (several when a rank holds duplicates):
+    unit_G [G] (-1 empty), expert_U / rank_U / first_slot_U / slots_U [U], units sorted by (expert, rank).
+    """
+
+    num_ranks: int
+    slots_per_rank: int
+    num_experts: int
+    expert_G: Tensor
+    rank_G: Tensor
+    replicas_E: Tensor
+    replica_G: Tensor
+    hosted_R: Tensor
+    start_E: Tensor
+    unit_G: Tensor
+    expert_U: Tensor
+    rank_U: Tensor
+    first_slot_U: Tensor
+    slots_U: Tensor
+
+
+def check_placement(placement_NS: Tensor, num_experts: int) -> None:
+    if not isinstance(placement_NS, Tensor) or placement_NS.dim() != 2 or placement_NS.dtype != torch.long:
+        raise ValueError(f"placement_NS must be a 2-D long tensor, got "
+                         f"{getattr(placement_NS, 'dtype', type(placement_NS))} of shape "
+                         f"{tuple(getattr(placement_NS, 'shape', ()))}")
+    if placement_NS.numel() == 0:
+        raise ValueError(f"placement_NS is empty (shape {tuple(placement_NS.shape)})")
+    lo, hi = int(placement_NS.min()), int(placement_NS.max())
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(f"placement_NS holds expert ids in [{lo}, {hi}]; valid ids are -1 (empty) to "
+                         f"num_experts-1={num_experts - 1}")
+
+
+def replica_table(placement_NS: Tensor, num_experts: int) -> ReplicaTable:
+    """Build the :class:`ReplicaTable` of a placement (validated: 2-D long, ids in [-1, E))."""
+    check_placement(placement_NS, num_experts)
+    N, S = placement_NS.shape
+    E = num_experts
+    expert_G = placement_NS.detach().cpu().numpy().ravel()
+    G = len(expert_G)
+    slot_G = np.arange(G)
+    hosted = expert_G >= 0
+    # order (expert, g): the key expert·G + g sorts by expert, then slot; empty slots go last
+    order = np.argsort(np.where(hosted, expert_G, E) * G + slot_G, kind="stable")
+    hosted_R = order[:int(hosted.sum())]
+    expert_R = expert_G[hosted_R]
+    replicas_E = np.bincount(expert_R, minlength=E)
+    start_E = np.cumsum(replicas_E) - replicas_E
+    replica_G = np.full(G, -1, dtype=np.int64)
+    replica_G[hosted_R] = np.arange(len(hosted_R)) - start_E[expert_R]
+    # units: runs of equal (expert, rank) in hosted_R order
+    rank_R = hosted_R // S
+    new_unit_R = np.ones(len(hosted_R), dtype=bool)
+    new_unit_R[1:] = (expert_R[1:] != expert_R[:-1]) | (rank_R[1:] != rank_R[:-1])
+    unit_R = np.cumsum(new_unit_R) - 1
+    unit_G = np.full(G, -1, dtype=np.int64)
+    unit_G[hosted_R] = unit_R
+    t = torch.from_numpy
+    return ReplicaTable(num_ranks=N, slots_per_rank=S, num_experts=E, expert_G=t(expert_G), rank_G=t(slot_G // S),
+                        replicas_E=t(replicas_E), replica_G=t(replica_G), hosted_R=t(hosted_R), start_E=t(start_E),
+                        unit_G=t(unit_G), expert_U=t(expert_R[new_unit_R]), rank_U=t(rank_R[new_unit_R]),
+                        first_slot_U=t(hosted_R[new_unit_R]),
+                        slots_U=t(np.bincount(unit_R, minlength=int(new_unit_R.sum()))))

@@ -1,0 +1,218 @@
+"""The plan of one MoE layer for one iteration: everything the layer (or the simulator) needs, as plain tensors.
+
+N ranks, S slots per rank, G = N·S global slots (slot g lives on rank g // S at local index g % S), E experts.
+A policy (lrmoe.policies) produces a :class:`LayerPlan` from the routed counts; the layer never branches on
+the policy, it only reads the plan.
+
+Pair-level rule every consumer follows. The pairs of (source n, expert e), in token order, minus the dropped
+ones (the last by position, or the lowest-gate ones, per ``drop_by``), fill e's slots in increasing g,
+fwd_NG[n, g] pairs each. In the backward, group (n, g) keeps its top keep_NG[n, g] pairs by recalibration
+score (or a sample, in unbiased mode); the flows out of (n, g) take the lowest-scoring kept pairs of the group,
+the lowest ones to the first of its rows in bwd_flows_F4 (rows are sorted by (src, from_slot, to_slot)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+DROP_RULES = ("position", "gate")
+
+
+def no_flows() -> Tensor:
+    """An empty bwd_flows_F4."""
+    return torch.zeros(0, 4, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer's plan for one iteration. All tensors are LongTensor on CPU.
+
+    placement_NS   [N, S] expert hosted by each slot, -1 = empty.
+    fwd_NG         [N, G] forward pairs from source rank n computed on global slot g.
+    dropped_NE     [N, E] forward pairs of (source n, expert e) dropped by a capacity (0 for dropless plans).
+    keep_NG        [N, G] of fwd_NG, the pairs retained for the backward (== fwd_NG without quotas).
+    bwd_flows_F4   [F, 4] rows (src, from_slot, to_slot, count): retained pairs whose backward runs on another
+                   replica of the same expert; each brings its input row there (no copy needed when to_slot
+                   is on the source rank, which holds the row: see ``carry_NG``). Rows sorted, one per triple.
+    floor_excess_N [N]    retained backward pairs above a rank's cap that the per-expert floor forced.
+    bwd_cap_N      [N]    the backward cap the quotas enforced (None: no cap).
+    policy         short label of the policy that made the plan.
+    drop_by        "position" or "gate": which pairs of a (source, expert) group the capacity drops.
+    """
+
+    placement_NS: Tensor
+    fwd_NG: Tensor
+    dropped_NE: Tensor
+    keep_NG: Tensor
+    bwd_flows_F4: Tensor
+    floor_excess_N: Tensor
+    bwd_cap_N: Tensor | None = None
+    policy: str = ""
+    drop_by: str = "position"
+
+    # --- shapes ----------------------------------------------------------------------------------------------
+    @property
+    def num_ranks(self) -> int:
+        return self.placement_NS.shape[0]
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.placement_NS.shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        return self.placement_NS.numel()
+
+    @property
+    def num_experts(self) -> int:
+        return self.dropped_NE.shape[1]
+
+    @property
+    def slot_expert_G(self) -> Tensor:
+        """[G] expert of each global slot, -1 empty."""
+        return self.placement_NS.reshape(-1)
+
+    @property
+    def slot_rank_G(self) -> Tensor:
+        """[G] rank of each global slot."""
+        return torch.arange(self.num_slots) // self.slots_per_rank
+
+    # --- forward -------------------------------------------------------------------------------------------
+    def _per_expert(self, x_NG: Tensor) -> Tensor:
+        hosted = self.slot_expert_G >= 0
+        out = torch.zeros(self.num_ranks, self.num_experts, dtype=torch.long)
+        return out.index_add_(1, self.slot_expert_G[hosted], x_NG[:, hosted])
+
+    def _per_rank(self, x_G: Tensor) -> Tensor:
+        return x_G.view(self.num_ranks, self.slots_per_rank).sum(1)
+
+    @property
+    def fwd_NE(self) -> Tensor:
+        """[N, E] pairs of (source, expert) computed in the forward."""
+        return self._per_expert(self.fwd_NG)
+
+    @property
+    def routed_NE(self) -> Tensor:
+        """[N, E] pairs the router sent: computed + dropped (equals the counts the plan was made from)."""
+        return self.fwd_NE + self.dropped_NE
+
+    @property
+    def fwd_load_N(self) -> Tensor:
+        """[N] forward pairs computed per destination rank."""
+        return self._per_rank(self.fwd_NG.sum(0))
+
+    # --- backward ------------------------------------------------------------------------------------------
+    def _flow_matrix(self, column: int) -> Tensor:
+        out = torch.zeros(self.num_ranks * self.num_slots, dtype=torch.long)
+        f = self.bwd_flows_F4
+        if len(f):
+            out.index_add_(0, f[:, 0] * self.num_slots + f[:, column], f[:, 3])
+        return out.view(self.num_ranks, self.num_slots)
+
+    @property
+    def moved_out_NG(self) -> Tensor:
+        """[N, G] retained pairs of (source, forward slot) whose backward runs on another slot."""
+        return self._flow_matrix(1)
+
+    @property
+    def moved_NG(self) -> Tensor:
+        """[N, G] retained pairs of source n whose backward runs on slot g after moving there from another."""
+        return self._flow_matrix(2)
+
+    @property
+    def carry_NG(self) -> Tensor:
+        """[N, G] moved pairs whose input row must be sent to slot g (its rank is not the source rank)."""
+        away_NG = torch.arange(self.num_ranks)[:, None] != self.slot_rank_G[None, :]
+        return self.moved_NG * away_NG
+
+    @property
+    def bwd_NG(self) -> Tensor:
+        """[N, G] retained pairs of source n whose backward runs on slot g."""
+        return self.keep_NG - self.moved_out_NG + self.moved_NG
+
+    @property
+    def bwd_load_N(self) -> Tensor:
+        """[N] backward pairs computed per destination rank."""
+        return self._per_rank(self.bwd_NG.sum(0))
+
+    @property
+    def quota_NE(self) -> Tensor:
+        """[N, E] retained pairs per (source, expert): keep_NG summed over each expert's slots."""
+        return self._per_expert(self.keep_NG)
+
+    # --- checks and summaries ------------------------------------------------------------------------------
+    def validate(self, counts_NE: Tensor | None = None) -> "LayerPlan":
+        """Check every invariant; raise ``ValueError`` naming the first broken one. Returns self.
+
+        With ``counts_NE`` also checks that every routed pair is computed or dropped exactly once.
+        """
+        P = self.placement_NS
+        if not isinstance(P, Tensor) or P.dim() != 2 or P.numel() == 0:
+            raise ValueError(f"placement_NS must be a non-empty 2-D tensor, got {getattr(P, 'shape', P)}")
+        N, G, E = self.num_ranks, self.num_slots, self.dropped_NE.shape[-1]
+        expected = {"placement_NS": P.shape, "fwd_NG": (N, G), "dropped_NE": (N, E), "keep_NG": (N, G),
+                    "floor_excess_N": (N,)}
+        if self.bwd_cap_N is not None:
+            expected["bwd_cap_N"] = (N,)
+        for name, shape in expected.items():
+            t = getattr(self, name)
+            if not isinstance(t, Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != torch.long:
+                raise ValueError(f"LayerPlan.{name} must be a long tensor of shape {tuple(shape)}, got "
+                                 f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+        f = self.bwd_flows_F4
+        if not isinstance(f, Tensor) or f.dim() != 2 or f.shape[1] != 4 or f.dtype != torch.long:
+            raise ValueError(f"LayerPlan.bwd_flows_F4 must be a long tensor of shape (F, 4), got "
+                             f"{getattr(f, 'dtype', type(f))} {tuple(getattr(f, 'shape', ()))}")
+        if self.drop_by not in DROP_RULES:
+            raise ValueError(f"LayerPlan.drop_by={self.drop_by!r} is not one of {DROP_RULES}")
+        if int(P.min()) < -1 or int(P.max()) >= E:
+            raise ValueError(f"LayerPlan.placement_NS holds ids in [{int(P.min())}, {int(P.max())}], outside "
+                             f"[-1, {E - 1}]")
+        for name in ("fwd_NG", "dropped_NE", "floor_excess_N"):
+            t = getattr(self, name)
+            if t.numel() and int(t.min()) < 0:
+                raise ValueError(f"LayerPlan.{name} has a negative entry ({int(t.min())})")
+        empty_G = self.slot_expert_G < 0
+        if bool((self.fwd_NG[:, empty_G] != 0).any()):
+            raise ValueError("LayerPlan.fwd_NG sends pairs to an empty slot")
+        if bool(((self.keep_NG < 0) | (self.keep_NG > self.fwd_NG)).any()):
+            raise ValueError("LayerPlan.keep_NG must lie in [0, fwd_NG]")
+        if len(f):
+            src, frm, to, cnt = f.unbind(1)
+            if int(src.min()) < 0 or int(src.max()) >= N:
+                raise ValueError(f"LayerPlan.bwd_flows_F4 has a source rank outside [0, {N})")
+            if int(torch.minimum(frm, to).min()) < 0 or int(torch.maximum(frm, to).max()) >= G:
+                raise ValueError(f"LayerPlan.bwd_flows_F4 has a slot outside [0, {G})")
+            if bool((cnt <= 0).any()):
+                raise ValueError("LayerPlan.bwd_flows_F4 has a non-positive count")
+            if bool((frm == to).any()):
+                raise ValueError("LayerPlan.bwd_flows_F4 has a flow from a slot to itself")
+            ex = self.slot_expert_G
+            if bool(((ex[frm] != ex[to]) | (ex[frm] < 0)).any()):
+                raise ValueError("LayerPlan.bwd_flows_F4 moves pairs between slots of different experts")
+            if bool((self.moved_out_NG > self.keep_NG).any()):
+                raise ValueError("LayerPlan.bwd_flows_F4 moves more pairs out of a group than it keeps")
+        if counts_NE is not None and not torch.equal(self.routed_NE, counts_NE.long()):
+            raise ValueError("LayerPlan does not account for every routed pair exactly once "
+                             "(fwd_NE + dropped_NE != counts_NE)")
+        return self
+
+    def stats(self) -> dict[str, float]:
+        """Plain-number summary: loads (max / mean), drops, retention, moves and carried rows."""
+        fwd, bwd = self.fwd_load_N.double(), self.bwd_load_N.double()
+        routed = float(self.routed_NE.sum())
+        computed = float(fwd.sum())
+        return {
+            "routed_pairs": routed,
+            "dropped_frac": float(self.dropped_NE.sum()) / routed if routed else 0.0,
+            "fwd_max": float(fwd.max()), "fwd_imbalance": float(fwd.max() / fwd.mean()) if computed else 1.0,
+            "bwd_max": float(bwd.max()),
+            "bwd_max_over_fwd_mean": float(bwd.max() / fwd.mean()) if computed else 1.0,
+            "retained_frac": float(bwd.sum()) / computed if computed else 1.0,
+            "moved_pairs": float(self.moved_NG.sum()), "carried_rows": float(self.carry_NG.sum()),
+            "floor_excess": float(self.floor_excess_N.sum()),
+            "replica_slots": float((self.slot_expert_G >= 0).sum()),
+        }
