@@ -17,7 +17,7 @@ The layers are the MoE layers of the debug presets, at random initialisation (tr
 this package: rerun on trained weights when it does). The data are random: inputs x ~ N(0, 1) and an upstream
 gradient δ that is either i.i.d. Gaussian (``gaussian``) or Gaussian with a log-normal per-token scale,
 exp(N(0, 1)) (``heavy``: tokens whose losses differ, as in training). Tokens are split over ``--sources``
-simulated source ranks; quotas are ρ · routed pairs per (source rank, expert), by largest remainder.
+simulated source ranks; quotas are ρ · routed pairs per (source rank, expert), apportioned exactly (lrmoe.quotas.apportion).
 
     python experiments/metric_fidelity.py --out outputs/metric_fidelity.jsonl
 """
