@@ -194,16 +194,21 @@ def _line_search(p_MK: np.ndarray, a_MK: np.ndarray, load_N1: np.ndarray, rank_f
 
 
 def _round_shares(alloc_U: np.ndarray, counts_E: np.ndarray, expert_U: np.ndarray) -> np.ndarray:
-    """Integer pairs per unit from float shares summing to each expert's count (up to float error): the floor
-    (shares within 1e-6 of an integer count as that integer), then the leftover pairs of each expert one each
-    to its largest fractional parts, ties to the lower unit. Sums exact. int64[U]"""
-    floor_U = np.floor(alloc_U + 1e-6)
-    frac_U = np.maximum(alloc_U - floor_U, 0.0)
-    floor_U = np.maximum(floor_U, 0.0).astype(np.int64)
+    """Integer pairs per unit from float shares of each expert's count: the shares are first rescaled to sum to
+    the count exactly (the descent's clipping and float error can drift), then floored, and the leftover pairs
+    of each expert go one each to its largest fractional parts, ties to the lower unit. Sums exact. int64[U]"""
     E = len(counts_E)
+    alloc_U = np.maximum(alloc_U, 0.0)
+    size_E = np.bincount(expert_U, minlength=E)
+    total_E = np.bincount(expert_U, weights=alloc_U, minlength=E)
+    even_U = counts_E[expert_U] / np.maximum(size_E[expert_U], 1)
+    scaled_U = alloc_U * (counts_E / np.where(total_E > 0, total_E, 1.0))[expert_U]
+    alloc_U = np.where(total_E[expert_U] > 0, scaled_U, even_U)
+    floor_U = np.floor(alloc_U)
+    frac_U = alloc_U - floor_U
+    floor_U = floor_U.astype(np.int64)
     leftover_E = counts_E - np.bincount(expert_U, weights=floor_U, minlength=E).astype(np.int64)
     order = np.lexsort((-frac_U, expert_U))  # by expert, then largest fraction first (stable: lower unit)
-    size_E = np.bincount(expert_U, minlength=E)
     position = np.empty_like(order)
     position[order] = np.arange(len(order)) - (np.cumsum(size_E) - size_E)[expert_U[order]]
     return floor_U + (position < leftover_E[expert_U])

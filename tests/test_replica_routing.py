@@ -265,3 +265,19 @@ def test_balanced_is_near_the_brute_force_optimum(inputs):
     best = brute_force_min_max(counts.sum(0).tolist(), placement)
     # the descent is on the divisible problem; rounding its split costs at most one pair per unit on a rank
     assert int(rank_load(fwd, N).max()) <= best + placement.shape[1]
+
+
+def test_balanced_routing_with_empty_slots_and_heavy_skew_assigns_every_pair_once():
+    # regression: the descent's float shares drifted from the counts and the integer split overflowed
+    from lrmoe.placement import lrmoe_placement
+    from lrmoe.traces import generate_trace
+
+    counts = generate_trace(1, 1, 8, 128, 8, 4096, skew_param=0.8, seed=0).counts_SLNE[0, 0]
+    placement = lrmoe_placement(torch.ones(128, dtype=torch.float64), 8, 16, 16)
+    assert (placement < 0).any()
+    fwd_NG = route_forward(counts, placement, "balanced")
+    slot_expert = placement.reshape(-1)
+    per_expert = torch.zeros_like(counts).index_add_(1, slot_expert.clamp(min=0), fwd_NG * (slot_expert >= 0))
+    assert torch.equal(per_expert, counts)
+    loads = fwd_NG.sum(0).view(8, -1).sum(1).double()
+    assert loads.max() / loads.mean() < 1.1

@@ -1,0 +1,175 @@
+"""Trace-driven simulator: the planner code of the real layer, run over every MoE layer and iteration of a
+trace, each plan costed by :class:`~lrmoe.sim.cost.CostModel`.
+
+A :class:`System` is a policy constructor plus how its layer executes (compaction, optimizer sharding). The
+simulator calls ``policy.plan(counts_NE, prev_counts_E)`` exactly as the distributed layer does — one policy
+object per MoE layer, fed that layer's counts of this iteration and its global counts of the previous one — so
+the plans are the same objects the layer would execute (tested in ``tests/test_simulator.py``).
+
+Micro-batches: an iteration of ``micro_batches`` micro-batches runs the all-to-all and GEMM phases once per
+micro-batch and the sync phases (replica sync, gradient collection, Adam, redistribution) once, after the last
+one: gradients accumulate locally in between and the placement is fixed for the whole iteration. The trace's
+counts of a step stand for every micro-batch of that iteration (ours: micro-batches of one step route alike).
+
+Whole-model memory per rank: every MoE layer's slots and saved activations are alive at the end of the forward,
+and one layer's transient buffers at a time on top of them. When a trace holds fewer layers than the model
+(quick runs), the simulated layers' mean stands for the missing ones (:attr:`SimResult.peak_SN`). The budget is
+the cost model's per-layer budget times the model's MoE layers (by default the cluster's whole budget).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ClusterConfig, MoEConfig
+from .cost import CATEGORIES, PHASES, CostModel, PhaseTimes
+
+
+@dataclass(frozen=True)
+class System:
+    """A system to simulate: ``make_policy()`` returns a fresh policy with ``plan(counts_NE, prev_counts_E)``."""
+
+    name: str
+    make_policy: Callable[[], object]
+    compaction: bool = True  # False: backward packets padded to forward sizes
+    sharded_optimizer: bool = True  # False: static EP keeps optimizer state with each expert's one host
+    description: str = ""
+
+
+def iter_plans(trace_counts_SLNE: torch.Tensor, make_policy: Callable[[], object],
+               layers: list[int] | None = None) -> Iterator[tuple[int, int, object]]:
+    """Yield ``(step, layer, plan)`` in execution order (step-major), one policy object per layer.
+
+    ``prev_counts_E`` is the layer's global counts of the previous step (None at the first step), which is
+    what the layer's one small all-reduce in the forward provides to SYMI / LRMoE placement.
+    """
+    if trace_counts_SLNE.dim() != 4:
+        raise ValueError(f"trace counts must be [steps, layers, ranks, experts], got {tuple(trace_counts_SLNE.shape)}")
+    layers = list(range(trace_counts_SLNE.shape[1])) if layers is None else list(layers)
+    policies = {layer: make_policy() for layer in layers}
+    global_SLE = trace_counts_SLNE.sum(dim=2)
+    for step in range(trace_counts_SLNE.shape[0]):
+        for layer in layers:
+            prev = global_SLE[step - 1, layer] if step else None
+            yield step, layer, policies[layer].plan(trace_counts_SLNE[step, layer], prev)
+
+
+@dataclass
+class SimResult:
+    """Per-step, per-layer outcome of one system on one trace and cluster."""
+
+    system: str
+    model: str
+    cluster: str
+    phase_SLP: torch.Tensor  # float64 [S, L, P] straggler seconds of each phase
+    bytes_SLP: torch.Tensor  # float64 [S, L, P] bytes sent by all ranks in each phase
+    dropped_SL: torch.Tensor  # long [S, L] forward pairs dropped
+    routed_SL: torch.Tensor  # long [S, L] pairs routed
+    fwd_imbalance_SL: torch.Tensor  # float64 [S, L] slowest rank's forward rows / mean
+    bwd_ratio_SL: torch.Tensor  # float64 [S, L] slowest rank's backward rows / mean forward rows (rho)
+    peak_SN: torch.Tensor  # float64 [S, N] whole-model MoE memory per rank
+    layer_oom_SL: torch.Tensor  # bool [S, L] a layer over its share of the budget
+    slots_used_SL: torch.Tensor  # long [S, L] non-empty slots over all ranks
+    mem_budget_bytes: float  # whole-model MoE budget per rank
+    warmup: int = 1  # leading steps left out of the summary (no previous counts yet)
+    micro_batches: int = 1  # all-to-all and GEMM phases run this many times per iteration, sync phases once
+    phases: tuple[str, ...] = field(default=PHASES)
+
+    @property
+    def weight_P(self) -> torch.Tensor:
+        """float64 [P]: how many times each phase runs per iteration."""
+        sync = set(CATEGORIES["sync"])
+        return torch.tensor([1.0 if p in sync else float(self.micro_batches) for p in self.phases],
+                            dtype=torch.float64)
+
+    @property
+    def iteration_s(self) -> torch.Tensor:
+        """float64 [S]: seconds per iteration of the simulated MoE layers (all phases, all micro-batches)."""
+        return (self.phase_SLP * self.weight_P).sum(dim=(1, 2))
+
+    @property
+    def oom(self) -> bool:
+        """Whether the whole model's MoE memory exceeds the budget on some rank at some step after warm-up.
+        (A layer over its per-layer share is reported as ``layer_over_share``: memory is pooled over layers.)"""
+        return bool((self.peak_SN[self.warmup:] > self.mem_budget_bytes).any())
+
+    def summary(self) -> dict:
+        """Means over the steps after warm-up: seconds per iteration by category, bytes, memory, drops."""
+        s = slice(self.warmup, None) if self.phase_SLP.shape[0] > self.warmup else slice(None)
+        w_P = self.weight_P
+        per_step_P = self.phase_SLP[s].sum(dim=1).mean(dim=0) * w_P  # [P] seconds per iteration, all layers
+        out = {"system": self.system, "model": self.model, "cluster": self.cluster,
+               "time_s": float(per_step_P.sum())}
+        for cat, names in CATEGORIES.items():
+            out[f"{cat}_s"] = float(sum(per_step_P[self.phases.index(p)] for p in names))
+        bytes_P = self.bytes_SLP[s].sum(dim=1).mean(dim=0) * w_P
+        out["a2a_bytes"] = float(sum(bytes_P[self.phases.index(p)] for p in CATEGORIES["communication"]))
+        out["sync_bytes"] = float(sum(bytes_P[self.phases.index(p)] for p in CATEGORIES["sync"]))
+        out["peak_mem_bytes"] = float(self.peak_SN[s].max())
+        out["mem_budget_bytes"] = self.mem_budget_bytes
+        out["oom"] = self.oom
+        out["layer_over_share"] = float(self.layer_oom_SL[s].double().mean())
+        out["drop_rate"] = float(self.dropped_SL[s].sum() / self.routed_SL[s].sum().clamp(min=1))
+        out["fwd_imbalance"] = float(self.fwd_imbalance_SL[s].mean())
+        out["rho"] = float(self.bwd_ratio_SL[s].mean())
+        out["slots_per_rank"] = float(self.slots_used_SL[s].double().mean() / self.peak_SN.shape[1])
+        return out
+
+
+def simulate(trace_counts_SLNE: torch.Tensor, system: System, model: MoEConfig, cluster: ClusterConfig,
+             cost_kwargs: dict | None = None, layers: list[int] | None = None, warmup: int = 1,
+             micro_batches: int = 1, progress: Callable[[int], None] | None = None) -> SimResult:
+    """Plan and cost every (step, layer) of a trace for one system. ``progress(1)`` is called per layer-step.
+
+    ``trace_counts_SLNE`` is a trace's ``counts_SLNE``; its rank and expert dimensions must match the cluster
+    and the model. ``cost_kwargs`` go to :class:`CostModel` (e.g. ``gemm``, ``mem_budget_bytes``).
+    """
+    num_steps, num_layers, n, e = trace_counts_SLNE.shape
+    if n != cluster.num_ranks:
+        raise ValueError(f"trace has {n} ranks but cluster {cluster.name!r} has num_ranks={cluster.num_ranks}")
+    if e != model.num_experts:
+        raise ValueError(f"trace has {e} experts but model {model.name!r} has num_experts={model.num_experts}")
+    if not 0 <= warmup < num_steps:
+        raise ValueError(f"warmup={warmup} must be in [0, steps={num_steps})")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
+    layers = list(range(num_layers)) if layers is None else list(layers)
+    cm = CostModel(model, cluster, compaction=system.compaction, sharded_optimizer=system.sharded_optimizer,
+                   **(cost_kwargs or {}))
+    num_l, p = len(layers), len(PHASES)
+    phase_SLP = torch.zeros(num_steps, num_l, p, dtype=torch.float64)
+    bytes_SLP = torch.zeros_like(phase_SLP)
+    dropped_SL = torch.zeros(num_steps, num_l, dtype=torch.long)
+    routed_SL = torch.zeros_like(dropped_SL)
+    slots_SL = torch.zeros_like(dropped_SL)
+    imb_SL = torch.zeros(num_steps, num_l, dtype=torch.float64)
+    rho_SL = torch.zeros_like(imb_SL)
+    oom_SL = torch.zeros(num_steps, num_l, dtype=torch.bool)
+    resident_SLN = torch.zeros(num_steps, num_l, n, dtype=torch.float64)
+    buffer_SLN = torch.zeros_like(resident_SLN)
+    where = {layer: i for i, layer in enumerate(layers)}
+    for step, layer, plan in iter_plans(trace_counts_SLNE, system.make_policy, layers):
+        li = where[layer]
+        t: PhaseTimes = cm.cost(plan)
+        phase_SLP[step, li] = t.straggler_P
+        bytes_SLP[step, li] = t.bytes_P
+        dropped_SL[step, li] = t.dropped_pairs
+        routed_SL[step, li] = t.routed_pairs
+        slots_SL[step, li] = int((plan.placement_NS >= 0).sum())
+        mean_fwd = t.fwd_rows_N.double().mean().clamp(min=1e-12)
+        imb_SL[step, li] = t.fwd_rows_N.max() / mean_fwd
+        rho_SL[step, li] = t.bwd_rows_N.max() / mean_fwd
+        oom_SL[step, li] = t.oom
+        resident_SLN[step, li] = t.resident_bytes_N
+        buffer_SLN[step, li] = t.buffer_bytes_N
+        if progress is not None:
+            progress(1)
+    peak_SN = resident_SLN.mean(dim=1) * model.num_moe_layers + buffer_SLN.max(dim=1).values
+    return SimResult(system=system.name, model=model.name, cluster=cluster.name, phase_SLP=phase_SLP,
+                     bytes_SLP=bytes_SLP, dropped_SL=dropped_SL, routed_SL=routed_SL, fwd_imbalance_SL=imb_SL,
+                     bwd_ratio_SL=rho_SL, peak_SN=peak_SN, layer_oom_SL=oom_SL, slots_used_SL=slots_SL,
+                     mem_budget_bytes=float(cm.mem_budget_bytes) * model.num_moe_layers, warmup=warmup,
+                     micro_batches=micro_batches)

@@ -1,0 +1,386 @@
+"""The cost model: hand-computed times on a tiny case, bytes equal to the layer's own accounting formulas,
+monotonicity (more bytes or rows, never less time), compaction, out-of-memory detection, the sanity relation of
+DESIGN.md §5, and the calibration seams."""
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lrmoe.config import ClusterConfig, MoEConfig, cluster_preset, model_preset
+from lrmoe.dist.accounting import expected_layer, expected_step
+from lrmoe.placement import MemoryModel, lrmoe_placement
+from lrmoe.plan import LayerPlan, no_flows
+from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi
+from lrmoe.replica_routing import route_forward
+from lrmoe.sim.cost import (CATEGORIES, PHASES, CostModel, GemmCurve, cpu_gloo_preset, gemm_preset,
+                            load_gemm_calibration)
+
+# hidden 4, ffn 2: 24 parameters per expert, 48 FLOP per pair forward, 96 backward, 16 bytes per row (fp32)
+TINY = MoEConfig(name="tiny", hidden=4, expert_ffn=2, num_experts=2, top_k=1, router="softmax_topk",
+                 num_layers=1, num_heads=1, num_kv_heads=1, dtype="float32")
+# two ranks on two nodes: 100 B/s and 0.5 s latency between them; 96 FLOP/s
+TOY = ClusterConfig(name="toy", num_ranks=2, ranks_per_node=1, mem_budget_bytes=1e6, intra_bw=1000.0,
+                    inter_bw=100.0, intra_latency=0.25, inter_latency=0.5, peak_flops=96.0, hbm_bw=0.0)
+# eff_max 0.5 at 96 FLOP/s: 1 s per forward row, 2 s per backward row, plus m_half = 2 rows per busy slot
+CURVE = GemmCurve(eff_max=0.5, m_half=2.0, launch_s=0.1)
+
+
+def dropless(placement_NS, fwd_NG, num_experts):
+    n = placement_NS.shape[0]
+    return LayerPlan(placement_NS=placement_NS, fwd_NG=fwd_NG, dropped_NE=torch.zeros(n, num_experts, dtype=torch.long),
+                     keep_NG=fwd_NG.clone(), bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(n, dtype=torch.long))
+
+
+def free_comm(cluster: ClusterConfig) -> ClusterConfig:
+    """The same cluster with communication and the optimizer made free: only expert compute costs time."""
+    return cluster.replace(intra_bw=1e30, inter_bw=1e30, intra_latency=0.0, inter_latency=0.0, hbm_bw=0.0)
+
+
+# -- hand-computed ----------------------------------------------------------------------------------------------
+# rank 0 routes 3 pairs to e0 (home) and 1 to e1; rank 1 routes 2 to e0 and 5 to e1 (home); one slot per rank.
+HAND_FWD_NG = torch.tensor([[3, 1], [2, 5]])
+HAND_PLAN = dropless(torch.tensor([[0], [1]]), HAND_FWD_NG, 2)
+
+
+def test_hand_computed_times_bytes_and_memory():
+    t = CostModel(TINY, TOY, gemm=CURVE).cost(HAND_PLAN)
+    want = {
+        # rank 0 sends 1 row (16 B, 0.16 s) and receives 2 (0.32 s); rank 1 the mirror: max + 0.5 s latency
+        "dispatch_a2a": [0.82, 0.82], "combine_a2a": [0.82, 0.82],
+        "combine_a2a_bwd": [0.82, 0.82], "dispatch_a2a_bwd": [0.82, 0.82],
+        # 5 and 6 rows: (rows + 2) s forward, 2 (rows + 2) s backward, + 0.1 s launch
+        "expert_fwd": [7.1, 8.1], "expert_bwd": [14.1, 16.1],
+        "shared_fwd": [0.0, 0.0], "shared_bwd": [0.0, 0.0],
+        "replica_sync": [0.0, 0.0],  # one host per expert
+        # each rank fetches the other's expert shard (12 params x 4 B = 48 B): 0.48 s + 0.5 s; the same for
+        # sending its updated shard of its own expert to the other host
+        "grad_collect": [0.98, 0.98], "redistribute": [0.98, 0.98],
+        "adam": [0.0, 0.0],  # hbm_bw = 0: not modelled
+    }
+    for phase, values in want.items():
+        torch.testing.assert_close(t.time_NP[:, PHASES.index(phase)], torch.tensor(values, dtype=torch.float64),
+                                   msg=phase)
+    assert t.total_s == pytest.approx(4 * 0.82 + 8.1 + 16.1 + 2 * 0.98)
+    assert t.straggler_rank_P[PHASES.index("expert_fwd")] == 1
+    sent = {"dispatch_a2a": [16, 32], "combine_a2a": [32, 16], "combine_a2a_bwd": [16, 32],
+            "dispatch_a2a_bwd": [32, 16], "grad_collect": [48, 48], "redistribute": [48, 48]}
+    for phase, values in sent.items():
+        assert t.bytes_NP[:, PHASES.index(phase)].tolist() == values, phase
+    cats = t.category_s()
+    assert cats["forward"] == pytest.approx(8.1) and cats["backward"] == pytest.approx(16.1)
+    assert cats["communication"] == pytest.approx(4 * 0.82) and cats["sync"] == pytest.approx(1.96)
+    # memory: slot 24 x (4 + 4) B; saved rows x (4 + 2·2) x 4 B; buffers (home 2 x own pairs + expert side
+    # 2 x rows) x 16 B: rank 0 (8 + 10) x 16, rank 1 (14 + 12) x 16
+    assert t.slot_bytes_N.tolist() == [192.0, 192.0]
+    assert t.saved_bytes_N.tolist() == [160.0, 192.0]
+    assert t.buffer_bytes_N.tolist() == [288.0, 416.0]
+    assert t.peak_bytes_N.tolist() == [640.0, 800.0]
+    assert t.fwd_rows_N.tolist() == [5, 6] and t.bwd_rows_N.tolist() == [5, 6]
+
+
+def test_intra_and_inter_node_links_run_concurrently():
+    # 4 ranks, 2 per node; rank 0 sends 10 rows to rank 1 (same node) and 3 rows to rank 2 (other node)
+    cluster = TOY.replace(num_ranks=4, ranks_per_node=2)
+    cm = CostModel(TINY, cluster, gemm=CURVE)
+    b_NM = torch.zeros(4, 4, dtype=torch.float64)
+    b_NM[0, 1], b_NM[0, 2], b_NM[3, 3] = 160.0, 48.0, 1e9  # the diagonal is a local copy: free
+    t = cm.a2a_seconds(b_NM)
+    # rank 0: max(160 / 1000, 48 / 100) + max(0.25, 0.5); rank 1 receives 0.16 s intra; rank 2 0.48 s inter
+    torch.testing.assert_close(t, torch.tensor([0.48 + 0.5, 0.16 + 0.25, 0.48 + 0.5, 0.0], dtype=torch.float64))
+
+
+# -- the layer's own accounting ---------------------------------------------------------------------------------
+def _random_counts(n, e, seed, scale=20):
+    g = torch.Generator().manual_seed(seed)
+    pop = torch.rand(e, generator=g) ** 3 + 0.05
+    return (torch.rand(n, e, generator=g) * pop * scale).long()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("n", [2, 4])
+def test_bytes_equal_the_layers_accounting_formulas(n, seed):
+    """Dropless plans on SYMI, LRMoE (scattered replicas: wide ranges) and static placements: every all-to-all
+    and every optimizer-step phase sends exactly the bytes :mod:`lrmoe.dist.accounting` derives for the layer."""
+    e = 8
+    model = TINY.replace(num_experts=e, hidden=8, expert_ffn=5)
+    cm = CostModel(model, TOY.replace(num_ranks=n, ranks_per_node=2 if n > 2 else 1), gemm=CURVE)
+    counts = _random_counts(n, e, seed)
+    pop = counts.sum(0)
+    placements = [Symi(4).plan(counts, pop).placement_NS, lrmoe_placement(pop, n, e // n, 2),
+                  StaticEP().plan(counts).placement_NS]
+    for placement_NS in placements:
+        plan = dropless(placement_NS, route_forward(counts, placement_NS, "even"), e)
+        t = cm.cost(plan)
+        want = expected_layer(plan.fwd_NG, plan.slots_per_rank, model.hidden, model.expert_ffn, 4)
+        want.update(expected_step(placement_NS, placement_NS, e, model.hidden, model.expert_ffn, 4))
+        for key, value in want.items():
+            phase, _, what = key.partition(".")
+            if what != "sent_bytes":
+                continue
+            assert t.bytes_NP[:, PHASES.index(phase)].tolist() == value.double().tolist(), (key, placement_NS)
+
+
+def test_sync_groups_hosts_only_never_costs_more_than_ranges():
+    model = model_preset("qwen3-30b-a3b")
+    cluster = cluster_preset("a100-40gb-x8", 2)
+    counts = _random_counts(16, 128, 0, scale=200)
+    plan = LRMoE(extra_slots=2, quotas=False, backward_routing=False).plan(counts, counts.sum(0))
+    rng = CostModel(model, cluster, sync_groups="range").cost(plan)
+    hosts = CostModel(model, cluster, sync_groups="hosts").cost(plan)
+    i = PHASES.index("replica_sync")
+    assert (hosts.bytes_NP[:, i] <= rng.bytes_NP[:, i]).all() and hosts.bytes_P[i] < rng.bytes_P[i]
+    assert hosts.phase_s("replica_sync") < rng.phase_s("replica_sync")
+
+
+# -- monotonicity -----------------------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0, 1e6), min_size=16, max_size=16), st.lists(st.floats(0, 1e6), min_size=16, max_size=16),
+       st.sampled_from([1, 2, 4]))
+def test_a2a_more_bytes_never_less_time(base, extra, ranks_per_node):
+    cm = CostModel(TINY, TOY.replace(num_ranks=4, ranks_per_node=ranks_per_node), gemm=CURVE)
+    b = torch.tensor(base, dtype=torch.float64).view(4, 4)
+    more = b + torch.tensor(extra, dtype=torch.float64).view(4, 4)
+    assert (cm.a2a_seconds(more) >= cm.a2a_seconds(b)).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.integers(0, 3), st.integers(0, 7), st.integers(1, 50), st.booleans())
+def test_more_pairs_never_less_time(seed, n, g, extra, compaction):
+    """One more batch of pairs on one (source, slot), everything else equal: no phase gets faster."""
+    e, ranks = 8, 4
+    model = TINY.replace(num_experts=e)
+    cm = CostModel(model, TOY.replace(num_ranks=ranks, ranks_per_node=2), gemm=CURVE, compaction=compaction)
+    counts = _random_counts(ranks, e, seed)
+    plan = Symi(2).plan(counts, counts.sum(0) + 1)
+    more_NG = plan.fwd_NG.clone()
+    more_NG[n, g] += extra
+    bigger = dropless(plan.placement_NS, more_NG, e)
+    base, more = cm.cost(plan), cm.cost(bigger)
+    assert (more.straggler_P >= base.straggler_P - 1e-12).all()
+    assert (more.time_NP >= base.time_NP - 1e-12).all()
+    assert more.bytes_P.sum() >= base.bytes_P.sum()
+    assert (more.peak_bytes_N >= base.peak_bytes_N).all()
+
+
+def test_gemm_time_grows_with_rows_and_is_zero_for_an_empty_group():
+    rows = torch.arange(0, 2000)
+    t = CURVE.seconds(rows, 1e6, 1e12)
+    assert t[0] == 0 and (t[1:].diff() > 0).all()
+    # efficiency m / (m + m_half): per-row time falls towards 1 / eff_max of the ideal
+    per_row = t[1:] / rows[1:]
+    assert (per_row.diff() < 0).all() and per_row[-1] == pytest.approx(1e6 / (0.5 * 1e12) * 2001 / 1999, rel=1e-6)
+
+
+# -- compaction -------------------------------------------------------------------------------------------------
+def _lrmoe_plan(backward_routing=True, seed=0):
+    model = model_preset("qwen3-30b-a3b")
+    counts = _random_counts(8, 128, seed, scale=400)
+    # an even forward split leaves replicas with spare room, so the backward routing has pairs to move
+    policy = LRMoE(eps=0.05, gamma=0.05, extra_slots=1, backward_routing=backward_routing, forward="even")
+    return model, policy.plan(counts, counts.sum(0))
+
+
+def test_compaction_off_pads_the_backward_to_forward_sizes():
+    model, plan = _lrmoe_plan()
+    assert int(plan.bwd_NG.sum()) < int(plan.fwd_NG.sum())  # the quotas did trim
+    cluster = cluster_preset("a100-40gb-x8")
+    on, off = CostModel(model, cluster).cost(plan), CostModel(model, cluster, compaction=False).cost(plan)
+    for phase in ("combine_a2a_bwd", "expert_bwd", "dispatch_a2a_bwd"):
+        i = PHASES.index(phase)
+        assert off.bytes_P[i] >= on.bytes_P[i] and off.straggler_P[i] >= on.straggler_P[i]
+    assert off.phase_s("expert_bwd") > on.phase_s("expert_bwd")
+    # padded rows: max(fwd, bwd) per (source, slot), so at least every forward row
+    assert (off.bwd_rows_N >= off.fwd_rows_N).all()
+    assert (on.bwd_rows_N == plan.bwd_load_N).all()
+    # the forward is the same either way
+    for phase in ("dispatch_a2a", "expert_fwd", "combine_a2a"):
+        assert off.phase_s(phase) == on.phase_s(phase)
+
+
+def test_compaction_changes_nothing_without_trimming():
+    counts = _random_counts(8, 128, 3, scale=400)
+    plan = Symi(17).plan(counts, counts.sum(0))
+    model, cluster = model_preset("qwen3-30b-a3b"), cluster_preset("a100-40gb-x8")
+    on, off = CostModel(model, cluster).cost(plan), CostModel(model, cluster, compaction=False).cost(plan)
+    assert torch.equal(on.time_NP, off.time_NP) and torch.equal(on.bytes_NP, off.bytes_NP)
+
+
+def test_moved_pairs_carry_their_input_rows_and_recompute():
+    model, plan = _lrmoe_plan(backward_routing=True)
+    assert len(plan.bwd_flows_F4) > 0 and int(plan.carry_NG.sum()) > 0
+    cm = CostModel(model, cluster_preset("a100-40gb-x8"))
+    t = cm.cost(plan)
+    i = PHASES.index("combine_a2a_bwd")
+    off_diag = (plan.bwd_NG + plan.carry_NG).view(8, 8, -1).sum(2) * (1 - torch.eye(8, dtype=torch.long))
+    assert t.bytes_NP[:, i].tolist() == (off_diag.sum(1) * model.pair_bytes).double().tolist()
+    # with free communication, the routed plan's backward costs its rows plus the recompute of moved pairs
+    free = CostModel(model, free_comm(cluster_preset("a100-40gb-x8")), gemm=GemmCurve(1.0, 0.0))
+    per_row = model.pair_fwd_flops / cluster_preset("a100-40gb-x8").peak_flops
+    moved_N = plan.moved_NG.sum(0).view(8, -1).sum(1).double()
+    want_N = (2 * plan.bwd_load_N.double() + 2 / 3 * moved_N) * per_row
+    torch.testing.assert_close(free.cost(plan).time_NP[:, PHASES.index("expert_bwd")], want_N)
+
+
+# -- memory -----------------------------------------------------------------------------------------------------
+def test_out_of_memory_is_flagged_against_the_budget():
+    t_fit = CostModel(TINY, TOY, gemm=CURVE, mem_budget_bytes=800).cost(HAND_PLAN)
+    t_oom = CostModel(TINY, TOY, gemm=CURVE, mem_budget_bytes=799).cost(HAND_PLAN)
+    assert not t_fit.oom and t_oom.oom
+    # more replica slots, same tokens: more memory
+    model, cluster = model_preset("qwen3-30b-a3b"), cluster_preset("a100-40gb-x8")
+    counts = _random_counts(8, 128, 1, scale=400)
+    few, many = Symi(16).plan(counts, counts.sum(0)), Symi(24).plan(counts, counts.sum(0))
+    cm = CostModel(model, cluster)
+    assert (cm.cost(many).slot_bytes_N > cm.cost(few).slot_bytes_N).all()
+    budget = float(cm.cost(few).peak_bytes_N.max()) + 1
+    tight = CostModel(model, cluster, mem_budget_bytes=budget)
+    assert not tight.cost(few).oom and tight.cost(many).oom
+
+
+def test_default_budget_is_the_clusters_share_per_moe_layer():
+    model, cluster = model_preset("glm-4.5-air"), cluster_preset("h200x8")
+    assert CostModel(model, cluster).mem_budget_bytes == pytest.approx(cluster.mem_budget_bytes / 45)
+
+
+def test_optimizer_state_counts_only_when_asked():
+    a = CostModel(TINY, TOY, gemm=CURVE).cost(HAND_PLAN)
+    b = CostModel(TINY, TOY, gemm=CURVE, optimizer_in_budget=True).cost(HAND_PLAN)
+    # two experts of 24 params, sharded over 2 ranks: 24 params x 12 B each
+    assert b.state_bytes_N.tolist() == [288.0, 288.0]
+    assert torch.equal(b.peak_bytes_N - a.peak_bytes_N, b.state_bytes_N)
+
+
+def test_memory_model_sizes_match_the_cost_model():
+    cm = CostModel(model_preset("qwen3-30b-a3b"), cluster_preset("a100-40gb-x8"))
+    assert cm.slot_bytes == 4 * 2048 * 768 * 3  # bf16 weights and bf16 gradients
+    assert cm.pair_bytes == (3 * 2048 + 2 * 768) * 2
+    MemoryModel(cm.mem_budget_bytes, cm.slot_bytes, cm.pair_bytes)  # valid inputs for the planner
+
+
+# -- the sanity relation of DESIGN.md §5 ------------------------------------------------------------------------
+@pytest.mark.parametrize("extra_slots, forward", [(0, "balanced"), (1, "even")])
+def test_sanity_relation_lrmoe_over_symi_dropless(extra_slots, forward):
+    """Compute only (free communication, linear GEMM): LRMoE ÷ SYMI-dropless = (I_L + β ρ) / ((1 + β) I_S),
+    exactly without moved pairs, and within the recompute of moved pairs with them."""
+    model = model_preset("qwen3-30b-a3b")
+    cluster = free_comm(cluster_preset("a100-40gb-x8"))
+    cm = CostModel(model, cluster, gemm=GemmCurve(eff_max=1.0, m_half=0.0))
+    g = torch.Generator().manual_seed(4)
+    pop = torch.rand(128, generator=g) ** 4 + 0.02  # a few hot experts
+    counts = (pop / pop.sum() * 4096 * 8).round().long().expand(8, -1)  # 8 ranks, 4096 tokens, top-8
+    lrmoe = LRMoE(eps=0.1, gamma=0.0, extra_slots=extra_slots, forward=forward).plan(counts, counts.sum(0))
+    moves = len(lrmoe.bwd_flows_F4) > 0
+    assert moves == (extra_slots > 0)  # with replicas and an even forward, the backward routing moves pairs
+    symi = Symi(17).plan(counts, counts.sum(0))
+    t_l, t_s = cm.cost(lrmoe), cm.cost(symi)
+    mean = float(t_s.fwd_rows_N.double().mean())
+    assert mean == pytest.approx(float(t_l.fwd_rows_N.double().mean()))
+    i_l, i_s = float(t_l.fwd_rows_N.max()) / mean, float(t_s.fwd_rows_N.max()) / mean
+    rho = float(t_l.bwd_rows_N.max()) / mean
+    beta = model.pair_bwd_flops / model.pair_fwd_flops
+    assert i_l > 1.2 and rho < i_l - 0.1  # a skewed case where the quotas trim
+    predicted = (i_l + beta * rho) / ((1 + beta) * i_s)
+    ratio = t_l.total_s / t_s.total_s
+    assert ratio == pytest.approx(predicted, rel=0.10 if moves else 1e-9)
+    assert set(CATEGORIES["forward"]) | set(CATEGORIES["backward"]) <= set(PHASES)
+
+
+# -- presets and errors -----------------------------------------------------------------------------------------
+def test_gemm_presets_and_calibration_file(tmp_path):
+    assert "placeholder" in gemm_preset("h200x8").source
+    assert gemm_preset("a100-40gb-x8@2n").m_half == gemm_preset("a100-80gb-x16").m_half
+    path = tmp_path / "h200_gemm.json"
+    path.write_text(json.dumps({"provenance": {"date": "2026-01-01", "device": "NVIDIA H200", "torch": "2.11",
+                                               "triton": "3.6"},
+                                "pooled": {"eff_max": 0.6, "m_half": 300.0, "launch_s": 4e-6},
+                                "fits": {"glm-4.5-air": {"eff_max": 0.65, "m_half": 200.0, "launch_s": 4e-6}}}))
+    pooled = gemm_preset("h200x8", "qwen3-30b-a3b", calibration=path)
+    assert (pooled.eff_max, pooled.m_half) == (0.6, 300.0) and "NVIDIA H200" in pooled.source
+    assert load_gemm_calibration(path, "glm-4.5-air").m_half == 200.0
+    with pytest.raises(ValueError, match="does not exist"):
+        gemm_preset("h200x8", calibration=tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="no GEMM curve"):
+        gemm_preset("tpu-v5")
+
+
+def test_cpu_gloo_preset_seam(tmp_path):
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"peak_flops": 5e10, "a2a_bw": 2e9, "a2a_latency": 5e-5, "mem_bw": 1e10,
+                                "gemm": {"eff_max": 0.8, "m_half": 16, "launch_s": 2e-5}}))
+    cluster, curve = cpu_gloo_preset(path, num_ranks=4)
+    assert cluster.num_ranks == 4 and cluster.num_nodes == 1 and curve.m_half == 16
+    t = CostModel(model_preset("qwen3-30b-a3b-debug"), cluster, gemm=curve).cost(
+        StaticEP().plan(_random_counts(4, 16, 0)))
+    assert t.total_s > 0
+    path.write_text(json.dumps({"peak_flops": 1.0}))
+    with pytest.raises(ValueError, match="lacks"):
+        cpu_gloo_preset(path, 2)
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="eff_max"):
+        GemmCurve(eff_max=1.5, m_half=1.0)
+    with pytest.raises(ValueError, match="m_half"):
+        GemmCurve(eff_max=0.5, m_half=-1.0)
+    with pytest.raises(ValueError, match="sync_groups"):
+        CostModel(TINY, TOY, gemm=CURVE, sync_groups="tree")
+    with pytest.raises(ValueError, match="recompute_fraction"):
+        CostModel(TINY, TOY, gemm=CURVE, recompute_fraction=-1.0)
+    with pytest.raises(ValueError, match="num_ranks=4"):
+        CostModel(TINY, TOY.replace(num_ranks=4), gemm=CURVE).cost(HAND_PLAN)
+    with pytest.raises(ValueError, match="num_experts=8"):
+        CostModel(TINY.replace(num_experts=8), TOY, gemm=CURVE).cost(HAND_PLAN)
+    assert Capacity(1.0).plan(torch.ones(2, 2, dtype=torch.long)).num_experts == 2
+
+
+# -- the GPU calibration script (its fit and its data file; the measurement itself needs a GPU) -------------------
+def _calibrate_module():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / "calibrate_gpu.py"
+    spec = importlib.util.spec_from_file_location("calibrate_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_calibration_fit_recovers_known_constants():
+    cal = _calibrate_module()
+    peak, eff, m_half, launch = 1e15, 0.7, 200.0, 6e-6
+    samples = []
+    for flops in (9.4e6, 34.6e6):
+        for groups in (1, 8):
+            for rows in (1, 16, 128, 512, 2048, 8192):
+                t = launch + groups * flops * (rows + m_half) / (eff * peak)
+                samples.append({"rows": rows, "groups": groups, "flops_per_row": flops, "fwd_s": t,
+                                "fwd_bwd_s": 3 * t})
+    fit = cal.fit_curve(samples, peak)
+    assert fit["eff_max"] == pytest.approx(eff, rel=1e-6) and fit["m_half"] == pytest.approx(m_half, rel=1e-6)
+    assert fit["launch_s"] == pytest.approx(launch, rel=1e-6) and fit["median_rel_error"] < 1e-9
+    assert fit["bwd_over_fwd"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="at least 3"):
+        cal.fit_curve(samples[:2], peak)
+
+
+def test_calibration_script_without_gpu_and_on_cpu(tmp_path, capsys):
+    cal = _calibrate_module()
+    if not torch.cuda.is_available():
+        assert cal.main(["--no-wandb", "--out", str(tmp_path / "r.jsonl")]) is None
+        assert "no CUDA GPU" in capsys.readouterr().out
+        assert not (tmp_path / "r.jsonl").exists()
+    # the CPU path exercises measurement, fit and data file end to end (its numbers mean nothing)
+    out = tmp_path / "cpu_gemm.json"
+    data = cal.main(["--cpu", "--models", "qwen3-30b-a3b-debug", "--rows", "1", "16", "64", "--groups", "1", "2",
+                     "--repeats", "2", "--peak-tflops", "1", "--preset-out", str(out), "--out",
+                     str(tmp_path / "cal.jsonl"), "--no-wandb"])
+    assert set(data["provenance"]) >= {"date", "device", "torch", "triton"} and len(data["measurements"]) == 6
+    curve = load_gemm_calibration(out, "qwen3-30b-a3b-debug")
+    assert 0 < curve.eff_max <= 1 and curve.m_half >= 0 and "calibrated" in curve.source
+    with pytest.raises(FileExistsError):
+        cal.main(["--cpu", "--peak-tflops", "1", "--preset-out", str(out), "--no-wandb"])
