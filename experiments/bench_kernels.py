@@ -1,0 +1,415 @@
+"""Benchmark the kernels of ``lrmoe.kernels``: compaction and the variable-size grouped GEMM.
+
+CPU part (always; the torch path, which the layers use on CPU):
+  * compaction: pack / unpack bandwidth as a fraction of a plain copy of the same bytes;
+  * grouped GEMM: forward, dX and dW throughput as a fraction of one dense matmul of the same FLOPs;
+  * a small check that the interpreted Triton kernels agree with the torch path.
+GPU part (only when CUDA is available; compiled Triton):
+  * compaction: effective bandwidth as a fraction of the HBM peak (goal >= 0.8) and of a device copy;
+  * grouped GEMM in bf16: Triton throughput against torch's grouped_mm (goal >= 0.9) and a dense matmul;
+  * correctness of the bf16 paths against torch.
+Every ratio compares two measurements of the same run (interleaved repeats, medians).
+
+    python experiments/bench_kernels.py                        # -> outputs/bench_kernels.jsonl
+    python experiments/bench_kernels.py --quick --overwrite    # smaller shapes, fewer repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # before any kernel module imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _import_kernels():
+    """``lrmoe.kernels``; from a plain checkout (package not installed) map it to the ``kernels/`` folder."""
+    try:
+        import lrmoe.kernels as kernels
+    except ModuleNotFoundError:
+        spec = importlib.util.spec_from_file_location("lrmoe.kernels", ROOT / "kernels" / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT / "kernels")])
+        kernels = importlib.util.module_from_spec(spec)
+        sys.modules["lrmoe.kernels"] = kernels
+        spec.loader.exec_module(kernels)
+    return kernels
+
+
+kernels = _import_kernels()
+from lrmoe.config import cluster_preset, model_preset  # noqa: E402
+from lrmoe.kernels.compact import compact_plan, pack, unpack  # noqa: E402
+from lrmoe.kernels.grouped_gemm import grouped_mm, swiglu_experts  # noqa: E402
+from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
+
+GPU_PRESETS = [("H200", "h200x8"), ("A100-SXM4-80GB", "a100-80gb-x16"), ("A100", "a100-40gb-x8")]
+BW_GOAL, GEMM_GOAL = 0.8, 0.9
+
+
+# --------------------------------------------------------------------------------------------------------------
+# timing
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, cuda: bool) -> dict:
+    """Median milliseconds of each function, the functions run in turn within every repeat (so drift on a
+    shared machine hits all alike). CUDA events on a GPU, wall clock on CPU."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def group_sizes(M: int, E: int, gen: torch.Generator) -> list[int]:
+    """M rows split over E groups with Dirichlet(1) popularity (normalised exponentials: Gini about 0.5, the
+    skewed end of DESIGN.md's range; some groups may come out empty)."""
+    probs = -torch.log(torch.rand(E, generator=gen, dtype=torch.float64).clamp_min(1e-12))
+    idx = torch.multinomial(probs / probs.sum(), M, replacement=True, generator=gen)
+    return torch.bincount(idx, minlength=E).tolist()
+
+
+def routing(T: int, k: int, N: int, E: int, keep_frac: float, gen: torch.Generator, device):
+    P = T * k
+    dest_P = torch.randint(0, N, (P,), generator=gen)
+    expert_P = torch.randint(0, E, (P,), generator=gen)
+    keep_P = torch.rand(P, generator=gen) < keep_frac
+    return dest_P.to(device), expert_P.to(device), keep_P.to(device)
+
+
+def device_generator(gen: torch.Generator, device) -> torch.Generator:
+    """A generator on ``device`` seeded from ``gen``: device tensors drawn where they live, reproducibly."""
+    return torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# measurements (shared by both parts; `backend` and `device` decide which)
+
+
+def bench_compaction(T, k, D, N, E, keep_frac, dtype, device, backends, repeats, warmup, gen):
+    """Pack (rows per pair: the backward dispatch; rows per token: the forward dispatch) and the weighted unpack
+    (the combine) on each backend, against a plain copy of the packed bytes, all on one routing."""
+    cuda = device.type == "cuda"
+    dest, expert, keep = routing(T, k, N, E, keep_frac, gen, device)
+    t0 = time.perf_counter()
+    plan = compact_plan(dest, expert, N, E, keep, top_k=k)
+    if cuda:
+        torch.cuda.synchronize()
+    plan_ms = (time.perf_counter() - t0) * 1e3
+    M, P, elt = plan.num_packed, T * k, torch.empty(0, dtype=dtype).element_size()
+    dg = device_generator(gen, device)
+    rows_PD = torch.randn(P, D, device=device, generator=dg).to(dtype)
+    x_TD = torch.randn(T, D, device=device, generator=dg).to(dtype)
+    w_P = torch.rand(P, device=device, generator=dg)
+    packed_MD = pack(rows_PD, plan, backend="torch")
+    src_MD = packed_MD.clone()
+    fns = {("copy", "torch"): lambda: src_MD.clone()}  # allocates its output, as pack and unpack do
+    for b in backends:
+        fns[("pack_pairs", b)] = lambda b=b: pack(rows_PD, plan, backend=b)
+        fns[("pack_tokens", b)] = lambda b=b: pack(x_TD, plan, backend=b)
+        fns[("unpack_tokens", b)] = lambda b=b: unpack(packed_MD, plan, w_P, backend=b)
+    ms = interleaved_medians(fns, repeats, warmup, cuda)
+    bytes_ = {"copy": 2 * M * D * elt, "pack_pairs": 2 * M * D * elt, "pack_tokens": 2 * M * D * elt,
+              "unpack_tokens": (M + T) * D * elt}  # bytes that must move: read each packed row, write its copy
+    copy_gbps = bytes_["copy"] / ms[("copy", "torch")] / 1e6
+    shape = f"T={T} k={k} D={D} N={N} E={E} keep={keep_frac} M={M} {str(dtype).replace('torch.', '')}"
+    records = [{"op": "compact_plan", "impl": "torch", "shape": shape, "median_ms": plan_ms}]
+    for (op, impl), t in ms.items():
+        gbps = bytes_[op] / t / 1e6
+        records.append({"op": op, "impl": impl, "shape": shape, "median_ms": t, "gbps": gbps,
+                        "ratio_vs_copy": gbps / copy_gbps})
+    return records
+
+
+def bench_grouped_gemm(M, K, N, E, dtype, device, backend, repeats, warmup, gen, torch_grouped: bool):
+    """Forward, dX and dW of the grouped GEMM against one dense matmul of the same FLOPs (and, on a GPU,
+    against torch's grouped_mm on the same operands). Weights are stored [E, N, K] and used transposed."""
+    cuda = device.type == "cuda"
+    sizes = group_sizes(M, E, gen)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
+    dg = device_generator(gen, device)
+    x_MK = torch.randn(M, K, device=device, generator=dg).to(dtype)
+    dy_MN = torch.randn(M, N, device=device, generator=dg).to(dtype)
+    w_ENK = (torch.randn(E, N, K, device=device, generator=dg) / K ** 0.5).to(dtype)
+    w_EKN = w_ENK.transpose(1, 2)
+    dense_w_KN = w_EKN[0]
+    from lrmoe.kernels.grouped_gemm import _mm, _mm_dw
+
+    ops = {
+        "fwd": (lambda: _mm(x_MK, w_EKN, offs, backend), lambda: x_MK @ dense_w_KN,
+                lambda: torch.nn.functional.grouped_mm(x_MK, w_EKN, offs=offs)),
+        "dx": (lambda: _mm(dy_MN, w_ENK, offs, backend), lambda: dy_MN @ dense_w_KN.t(),
+               lambda: torch.nn.functional.grouped_mm(dy_MN, w_ENK, offs=offs)),
+        "dw": (lambda: _mm_dw(x_MK, dy_MN, offs, E, backend), lambda: x_MK.t() @ dy_MN,
+               lambda: torch.nn.functional.grouped_mm(x_MK.t(), dy_MN, offs=offs)),
+    }
+    shape = f"M={M} K={K} N={N} E={E} max/mean={max(sizes) * E / M:.2f} empty={sizes.count(0)}"
+    flops = 2 * M * K * N
+    records = []
+    for op, (grouped, dense, torch_g) in ops.items():
+        fns = {"grouped": grouped, "dense": dense}
+        if torch_grouped:
+            fns["torch_grouped"] = torch_g
+        ms = interleaved_medians(fns, repeats, warmup, cuda)
+        rec = {"op": f"grouped_mm_{op}", "impl": backend, "shape": shape, "median_ms": ms["grouped"],
+               "tflops": flops / ms["grouped"] / 1e9, "dense_ms": ms["dense"],
+               "dense_tflops": flops / ms["dense"] / 1e9, "ratio_vs_dense": ms["dense"] / ms["grouped"]}
+        if torch_grouped:
+            rec.update(torch_grouped_ms=ms["torch_grouped"], torch_grouped_tflops=flops / ms["torch_grouped"] / 1e9,
+                       ratio_vs_torch_grouped=ms["torch_grouped"] / ms["grouped"])
+        records.append(rec)
+    return records
+
+
+# --------------------------------------------------------------------------------------------------------------
+# correctness checks
+
+
+def check_interpreter_small(gen) -> list[dict]:
+    """The interpreted Triton kernels against the torch path on small CPU shapes (float32)."""
+    records = []
+    dest, expert, keep = routing(13, 2, 3, 4, 0.7, gen, "cpu")
+    plan = compact_plan(dest, expert, 3, 4, keep, top_k=2)
+    x = torch.randn(13, 37, generator=gen)
+    w = torch.rand(26, generator=gen)
+    p_t, p_i = pack(x, plan, backend="torch"), pack(x, plan, backend="interpret")
+    u_t, u_i = unpack(p_t, plan, w, backend="torch"), unpack(p_t, plan, w, backend="interpret")
+    records.append({"op": "check_pack_interpret", "exact": bool(torch.equal(p_t, p_i))})
+    records.append({"op": "check_unpack_interpret", "exact": bool(torch.equal(u_t, u_i))})
+    offs = torch.tensor([5, 5, 21, 24], dtype=torch.int32)
+    xg, wg = torch.randn(24, 20, generator=gen), torch.randn(4, 20, 24, generator=gen)
+    err = rel_err(grouped_mm(xg, wg, offs, backend="interpret"), grouped_mm(xg, wg, offs, backend="torch"))
+    records.append({"op": "check_grouped_mm_interpret", "rel_err": err, "ok": err < 1e-5})
+    return records
+
+
+def check_bf16_paths(device, gen, D, F, E, M, T, k, backend="triton", dtype=torch.bfloat16) -> list[dict]:
+    """bf16 on the GPU: Triton against torch (exact for copies; relative error for sums and GEMMs), plus a
+    float32 reference for the GEMMs. (``backend``/``dtype`` let the tests run this on CPU, interpreted.)"""
+    records = []
+    tag = f"{backend}_{str(dtype).replace('torch.', '')}"
+    dest, expert, keep = routing(T, k, 8, E, 0.7, gen, device)
+    plan = compact_plan(dest, expert, 8, E, keep, top_k=k)
+    dg = device_generator(gen, device)
+    x = torch.randn(T, D, device=device, generator=dg).to(dtype)
+    w = torch.rand(T * k, device=device, generator=dg)
+    p_t, p_g = pack(x, plan, backend="torch"), pack(x, plan, backend=backend)
+    records.append({"op": "check_pack", "impl": tag, "vs": "torch", "exact": bool(torch.equal(p_t, p_g))})
+    u_t, u_g = unpack(p_t, plan, w, backend="torch"), unpack(p_t, plan, w, backend=backend)
+    err = rel_err(u_g, u_t)
+    records.append({"op": "check_unpack", "impl": tag, "vs": "torch", "exact": bool(torch.equal(u_t, u_g)),
+                    "rel_err": err, "ok": err < 1e-2})
+    sizes = group_sizes(M, E, gen)
+    sizes[0] = 0  # an empty group
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
+    Mv = int(sum(sizes))
+    # rows past offs[-1] come out zero, an empty group's weight gradient is zero, the rest matches torch
+    xt = torch.randn(Mv + 5, D, device=device, generator=dg).to(dtype).requires_grad_()
+    wt = (torch.randn(E, D, F, device=device, generator=dg) / D ** 0.5).to(dtype).requires_grad_()
+    yt = grouped_mm(xt, wt, offs, backend=backend)
+    yt.float().sum().backward()
+    ref = torch.nn.functional.grouped_mm(xt.detach()[:Mv], wt.detach(), offs=offs)
+    err = rel_err(yt[:Mv].detach(), ref)
+    records.append({"op": "check_grouped_mm_tail_and_empty", "impl": tag, "vs": "torch",
+                    "rel_err": err, "ok": bool(err < 1e-2 and (yt[Mv:] == 0).all() and (wt.grad[0] == 0).all()
+                                               and (xt.grad[Mv:] == 0).all())})
+    xs = [torch.randn(Mv, D, device=device, generator=dg) * 0.5]
+    ws = [torch.randn(E, D, F, device=device, generator=dg) / D ** 0.5,
+          torch.randn(E, D, F, device=device, generator=dg) / D ** 0.5,
+          torch.randn(E, F, D, device=device, generator=dg) / F ** 0.5]
+    up = torch.randn(Mv, D, device=device, generator=dg)
+    results = {}
+    for name, dt, b in [("fp32", torch.float32, "torch"), ("torch", dtype, "torch"), (tag, dtype, backend)]:
+        args = [t.to(dt).clone().requires_grad_() for t in xs + ws]
+        y = swiglu_experts(*args, offs, backend=b)
+        (y.float() * up).sum().backward()
+        results[name] = [y.detach()] + [a.grad for a in args]
+    names = ["y", "dx", "dw_gate", "dw_up", "dw_down"]
+    for impl, vs in [("torch", "fp32"), (tag, "fp32"), (tag, "torch")]:
+        for name, got, ref in zip(names, results[impl], results[vs]):
+            err = rel_err(got, ref)
+            records.append({"op": f"check_swiglu_{name}", "impl": impl, "vs": vs, "rel_err": err, "ok": err < 2e-2})
+    return records
+
+
+# --------------------------------------------------------------------------------------------------------------
+# report
+
+
+def markdown(rows: list[dict], columns: list[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return "" if v is None else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def hbm_peak_gbps(args) -> tuple[float | None, str]:
+    if args.hbm_peak_gbs:
+        return args.hbm_peak_gbs, "--hbm-peak-gbs"
+    name = torch.cuda.get_device_name(0)
+    for fragment, preset in GPU_PRESETS:
+        if fragment in name:
+            return cluster_preset(preset).hbm_bw / 1e9, f"cluster preset {preset}"
+    return None, f"unknown GPU {name!r}: pass --hbm-peak-gbs"
+
+
+def with_peak(records: list[dict], peak_gbps: float | None) -> list[dict]:
+    """Add each bandwidth's fraction of the HBM peak."""
+    for r in records:
+        if peak_gbps and "gbps" in r:
+            r["frac_hbm_peak"] = r["gbps"] / peak_gbps
+    return records
+
+
+def run_part(part: str, fn, run, log: list[dict]) -> None:
+    """Run one measurement function, logging its records; an exception is logged and reported, not raised."""
+    try:
+        records = fn()
+    except Exception as exc:  # an unattended GPU run should report every part it can
+        records = [{"op": "error", "error": f"{type(exc).__name__}: {exc}"}]
+        traceback.print_exc()
+    for rec in records:
+        rec = {"part": part, **rec}
+        run.log(rec)
+        log.append(rec)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repeats")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (median)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--skip-gpu", action="store_true", help="CPU part only, even with a GPU")
+    parser.add_argument("--hbm-peak-gbs", type=float, default=None, help="HBM peak in GB/s (default: from the GPU "
+                        "name via the cluster presets)")
+    add_tracking_args(parser, "outputs/bench_kernels.jsonl")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    repeats = args.repeats or (5 if args.quick else 11)
+    gen = torch.Generator().manual_seed(args.seed)
+    gpu = torch.cuda.is_available() and not args.skip_gpu
+    use_wandb = not args.no_wandb and importlib.util.find_spec("wandb") is not None
+    log: list[dict] = []
+    qwen, glm = model_preset("qwen3-30b-a3b"), model_preset("glm-4.5-air")
+    with Tracker("bench_kernels", config=vars(args), results=args.out, overwrite=args.overwrite,
+                 resume=args.resume, seed=args.seed, wandb=use_wandb) as run:
+        cpu = torch.device("cpu")
+        # CPU: the torch path, float32, shapes a 2-core machine measures in seconds.
+        T, D = (1024, 256) if args.quick else (2048, 512)
+        run_part("cpu", lambda: bench_compaction(T, 8, D, 8, 4, 0.7, torch.float32, cpu, ["torch"], repeats, 2, gen),
+                 run, log)
+        M, K, N = (2048, 256, 192) if args.quick else (4096, 512, 384)
+        for E in (8, 32):
+            run_part("cpu", lambda: bench_grouped_gemm(M, K, N, E, torch.float32, cpu, "torch", repeats, 2, gen,
+                                                       torch_grouped=False), run, log)
+        if importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1":
+            run_part("cpu", lambda: check_interpreter_small(gen), run, log)
+        if gpu:
+            dev = torch.device("cuda")
+            peak, peak_src = hbm_peak_gbps(args)
+            print(f"GPU: {torch.cuda.get_device_name(0)}; HBM peak {peak} GB/s ({peak_src})", flush=True)
+            gen_gpu = torch.Generator().manual_seed(args.seed)
+            run_part("gpu", lambda: check_bf16_paths(dev, gen_gpu, qwen.hidden, qwen.expert_ffn, 16, 4096, 2048,
+                                                     qwen.top_k), run, log)
+            T = 8192 if args.quick else 16384
+            for D in [glm.hidden] if args.quick else [qwen.hidden, glm.hidden]:
+                run_part("gpu", lambda: with_peak(bench_compaction(T, 8, D, 8, 16, 0.7, torch.bfloat16, dev,
+                                                                   ["triton", "torch"], repeats, 3, gen_gpu), peak),
+                         run, log)
+            for cfg in [glm] if args.quick else [qwen, glm]:
+                for K, N in [(cfg.hidden, cfg.expert_ffn), (cfg.expert_ffn, cfg.hidden)]:  # gate/up, then down
+                    run_part("gpu", lambda: [dict(r, model=cfg.name) for r in bench_grouped_gemm(
+                        16384, K, N, 16, torch.bfloat16, dev, "triton", repeats, 3, gen_gpu, torch_grouped=True)],
+                        run, log)
+        summary = summarise(log, gpu)
+        run.log_summary(summary)
+    report(log, summary, gpu)
+    return log
+
+
+def summarise(log: list[dict], gpu: bool) -> dict:
+    def pick(part, op, key, impl=None):
+        vals = [r[key] for r in log if r.get("part") == part and r.get("op") == op and key in r
+                and (impl is None or r.get("impl") == impl)]
+        return min(vals) if vals else None
+
+    s = {"gpu_part_ran": gpu,
+         "cpu_plan_ms": pick("cpu", "compact_plan", "median_ms"),
+         "cpu_pack_pairs_vs_copy": pick("cpu", "pack_pairs", "ratio_vs_copy"),
+         "cpu_pack_tokens_vs_copy": pick("cpu", "pack_tokens", "ratio_vs_copy"),
+         "cpu_unpack_tokens_vs_copy": pick("cpu", "unpack_tokens", "ratio_vs_copy"),
+         "cpu_grouped_fwd_vs_dense_min": pick("cpu", "grouped_mm_fwd", "ratio_vs_dense"),
+         "cpu_grouped_dx_vs_dense_min": pick("cpu", "grouped_mm_dx", "ratio_vs_dense"),
+         "cpu_grouped_dw_vs_dense_min": pick("cpu", "grouped_mm_dw", "ratio_vs_dense")}
+    if gpu:
+        s.update({"gpu_pack_pairs_frac_hbm_min": pick("gpu", "pack_pairs", "frac_hbm_peak", "triton"),
+                  "gpu_pack_tokens_frac_hbm_min": pick("gpu", "pack_tokens", "frac_hbm_peak", "triton"),
+                  "gpu_unpack_frac_hbm_min": pick("gpu", "unpack_tokens", "frac_hbm_peak", "triton"),
+                  "gpu_copy_frac_hbm_min": pick("gpu", "copy", "frac_hbm_peak", "torch"),
+                  "gpu_pack_pairs_vs_copy_min": pick("gpu", "pack_pairs", "ratio_vs_copy", "triton"),
+                  "gpu_grouped_fwd_vs_torch_min": pick("gpu", "grouped_mm_fwd", "ratio_vs_torch_grouped"),
+                  "gpu_grouped_dx_vs_torch_min": pick("gpu", "grouped_mm_dx", "ratio_vs_torch_grouped"),
+                  "gpu_grouped_dw_vs_torch_min": pick("gpu", "grouped_mm_dw", "ratio_vs_torch_grouped"),
+                  "gpu_checks_failed": [f"{r['op']}:{r.get('impl', '')}" for r in log if r.get("part") == "gpu"
+                                        and (r.get("ok") is False or r.get("exact") is False and "ok" not in r)],
+                  "errors": [r["error"] for r in log if "error" in r]})
+    return s
+
+
+def report(log: list[dict], summary: dict, gpu: bool) -> None:
+    cols_c = ["part", "impl", "op", "shape", "median_ms", "gbps", "ratio_vs_copy", "frac_hbm_peak"]
+    cols_g = ["part", "model", "impl", "op", "shape", "median_ms", "tflops", "dense_tflops", "ratio_vs_dense",
+              "torch_grouped_tflops", "ratio_vs_torch_grouped"]
+    cols_k = ["part", "op", "impl", "vs", "exact", "rel_err", "ok", "error"]
+    comp = [r for r in log if "gbps" in r or r.get("op") == "compact_plan"]
+    gemm = [r for r in log if "tflops" in r]
+    checks = [r for r in log if r.get("op", "").startswith("check") or "error" in r]
+    print("\n## Compaction\n\n" + markdown(comp, cols_c))
+    print("\n## Grouped GEMM (ratio > 1: faster than the comparison)\n\n" + markdown(gemm, cols_g))
+    print("\n## Correctness\n\n" + markdown(checks, cols_k))
+    print("\n## Summary\n\n" + markdown([{"metric": k, "value": v} for k, v in summary.items()],
+                                        ["metric", "value"]))
+    if gpu:
+        print(f"\ngoals: compaction >= {BW_GOAL} of HBM peak; grouped GEMM >= {GEMM_GOAL} of torch's grouped_mm")
+    else:
+        print("\nGPU part: not run (no CUDA device)")
+
+
+if __name__ == "__main__":
+    main()
