@@ -75,9 +75,109 @@ def trace_skew(path: str | Path):
     return fig, data
 
 
+MAIN_SYSTEMS = ["ep-dropless", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe"]
+# LRMoE minus one component each (ablate.py's names) and what the component is
+COMPONENTS = {"lrmoe-no-memplace": "memory-aware placement", "lrmoe-no-bwd-routing": "backward routing",
+              "lrmoe-no-quotas": "retention quotas", "lrmoe-padded": "compaction"}
+SPLIT = ["forward_ms_per_layer", "backward_ms_per_layer", "communication_ms_per_layer", "sync_ms_per_layer"]
+
+
+def ablation_slice(path: str | Path) -> pd.DataFrame:
+    """The simulator's records of one (ranks, memory budget) setting: the one where most cells fit, the smaller
+    budget on ties (the memory-constrained case)."""
+    data = records(path)
+    data = data[data.fits.astype(bool)]
+    if data.empty:
+        raise ValueError(f"{path}: no simulated setting fits in memory")
+    score = data.groupby(["ranks", "mem_gb"]).size().reset_index(name="n")
+    best = score.sort_values(["n", "mem_gb", "ranks"], ascending=[False, True, False]).iloc[0]
+    return data[(data.ranks == best.ranks) & (data.mem_gb == best.mem_gb)].copy()
+
+
+def layer_time(path: str | Path):
+    """MoE-layer time per iteration, LRMoE against SYMI and the baselines, per model and skew, split into
+    forward, backward, communication and sync (stacked)."""
+    data = ablation_slice(path)
+    data = data[data.system.isin(MAIN_SYSTEMS)]
+    data = data[["model", "skew", "system", "ranks", "mem_gb", *SPLIT, "time_ms_per_layer"]].reset_index(drop=True)
+    models = list(dict.fromkeys(data.model))
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 3.6), squeeze=False)
+    colors = sns.color_palette("Set2", len(SPLIT))
+    for ax, model in zip(axes[0], models):
+        part = data[data.model == model]
+        labels = [f"{sys_}\ns={skew:g}" for skew, sys_ in zip(part['skew'], part.system)]
+        bottom = None
+        for color, col in zip(colors, SPLIT):
+            values = part[col].to_numpy()
+            ax.bar(range(len(part)), values, bottom=bottom, color=color, label=col.split("_")[0])
+            bottom = values if bottom is None else bottom + values
+        ax.set_xticks(range(len(part)), labels, rotation=90, fontsize=6)
+        ax.set(title=f"{model}: {int(part.ranks.iloc[0])} GPUs, {part.mem_gb.iloc[0]:g} GB MoE budget",
+               ylabel="ms per MoE layer per iteration")
+    axes[0][0].legend(loc="upper left")
+    fig.suptitle("MoE-layer time (simulated): LRMoE against SYMI and baselines, across routing skew")
+    fig.tight_layout()
+    return fig, data
+
+
+def ablation_waterfall(path: str | Path, model: str | None = None):
+    """From SYMI-dropless to LRMoE at the highest skew: what each LRMoE component saves (the time of LRMoE minus
+    that component, less LRMoE's), and the rest (placement and forward routing differences)."""
+    data = ablation_slice(path)
+    model = model or data.model.iloc[0]
+    cell = data[(data.model == model) & (data['skew'] == data[data.model == model]["skew"].max())]
+    time = cell.set_index("system")["time_ms_per_layer"]
+    steps = [("SYMI-dropless", float(time["symi-dropless"]))]
+    saved = 0.0
+    for system, label in COMPONENTS.items():
+        if system in time:
+            delta = float(time[system] - time["lrmoe"])
+            steps.append((label, -delta))
+            saved += delta
+    steps.append(("rest", float(time["lrmoe"] - time["symi-dropless"]) + saved))
+    steps.append(("LRMoE", float(time["lrmoe"])))
+    table = pd.DataFrame(steps, columns=["step", "ms"])
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    level = 0.0
+    for i, (label, value) in enumerate(steps):
+        if i in (0, len(steps) - 1):
+            ax.bar(i, value, color="#1f77b4" if i == 0 else "#d62728")
+            level = value
+        else:
+            ax.bar(i, value, bottom=level, color="#2ca02c" if value < 0 else "#ff7f0e")
+            level += value
+    ax.set_xticks(range(len(steps)), [s for s, _ in steps], rotation=30, ha="right")
+    ax.set(ylabel="ms per MoE layer per iteration",
+           title=f"Ablation waterfall, {model}, Zipf s={cell['skew'].iloc[0]:g} (simulated)")
+    fig.tight_layout()
+    return fig, table
+
+
+def bytes_memory(path: str | Path):
+    """All-to-all and sync traffic, and peak memory per rank, per system and skew."""
+    data = ablation_slice(path)
+    data = data[data.system.isin(MAIN_SYSTEMS)]
+    data = data[["model", "skew", "system", "a2a_gb_per_layer", "sync_gb_per_layer", "peak_mem_gb"]].reset_index(
+        drop=True)
+    cols = ["a2a_gb_per_layer", "sync_gb_per_layer", "peak_mem_gb"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    colors = style.palette(MAIN_SYSTEMS)
+    for ax, col in zip(axes, cols):
+        sns.lineplot(data, x="skew", y=col, hue="system", style="model", marker="o", ax=ax, palette=colors,
+                     legend=col == cols[-1])
+        ax.set(xlabel="Zipf s", ylabel=col.replace("_", " "))
+    axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.suptitle("Bytes and memory (simulated)")
+    fig.tight_layout()
+    return fig, data
+
+
 # name -> (results file stem, figure function)
 FIGURES = {
     "fidelity": ("metric_fidelity", fidelity),
     "convergence": ("convergence", convergence),
     "trace_skew": ("trace_stats", trace_skew),
+    "layer_time": ("ablate", layer_time),
+    "ablation_waterfall": ("ablate", ablation_waterfall),
+    "bytes_memory": ("ablate", bytes_memory),
 }

@@ -29,7 +29,19 @@ SAMPLES = {
                      "time_s": 0.001 * s} for p in ("static-ep", "lrmoe-m2") for s in (1, 2, 3)],
     "trace_stats": [{"trace": "zipf 0.4", "gini_mean": 0.22, "max_over_mean_mean": 3.9, "source": "synthetic"},
                     {"trace": "recorded", "gini_mean": 0.35, "max_over_mean_mean": 2.5, "source": "recorded"}],
+    "ablate": [{"model": "qwen3-30b-a3b", "ranks": 8, "mem_gb": 40.0, "skew": skew, "system": system, "fits": True,
+                "forward_ms_per_layer": 10.0 + i, "backward_ms_per_layer": 20.0 + i + skew,
+                "communication_ms_per_layer": 5.0 + 2 * i, "sync_ms_per_layer": 1.0 + 0.5 * i,
+                "time_ms_per_layer": 36.0 + 4.5 * i + skew, "a2a_gb_per_layer": 3.0 + i, "sync_gb_per_layer": 0.5 + i,
+                "peak_mem_gb": 20.0 + i}
+               for skew in (0.4, 0.8)
+               for i, system in enumerate(["ep-dropless", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe",
+                                           "lrmoe-no-memplace", "lrmoe-no-bwd-routing", "lrmoe-no-quotas",
+                                           "lrmoe-padded"])],
 }
+
+
+DERIVED = {"ablation_waterfall"}
 
 
 @pytest.mark.parametrize("name", sorted(figures.FIGURES))
@@ -38,6 +50,8 @@ def test_figure_plots_the_values_of_its_results_file(name, tmp_path):
     if stem not in SAMPLES:
         pytest.skip(f"no sample results for {stem}")  # pragma: no cover - every figure has a sample below
     rows = SAMPLES[stem]
+    if name in DERIVED:
+        pytest.skip("derived values: checked by its own test")
     fig, data = draw(write_results(tmp_path / f"{stem}.jsonl", rows))
     value_cols = [c for c in data.columns if data[c].dtype.kind == "f"]
     plotted = sorted(round(v, 9) for c in value_cols for v in data[c])
@@ -60,3 +74,14 @@ def test_make_all_writes_png_and_pdf_for_every_figure_with_results(tmp_path):
     assert set(made) == {n for n, (stem, _) in figures.FIGURES.items() if stem in SAMPLES}
     for paths in made.values():
         assert {p.suffix for p in paths} == {".png", ".pdf"} and all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_waterfall_goes_from_symi_to_lrmoe_through_each_components_saving(tmp_path):
+    rows = SAMPLES["ablate"]
+    fig, table = figures.ablation_waterfall(write_results(tmp_path / "ablate.jsonl", rows))
+    at = {r["system"]: r["time_ms_per_layer"] for r in rows if r["skew"] == 0.8}
+    steps = dict(zip(table.step, table.ms))
+    assert steps["SYMI-dropless"] == at["symi-dropless"] and steps["LRMoE"] == at["lrmoe"]
+    assert steps["retention quotas"] == pytest.approx(at["lrmoe"] - at["lrmoe-no-quotas"])
+    # the bars in between add up from SYMI-dropless to LRMoE
+    assert sum(table.ms.iloc[1:-1]) == pytest.approx(at["lrmoe"] - at["symi-dropless"])
