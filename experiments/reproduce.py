@@ -28,17 +28,31 @@ class Stage:
     script: str
     quick: list[str] = field(default_factory=list)
     full: list[str] = field(default_factory=list)
+    table: int = -1  # which Markdown table of the stage's output goes into the summary (its headline)
 
 
 STAGES = [
     Stage("trace_stats", "experiments/trace_stats.py",
           quick=["--steps", "10", "--layers", "4"], full=["--steps", "100", "--layers", "48"]),
+    Stage("metric_fidelity", "experiments/metric_fidelity.py", quick=[], full=["--draws", "16", "--tokens", "2048"],
+          table=-2),
+    Stage("ablate", "experiments/ablate.py", quick=["--quick"], full=[]),
+    Stage("convergence", "experiments/convergence.py", quick=["--quick"], full=[]),
 ]
 
 
-def markdown_tables(text: str) -> str:
-    """The Markdown table lines a stage printed."""
-    return "\n".join(line for line in text.splitlines() if line.startswith("|"))
+def markdown_tables(text: str, which: int = -1) -> str:
+    """The ``which``-th Markdown table a stage printed (default the last: experiments print the headline last)."""
+    blocks, current = [], []
+    for line in text.splitlines():
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            blocks.append(current)
+            current = []
+    if current:
+        blocks.append(current)
+    return "\n".join(blocks[which]) if len(blocks) >= abs(which) else ""
 
 
 def main(argv=None) -> int:
@@ -80,9 +94,16 @@ def main(argv=None) -> int:
         if proc.returncode:
             print(f"error: stage {stage.name} failed with exit status {proc.returncode}", file=sys.stderr)
             return proc.returncode
-        section = f"{markdown_tables(proc.stdout)}\n\n({time.time() - t0:.0f} s; results: {results.name})"
+        section = f"{markdown_tables(proc.stdout, stage.table)}\n\n({time.time() - t0:.0f} s; results: {results.name})"
         done.write_text(section)
         summary += [f"## {stage.name}", "", section, ""]
+    if not args.only or "figures" in args.only:
+        sys.path.insert(0, str(ROOT / "paper_figures"))
+        import make_all
+
+        print("== figures", flush=True)
+        made = make_all.make_all(out, out / "figures")
+        summary += ["## figures", "", *[f"* {name}: {paths[0].relative_to(out)}" for name, paths in made.items()], ""]
     summary.append(f"Total wall time: {time.time() - started:.0f} s.")
     (out / "SUMMARY.md").write_text("\n".join(summary) + "\n")
     print("\n".join(summary))
