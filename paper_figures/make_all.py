@@ -17,6 +17,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")  # files only; notebooks importing figures keep their inline backend
 import figures  # noqa: E402
 import style  # noqa: E402
 

@@ -1,0 +1,105 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Each LRMoE component against SYMI
+#
+# LRMoE is four mechanisms on one replica substrate: memory-aware placement, dropless forward routing spread over
+# replicas, retention quotas that trim the backward, backward replica routing, and compaction of the backward
+# packets. This notebook removes one at a time and compares the MoE-layer time with SYMI (paper-faithful
+# SYMI-cf1, which drops overflow tokens, and SYMI-dropless, the fair comparison for a dropless forward).
+#
+# * **Simulator** (paper scale: Qwen3-30B-A3B and GLM-4.5-Air on A100-40GB nodes): `experiments/ablate.py`, the
+#   same planner code as the real layer on synthetic routing traces, priced by the cost model.
+# * **Measured** (4 gloo ranks on this CPU): `experiments/layer_bench.py`, the real distributed layer.
+#
+# Both are read from `outputs/quick/` (written by `make reproduce`) when present; otherwise (and in the tests'
+# small mode) a small simulator sweep runs here.
+
+# %%
+import os
+import sys
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+
+ROOT = Path.cwd().resolve().parent if Path.cwd().name == "notebooks" else Path.cwd().resolve()
+sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT / "paper_figures"))
+import ablate  # noqa: E402
+import figures  # noqa: E402
+import style  # noqa: E402
+
+# %matplotlib inline
+
+QUICK = os.environ.get("LRMOE_NOTEBOOK_QUICK") == "1"
+OUT = Path(os.environ.get("LRMOE_NOTEBOOK_OUT", ROOT / "outputs" / "notebooks"))
+RESULTS = ROOT / "outputs" / "quick"
+sim_path = RESULTS / "ablate.jsonl"
+if QUICK or not sim_path.exists():
+    sim_path = OUT / "ablate_notebook.jsonl"
+    ablate.main(["--models", "qwen3-30b-a3b", "--ranks", "16", "--skews", "0.4", "0.8", "--mem-gb", "40",
+                 "--steps", "3", "--layers", "2", "--out", str(sim_path), "--no-wandb",
+                 "--overwrite" if sim_path.exists() else "--resume"])
+style.apply()
+print("simulator results:", sim_path)
+
+# %% [markdown]
+# ## Simulator: every system, time per MoE layer and its split
+
+# %%
+sim = figures.ablation_slice(sim_path)
+cols = ["model", "skew", "system", "time_ms_per_layer", *figures.SPLIT, "drop_rate", "vs_symi_dropless",
+        "vs_symi_cf1"]
+sim[cols].sort_values(["model", "skew", "time_ms_per_layer"]).round(3)
+
+# %%
+fig, _ = figures.layer_time(sim_path)
+plt.show()
+
+# %% [markdown]
+# ## What each component buys (waterfall from SYMI-dropless to LRMoE, highest skew)
+#
+# A bar is the time LRMoE loses when that component is switched off. The metric and the selection mode do not
+# change counts, so they do not change time: their effect is on the gradient (see the `recalibration_metric`
+# notebook).
+
+# %%
+for model in sim.model.unique():
+    fig, table = figures.ablation_waterfall(sim_path, model)
+    plt.show()
+    display(table.round(2))  # noqa: F821 - IPython's display
+
+# %% [markdown]
+# ## Ratio to SYMI across skew
+
+# %%
+main = sim[sim.system.str.startswith("lrmoe")]
+ax = sns.lineplot(main, x="skew", y="vs_symi_dropless", hue="system", style="model", marker="o")
+ax.axhline(1.0, color="k", lw=0.8)
+ax.set(ylabel="time / SYMI-dropless (< 1: faster)", xlabel="Zipf s")
+ax.legend(fontsize=7, bbox_to_anchor=(1, 1))
+plt.show()
+
+# %% [markdown]
+# ## Measured on the real distributed layer (CPU, gloo)
+#
+# Read from `outputs/quick/layer_bench.jsonl` when the main job has produced it.
+
+# %%
+bench_path = RESULTS / "layer_bench.jsonl"
+if bench_path.exists() and not QUICK:
+    bench = figures.records(bench_path)
+    numeric = bench.select_dtypes("number").columns
+    display(bench.groupby("policy")[list(numeric)].median().round(3).T)  # noqa: F821
+else:
+    print("no layer-benchmark results yet: run `make reproduce` (or experiments/layer_bench.py)")

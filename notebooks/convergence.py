@@ -1,0 +1,75 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Convergence: does trimming the backward still train?
+#
+# LRMoE drops token-expert pairs from the backward pass, so its gradient is not the full gradient. This notebook
+# reads the results of `experiments/convergence.py` (the same debug model, seed and data order under each
+# policy) and compares validation loss at equal steps and at equal modelled time, beside how many backward
+# pairs LRMoE cut on the hottest rank and how many tokens SYMI-cf1 dropped.
+#
+# It reads `outputs/quick/convergence.jsonl` (written by `make reproduce`) or `outputs/full/...` if present; with
+# neither (or in the tests' small mode) it runs a short comparison itself.
+
+# %%
+import os
+import sys
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+
+ROOT = Path.cwd().resolve().parent if Path.cwd().name == "notebooks" else Path.cwd().resolve()
+sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT / "paper_figures"))
+import convergence  # noqa: E402
+import figures  # noqa: E402
+import style  # noqa: E402
+
+# %matplotlib inline
+
+QUICK = os.environ.get("LRMOE_NOTEBOOK_QUICK") == "1"
+OUT = Path(os.environ.get("LRMOE_NOTEBOOK_OUT", ROOT / "outputs" / "notebooks"))
+candidates = [ROOT / "outputs" / "full" / "convergence.jsonl", ROOT / "outputs" / "quick" / "convergence.jsonl"]
+results = next((p for p in candidates if p.exists() and not QUICK), None)
+if results is None:
+    results = OUT / "convergence_notebook.jsonl"
+    convergence.main(["--policies", "static-ep", "symi-cf1", "lrmoe-m2", "--ranks", "2", "--steps", "6",
+                      "--batch", "2", "--seq-len", "32", "--eval-every", "3", "--out", str(results), "--no-wandb",
+                      "--resume" if results.exists() else "--overwrite"])
+print("results:", results)
+
+# %% [markdown]
+# ## Curves
+
+# %%
+style.apply()
+fig, data = figures.convergence(results)
+plt.show()
+
+# %% [markdown]
+# ## At equal steps and at equal modelled time
+#
+# `vs_dropless_pct`: final validation loss relative to dropless static expert parallelism (the target is
+# within 1 %). `hot_rank_bwd_cut_pct`: backward pairs cut on the rank with the most forward pairs (target
+# ≥ 30 %). `dropped_pct`: forward tokens dropped (SYMI-cf1 only).
+
+# %%
+curves = figures.records(results).dropna(subset=["loss"]).drop_duplicates(["policy", "step"], keep="last")
+table = convergence.summarise(curves)
+table.round(3)
+
+# %%
+ax = sns.barplot(table, x="policy", y="hot_rank_bwd_cut_pct", palette=style.palette(table.policy), hue="policy")
+ax.set(ylabel="backward pairs cut on the hottest rank (%)", xlabel="")
+ax.tick_params(axis="x", rotation=30)
+plt.show()
