@@ -60,7 +60,7 @@ def make_policy(name: str, num_experts: int, num_ranks: int, extra_slots: int = 
     raise ValueError(f"unknown policy {name!r}; known: {POLICIES}")
 
 
-def build(args, rank: int, world: int):
+def build(args, rank: int, world: int, device: torch.device):
     cfg = model_preset(args.preset)
     cfg.check_divisible(world)
     groups = RangeGroups()
@@ -71,11 +71,12 @@ def build(args, rank: int, world: int):
         policy = make_policy(args.policy, cfg.num_experts, world, args.extra_slots, args.eps, args.gamma)
         placement = initial_placement(policy, world, cfg.num_experts, args.batch * cfg.seq_len * cfg.top_k)
         layer = EPMoELayer(weights, cfg.top_k, cfg.router, policy, placement, groups,
-                           routed_scaling=cfg.routed_scaling, adam=AdamConfig(lr=args.lr, weight_decay=0.0))
+                           routed_scaling=cfg.routed_scaling, adam=AdamConfig(lr=args.lr, weight_decay=0.0),
+                           device=device)
         layers.append(layer)
         return layer
 
-    model = MoETransformer(cfg, moe_factory, seed=args.seed)
+    model = MoETransformer(cfg, moe_factory, seed=args.seed).to(device)
     if args.cost_model:
         # modelled time: this run's plans priced as if every pair were a full-size pair of the model family
         # (the preset without "-debug", with this run's experts and top-k) on a node of the cluster preset
@@ -108,13 +109,14 @@ def evaluate(model, layers, data, args, world: int) -> float:
     """Mean validation loss over fixed batches (the same for every policy); leaves the layers' state as it was."""
     saved = [(layer.prev_counts_E, layer.last_dispatch) for layer in layers]
     gen = torch.Generator().manual_seed(10_000 + dist.get_rank())
-    total = torch.zeros(1, dtype=torch.float64)
+    device = next(model.parameters()).device
+    total = torch.zeros(1, dtype=torch.float64, device=device)
     with torch.no_grad():
         for _ in range(args.eval_batches):
             for layer, (prev, last) in zip(layers, saved):
                 layer.prev_counts_E, layer.last_dispatch = prev, last
             x, y = get_batch(data, args.batch, args.seq_len, gen)
-            total += model(x, y)[2].double()
+            total += model(x.to(device), y.to(device))[2].double()
     for layer, (prev, last) in zip(layers, saved):
         layer.prev_counts_E, layer.last_dispatch = prev, last
     if world > 1:
@@ -160,7 +162,9 @@ def load_checkpoint(args, step, rank, model, layers, opt, gen):
 def worker(rank: int, args) -> list[dict]:
     torch.manual_seed(args.seed)
     world = dist.get_world_size()
-    cfg, model, layers, dense, opt = build(args, rank, world)
+    # NCCL ranks own one GPU each (torchrun on a GPU cluster); gloo ranks compute on the CPU
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    cfg, model, layers, dense, opt = build(args, rank, world, device)
     corpus = load_corpus(args.data, max_bytes=args.max_bytes)
     gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
     counts: list[torch.Tensor] = []  # per step: [layers, N, E] routed pairs (the recorded trace)
@@ -186,7 +190,7 @@ def worker(rank: int, args) -> list[dict]:
         for step in range(start, args.steps):
             t0 = time.perf_counter()
             x, y = get_batch(corpus.train, args.batch, args.seq_len, gen)
-            _, infos, loss, total = model(x, y, aux_coef=args.aux_coef)
+            _, infos, loss, total = model(x.to(device), y.to(device), aux_coef=args.aux_coef)
             opt.zero_grad(set_to_none=False)
             for layer in layers:
                 layer.store.slots_SP.grad = None
@@ -196,7 +200,8 @@ def worker(rank: int, args) -> list[dict]:
             for layer in layers:
                 layer.expert_step(grad_scale=1.0 / world)
                 if cfg.router == "sigmoid_bias":  # GLM-4.5: aux-loss-free balancing of the selection bias
-                    layer.bias_E.copy_(update_expert_bias(layer.bias_E, layer.prev_counts_E, args.bias_rate))
+                    layer.bias_E.copy_(update_expert_bias(layer.bias_E, layer.prev_counts_E.to(device),
+                                                          args.bias_rate))
             elapsed = time.perf_counter() - t0
             loss_mean = loss.detach().double().reshape(1)
             if world > 1:
