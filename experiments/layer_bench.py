@@ -1,22 +1,41 @@
-"""Per-phase cost of the expert-parallel MoE layer: pairs computed, bytes sent and received, token-buffer bytes,
-wall and CPU time, per rank and phase, for each policy, on a skewed synthetic routing trace (labelled synthetic).
-The counted bytes are checked against the formulas of ``lrmoe.dist.accounting`` every iteration.
+"""The expert-parallel MoE layer, policy against policy, on the same skewed routing traces: per-rank forward and
+backward time (wall and CPU), the slowest rank, bytes per phase, buffer bytes, pairs per rank, drops, and the
+gradient error against the full gradient. Ends with the issue's three LRMoE targets, measured.
 
-    python experiments/layer_bench.py                               # 4 forked gloo ranks (CPU)
+    python experiments/layer_bench.py                               # 4 forked gloo ranks (CPU), a few minutes
+    python experiments/layer_bench.py --quick                       # about a minute
     torchrun --nproc-per-node 4 experiments/layer_bench.py --torchrun  # NCCL on GPUs, gloo on CPU
 
-The trace (``lrmoe.traces.generate_trace``, Zipf popularity with AR(1) drift, per-token Gumbel-top-k) fixes how
-many pairs each rank routes to each expert per step; the layer replays it: tokens are random vectors, their
-choices are rebuilt from the counts, and gate weights are random. One iteration = forward, backward of a random
-linear loss, data-parallel sync of the router, and the experts' optimizer step with redistribution into the next
-placement. Policies are chosen by name (:data:`POLICIES`).
+Traces: synthetic Zipf popularity with AR(1) drift and per-token Gumbel-top-k (``lrmoe.traces``), one per
+``--skew-param``, labelled synthetic; ``--trace FILE`` adds a recorded one. The layer replays a trace: the
+counts fix how many pairs each rank routes to each expert per step, tokens are random vectors, gate weights
+random. Every policy sees the same tokens at every step, and the policies take turns inside each step, in an
+order that rotates from step to step, so drifts of the machine hit them alike.
+
+Policies by name (``--policies``): the issue's six by default, and the LRMoE ablations that switch one component
+off each (lrmoe-random, lrmoe-padded, lrmoe-no-quotas, lrmoe-no-bwd-routing, lrmoe-no-placement), lrmoe-m3,
+lrmoe-m1-unbiased and capacity-cf1-gate.
+
+One iteration = forward, backward of a random linear loss, data-parallel sync of the router, the experts'
+optimizer step with redistribution into the next placement. Every policy runs the layer's recalibrated
+backward (``lrmoe.backward``); plans that keep every pair take its fast path, the autograd-equivalent one.
+Before each timed iteration an untimed one computes the *full* gradient at the same weights and inputs (every
+routed pair computed and kept, on the policy's placement): the reference for the gradient error. The counted
+bytes and pairs are checked against the formulas of ``lrmoe.dist.accounting`` every iteration.
+
+Memory: every policy gets the same per-rank budget, sized for the E/N home slots plus ``--spare-slots`` replica
+slots and the token buffers of a load of (1 + eps) times the mean. SYMI uses the spare slots as replicas;
+LRMoE derives its replica slots and its memory cap from the budget (``lrmoe.placement.MemoryModel``); static EP
+and capacity leave them empty. The table reports each policy's counted peak against the budget.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,55 +44,102 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from lrmoe.backward import BackwardConfig  # noqa: E402
 from lrmoe.config import model_preset  # noqa: E402
-from lrmoe.dist.accounting import (BYTE_PHASES, PHASES, Accountant, check_counts, expected_layer,  # noqa: E402
-                                   expected_step)
+from lrmoe.dist.accounting import (BACKWARD_PHASES, BYTE_PHASES, FORWARD_PHASES, PHASES, STEP_PHASES,  # noqa: E402
+                                   Accountant, check_counts, expected_recalibrated, expected_step)
 from lrmoe.dist.replica import RangeGroups  # noqa: E402
 from lrmoe.layer import EPMoELayer, initial_placement  # noqa: E402
+from lrmoe.placement import MemoryModel  # noqa: E402
+from lrmoe.plan import LayerPlan, no_flows  # noqa: E402
 from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi  # noqa: E402
 from lrmoe.reference import ReferenceMoE  # noqa: E402
+from lrmoe.replica_routing import route_forward  # noqa: E402
 from lrmoe.routing import RouterOutput  # noqa: E402
 from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
-from lrmoe.traces import generate_trace  # noqa: E402
+from lrmoe.traces import generate_trace, load_trace  # noqa: E402
 
-# name -> factory(experts per rank, spare slots per rank); a new policy is one more line here.
-POLICIES = {
-    "static-ep": lambda base, spare: StaticEP(),
-    "capacity-cf1": lambda base, spare: Capacity(cf=1.0),
-    "capacity-cf1-gate": lambda base, spare: Capacity(cf=1.0, drop_by="gate"),
-    "symi-dropless": lambda base, spare: Symi(slots_per_rank=base + spare, cf=None),
-    "symi-cf1": lambda base, spare: Symi(slots_per_rank=base + spare, cf=1.0),
-    # LRMoE's plans retain fewer pairs for the backward: the layer refuses them until its backward hook exists.
-    "lrmoe": lambda base, spare: LRMoE(extra_slots=spare),
-}
+ISSUE_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1", "lrmoe-m2"]
+
+
+def make_policy(name: str, base: int, spare: int, memory: MemoryModel, eps: float, gamma: float):
+    """(policy, backward config) of a policy name. ``base`` = E/N home slots, ``spare`` replica slots per rank.
+    The lrmoe-* ablations switch one component off each: random metric, padded packets, no quotas, no backward
+    routing, no replica placement."""
+    lrmoe = dict(eps=eps, gamma=gamma, extra_slots=spare, memory=memory)
+    table = {
+        "static-ep": (lambda: StaticEP(), BackwardConfig()),
+        "capacity-cf1": (lambda: Capacity(cf=1.0), BackwardConfig()),
+        "capacity-cf1-gate": (lambda: Capacity(cf=1.0, drop_by="gate"), BackwardConfig()),
+        "symi-dropless": (lambda: Symi(slots_per_rank=base + spare, cf=None), BackwardConfig()),
+        "symi-cf1": (lambda: Symi(slots_per_rank=base + spare, cf=1.0), BackwardConfig()),
+        "lrmoe-m1": (lambda: LRMoE(**lrmoe), BackwardConfig(metric="m1")),
+        "lrmoe-m2": (lambda: LRMoE(**lrmoe), BackwardConfig(metric="m2")),
+        "lrmoe-m3": (lambda: LRMoE(**lrmoe), BackwardConfig(metric="m3")),
+        "lrmoe-m1-unbiased": (lambda: LRMoE(**lrmoe), BackwardConfig(metric="m1", mode="unbiased")),
+        "lrmoe-random": (lambda: LRMoE(**lrmoe), BackwardConfig(metric="random")),
+        "lrmoe-padded": (lambda: LRMoE(**lrmoe), BackwardConfig(metric="m1", compact=False)),
+        "lrmoe-no-quotas": (lambda: LRMoE(**{**lrmoe, "quotas": False}), BackwardConfig()),
+        "lrmoe-no-bwd-routing": (lambda: LRMoE(**{**lrmoe, "backward_routing": False}), BackwardConfig()),
+        "lrmoe-no-placement": (lambda: LRMoE(**{**lrmoe, "extra_slots": 0, "memory": None}), BackwardConfig()),
+    }
+    if name not in table:
+        raise ValueError(f"unknown policy {name!r}; known: {sorted(table)}")
+    factory, backward = table[name]
+    return factory(), backward
+
+
+POLICY_NAMES = ["static-ep", "capacity-cf1", "capacity-cf1-gate", "symi-dropless", "symi-cf1", "lrmoe-m1",
+                "lrmoe-m2", "lrmoe-m3", "lrmoe-m1-unbiased", "lrmoe-random", "lrmoe-padded", "lrmoe-no-quotas",
+                "lrmoe-no-bwd-routing", "lrmoe-no-placement"]  # what make_policy knows
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+QUICK = {"tokens_per_rank": 128, "steps": 4, "warmup": 1, "hidden": 256, "ffn": 128}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=4, help="ranks of the fork launcher (ignored with --torchrun)")
     p.add_argument("--torchrun", action="store_true", help="run under torchrun (one process per rank)")
-    p.add_argument("--policies", nargs="+", default=["static-ep", "capacity-cf1"], choices=sorted(POLICIES))
-    p.add_argument("--model", default="qwen3-30b-a3b-debug", help="model preset giving D, F, E, k and the router")
+    p.add_argument("--policies", nargs="+", default=ISSUE_POLICIES, choices=POLICY_NAMES)
+    p.add_argument("--model", default="qwen3-30b-a3b-debug", help="model preset giving E, k and the router")
+    p.add_argument("--hidden", type=int, default=512, help="hidden width D (0: the preset's)")
+    p.add_argument("--ffn", type=int, default=256, help="expert width F (0: the preset's)")
     p.add_argument("--tokens-per-rank", type=int, default=256)
-    p.add_argument("--steps", type=int, default=5, help="measured iterations per policy")
+    p.add_argument("--steps", type=int, default=8, help="measured iterations per policy and trace")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured iterations before them")
     p.add_argument("--skew", default="zipf", choices=["zipf", "dirichlet"])
-    p.add_argument("--skew-param", type=float, default=0.8, help="Zipf s (0.8: hottest ~15x the mean) or α")
-    p.add_argument("--spare-slots", type=int, default=1, help="replica slots per rank beyond E/N (SYMI, LRMoE)")
+    p.add_argument("--skew-param", type=float, nargs="+", default=[0.4, 0.8],
+                   help="one synthetic trace per value: Zipf s (0.8: hottest ~15x the mean at E=128) or α")
+    p.add_argument("--trace", default=None, help="also replay a recorded trace (.npz of lrmoe.traces)")
+    p.add_argument("--trace-layer", type=int, default=0, help="which layer of the recorded trace")
+    p.add_argument("--spare-slots", type=int, default=1, help="replica slots per rank beyond E/N (the memory)")
+    p.add_argument("--eps", type=float, default=0.1, help="LRMoE's balance slack (cap = (1 + eps) x mean load)")
+    p.add_argument("--gamma", type=float, default=0.1, help="LRMoE's per-expert floor")
+    p.add_argument("--buffer-load", type=float, default=None,
+                   help="the memory budget's token buffers hold this many times the mean load (default 1 + eps); "
+                        "below that LRMoE's memory cap trims the backward, and may leave no room for a replica")
+    p.add_argument("--no-grad-error", action="store_true", help="skip the full-gradient reference iterations")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the fork launch is abandoned")
+    p.add_argument("--quick", action="store_true",
+                   help="small run for the main job: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in
+                                                                  QUICK.items()))
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the fork launch is abandoned")
     add_tracking_args(p, "outputs/layer_bench.jsonl")
     args = p.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
     for name in ("ranks", "tokens_per_rank", "steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.warmup < 0 or args.spare_slots < 0:
-        raise ValueError(f"--warmup and --spare-slots must be non-negative, got {args.warmup}, {args.spare_slots}")
+    if args.warmup < 0 or args.spare_slots < 0 or args.hidden < 0 or args.ffn < 0:
+        raise ValueError(f"--warmup, --spare-slots, --hidden and --ffn must be non-negative, got {args.warmup}, "
+                         f"{args.spare_slots}, {args.hidden}, {args.ffn}")
     return args
 
 
+# -- pieces --------------------------------------------------------------------------------------------------
 def tokens_from_counts(counts_E: torch.Tensor, num_tokens: int, top_k: int, gen: torch.Generator):
     """Per-token choices with exactly these per-expert pair counts (each ≤ num_tokens, summing to T·k) and random
     gate weights. Pairs sorted by expert are dealt round-robin to tokens, so a token's k pairs are num_tokens
@@ -88,48 +154,166 @@ def tokens_from_counts(counts_E: torch.Tensor, num_tokens: int, top_k: int, gen:
     return RouterOutput(idx_TK, (w_TK / w_TK.sum(1, keepdim=True)).float(), None)
 
 
+class FullGradient:
+    """The wrapped policy's placement with every routed pair computed and kept (split evenly over replicas when
+    the policy drops): the full gradient at the same weights, the reference of the gradient error."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.name = f"{policy.name}-full"
+
+    def plan(self, counts_NE: torch.Tensor, prev_counts_E: torch.Tensor | None = None) -> LayerPlan:
+        plan = self.policy.plan(counts_NE, prev_counts_E)
+        fwd_NG = plan.fwd_NG if not bool(plan.dropped_NE.any()) else route_forward(counts_NE, plan.placement_NS)
+        N = counts_NE.shape[0]
+        return LayerPlan(placement_NS=plan.placement_NS, fwd_NG=fwd_NG, dropped_NE=torch.zeros_like(plan.dropped_NE),
+                         keep_NG=fwd_NG.clone(), bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(N, dtype=torch.long),
+                         policy=self.name)
+
+
+def memory_model(base: int, spare: int, tokens: int, top_k: int, hidden: int, ffn: int, elem: int,
+                 buffer_load: float) -> MemoryModel:
+    """The per-rank budget every policy gets: base + spare slots (weights and gradients) plus the counted buffers
+    (forward token buffers 6D + 3F and backward packets 4D per pair, see lrmoe.dist.accounting) of a load of
+    ceil(buffer_load · mean) pairs."""
+    slot_bytes = 2 * 3 * hidden * ffn * elem
+    pair_bytes = (10 * hidden + 3 * ffn) * elem
+    planned = math.ceil(buffer_load * tokens * top_k - 1e-9)
+    return MemoryModel(budget_bytes=(base + spare) * slot_bytes + planned * pair_bytes, slot_bytes=slot_bytes,
+                       pair_bytes=pair_bytes)
+
+
+def make_traces(args, num_ranks: int, num_experts: int, top_k: int, model: str):
+    """[(label, counts_SNE [steps, N, E], tokens per rank)]: the synthetic traces, then the recorded one."""
+    steps = args.warmup + args.steps
+    out = []
+    for s in args.skew_param:
+        trace = generate_trace(steps, 1, num_ranks, num_experts, top_k, args.tokens_per_rank, skew=args.skew,
+                               skew_param=s, seed=args.seed, exact=True, model=model)
+        out.append((f"synthetic {args.skew} {s:g}", trace.counts_SLNE[:, 0], args.tokens_per_rank))
+    if args.trace:
+        trace = load_trace(args.trace)
+        counts = trace.counts_SLNE[:, args.trace_layer]
+        if counts.shape[1:] != (num_ranks, num_experts) or counts.shape[0] < steps:
+            raise ValueError(f"--trace {args.trace}: needs at least {steps} steps of [{num_ranks} ranks, "
+                             f"{num_experts} experts], got {tuple(counts.shape)}")
+        per_rank = counts[0].sum(1)
+        if bool((per_rank != per_rank[0]).any()) or int(per_rank[0]) % top_k:
+            raise ValueError(f"--trace {args.trace}: every rank must route the same number of tokens·k")
+        out.append((f"recorded {Path(args.trace).stem}", counts[:steps], int(per_rank[0]) // top_k))
+    return out
+
+
+def _reduce_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def full_gradient(layer: EPMoELayer, policy, routing, x_TD, dy_TD, grad_scale: float):
+    """Expert-gradient shards and dx of the full gradient, with no side effect on the layer (untimed)."""
+    saved = layer.accountant, layer.store.accountant, layer.prev_counts_E, layer.last_dispatch
+    layer.accountant = layer.store.accountant = None
+    try:
+        x = x_TD.clone().requires_grad_(True)
+        y, _ = layer(x, policy=FullGradient(policy), routing=routing)
+        (y * dy_TD).sum().backward()
+        layer.store.sync_replica_grads()
+        shards = layer.store.collect_grad_shards(grad_scale).clone()
+    finally:
+        layer.accountant, layer.store.accountant, layer.prev_counts_E, layer.last_dispatch = saved
+        layer.store.slots_SP.grad = None
+        for p in layer.dense_parameters():
+            p.grad = None
+    return shards, x.grad
+
+
+def gradient_errors(shards, full_shards, dx, full_dx) -> dict[str, float]:
+    """Relative error and cosine of the experts' gradient (all ranks' shards) and of dx, vs the full gradient."""
+    g, f = shards.double(), full_shards.double()
+    a, b = dx.double(), full_dx.double()
+    gg, ff, gf, dd, aa = _reduce_sum([float((g * g).sum()), float((f * f).sum()), float((g * f).sum()),
+                                      float(((g - f) ** 2).sum()), float(((a - b) ** 2).sum())])
+    bb = _reduce_sum([float((b * b).sum())])[0]
+    return {"grad_rel_err": math.sqrt(dd / ff) if ff else 0.0,
+            "grad_cos": gf / math.sqrt(gg * ff) if gg and ff else 1.0,
+            "dx_rel_err": math.sqrt(aa / bb) if bb else 0.0}
+
+
+def phase_sum(record: dict, phases, unit: str) -> float:
+    return sum(record.get(f"{p}.{unit}", 0.0) for p in phases)
+
+
 def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[dict]:
-    """Every policy on this rank: returns one record per (policy, measured step) with this rank's counters."""
+    """Every trace and policy on this rank: one record per (trace, policy, measured step) with its counters."""
     N = dist.get_world_size()
     cfg = model_preset(args.model)
-    E, D, F, K, T = cfg.num_experts, cfg.hidden, cfg.expert_ffn, cfg.top_k, args.tokens_per_rank
+    cfg = replace(cfg, hidden=args.hidden or cfg.hidden, expert_ffn=args.ffn or cfg.expert_ffn)
+    E, D, F, K = cfg.num_experts, cfg.hidden, cfg.expert_ffn, cfg.top_k
     if E % N:
         raise ValueError(f"num_experts={E} of --model {args.model} is not divisible by {N} ranks")
     dtype = DTYPES[args.dtype]
-    steps = args.warmup + args.steps
-    trace = generate_trace(steps, 1, N, E, K, T, skew=args.skew, skew_param=args.skew_param, seed=args.seed,
-                           exact=True, model=cfg.name)
-    ref = ReferenceMoE.from_config(cfg, seed=args.seed, dtype=torch.float32)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    base = E // N
+    ref = ReferenceMoE(D, F, E, K, cfg.router, seed=args.seed, dtype=torch.float32)
     groups = RangeGroups()
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    elem = torch.tensor([], dtype=dtype).element_size()
     records = []
-    for name in args.policies:
-        policy = POLICIES[name](E // N, args.spare_slots)
-        acc = Accountant(sync=sync)
-        layer = EPMoELayer(ref.export_weights(), K, cfg.router, policy, initial_placement(policy, N, E, T * K), groups,
-                           routed_scaling=cfg.routed_scaling, dtype=dtype, device=device, accountant=acc)
-        gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
-        for step in range(steps):
-            routing = tokens_from_counts(trace.counts_SLNE[step, 0, rank], T, K, gen)
-            x_TD = torch.randn(T, D, generator=gen).to(device, dtype).requires_grad_(True)
+    for label, counts_SNE, T in make_traces(args, N, E, K, cfg.name):
+        buffer_load = 1.0 + args.eps if args.buffer_load is None else args.buffer_load
+        memory = memory_model(base, args.spare_slots, T, K, D, F, elem, buffer_load)
+        layers = {}
+        for name in args.policies:
+            policy, backward = make_policy(name, base, args.spare_slots, memory, args.eps, args.gamma)
+            acc = Accountant(sync=sync)
+            layer = EPMoELayer(ref.export_weights(), K, cfg.router, policy, initial_placement(policy, N, E, T * K),
+                               groups, routed_scaling=cfg.routed_scaling, dtype=dtype, device=device,
+                               accountant=acc, backward=backward)
+            layers[name] = (policy, backward, acc, layer)
+        for step in range(args.warmup + args.steps):
+            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
+            routing = tokens_from_counts(counts_SNE[step, rank], T, K, gen)
+            x_TD = torch.randn(T, D, generator=gen).to(device, dtype)
             dy_TD = torch.randn(T, D, generator=gen).to(device, dtype)
-            acc.reset()
-            y_TD, info = layer(x_TD, routing=routing)
-            (y_TD * dy_TD).sum().backward()
-            layer.sync_dense_grads(1.0 / N)
-            before = layer.placement_NS.clone()
-            after = layer.expert_step(grad_scale=1.0 / N)
-            plan = info.dispatch.plan
-            want = expected_layer(plan.fwd_NG, layer.slots_per_rank, D, F, elem, plan.dropped_NE.sum(1))
-            want.update(expected_step(before, after, E, D, F, elem))
-            record = acc.record()
-            check_counts(record, want, rank)  # raises if any counted byte or pair differs from the formula
-            if step >= args.warmup:
-                records.append({"policy": name, "step": step - args.warmup, "rank": rank,
-                                "replica_slots": int((before >= 0).sum()), **record})
-            for p in layer.dense_parameters():
-                p.grad = None
+            names = list(layers)
+            shift = step % len(names)
+            for name in names[shift:] + names[:shift]:  # the policies take turns, the first one rotating
+                policy, backward, acc, layer = layers[name]
+                errors = {}
+                if not args.no_grad_error:
+                    full_shards, full_dx = full_gradient(layer, policy, routing, x_TD, dy_TD, 1.0 / N)
+                acc.reset()
+                x = x_TD.clone().requires_grad_(True)
+                y_TD, info = layer(x, routing=routing)
+                (y_TD * dy_TD).sum().backward()
+                layer.sync_dense_grads(1.0 / N)
+                before = layer.placement_NS.clone()
+                after = layer.expert_step(grad_scale=1.0 / N)
+                plan = info.dispatch.plan
+                want = expected_recalibrated(plan, D, F, elem, backward.metric, backward.compact)
+                want.update(expected_step(before, after, E, D, F, elem))
+                record = acc.record()
+                check_counts(record, want, rank)  # raises if any counted byte or pair differs from the formula
+                if not args.no_grad_error:
+                    errors = gradient_errors(layer.store.grad_shards_EP, full_shards, x.grad, full_dx)
+                for p in layer.dense_parameters():
+                    p.grad = None
+                if step < args.warmup:
+                    continue
+                slots = int((before >= 0).sum())
+                records.append({
+                    "trace": label, "policy": name, "step": step - args.warmup, "rank": rank,
+                    "replica_slots": slots, "slots_per_rank": layer.slots_per_rank,
+                    "fwd_wall_ms": phase_sum(record, FORWARD_PHASES, "wall_ms"),
+                    "bwd_wall_ms": phase_sum(record, BACKWARD_PHASES, "wall_ms"),
+                    "fwd_cpu_ms": phase_sum(record, FORWARD_PHASES, "cpu_ms"),
+                    "bwd_cpu_ms": phase_sum(record, BACKWARD_PHASES, "cpu_ms"),
+                    "step_wall_ms": phase_sum(record, STEP_PHASES, "wall_ms"),
+                    "memory_bytes": layer.slots_per_rank * memory.slot_bytes + record.get("token_buffer_bytes", 0)
+                    + record.get("bwd_buffer_bytes", 0),
+                    "budget_bytes": memory.budget_bytes, "floor_excess": int(plan.floor_excess_N[rank]),
+                    **errors, **record})
     return records
 
 
@@ -137,15 +321,21 @@ def _fork_main(rank: int, args: argparse.Namespace) -> list[dict]:
     return run_rank(rank, args, torch.device("cpu"))
 
 
+# -- summaries -----------------------------------------------------------------------------------------------
+FWD_BYTES = ("dispatch_a2a", "combine_a2a")
+BWD_BYTES = ("combine_a2a_bwd", "bwd_index_a2a", "dispatch_a2a_bwd")
+
+
 def summarise(raw: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Per (policy, phase): mean over steps of the mean and the slowest rank; and per-policy counters."""
+    """Per (trace, policy, phase): the slowest rank and the mean over ranks, mean over steps; and per (trace,
+    policy): medians over steps of the per-rank times, the slowest rank, bytes, pairs, memory, errors."""
     rows = []
-    for policy, df in raw.groupby("policy", sort=False):
+    for (trace, policy), df in raw.groupby(["trace", "policy"], sort=False):
+        per_step = df.groupby("step")
         for phase in PHASES:
-            if f"{phase}.wall_ms" not in df:
+            if f"{phase}.wall_ms" not in df or df[f"{phase}.wall_ms"].isna().all():
                 continue
-            per_step = df.groupby("step")
-            row = {"policy": policy, "phase": phase,
+            row = {"trace": trace, "policy": policy, "phase": phase,
                    "wall_ms_mean": per_step[f"{phase}.wall_ms"].mean().mean(),
                    "wall_ms_max": per_step[f"{phase}.wall_ms"].max().mean(),
                    "cpu_ms_mean": per_step[f"{phase}.cpu_ms"].mean().mean()}
@@ -156,19 +346,72 @@ def summarise(raw: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
             rows.append(row)
     phases = pd.DataFrame(rows)
     totals = []
-    for policy, df in raw.groupby("policy", sort=False):
+    for (trace, policy), df in raw.groupby(["trace", "policy"], sort=False):
+        df = df.assign(layer_wall_ms=df["fwd_wall_ms"] + df["bwd_wall_ms"],
+                       layer_cpu_ms=df["fwd_cpu_ms"] + df["bwd_cpu_ms"],
+                       bwd_bytes=sum(df.get(f"{p}.sent_bytes", 0) for p in BWD_BYTES),
+                       fwd_bytes=sum(df.get(f"{p}.sent_bytes", 0) for p in FWD_BYTES),
+                       buffer_bytes=df["token_buffer_bytes"] + df.get("bwd_buffer_bytes", 0))
         per_step = df.groupby("step")
-        wall = df[[f"{p}.wall_ms" for p in PHASES if f"{p}.wall_ms" in df]].sum(axis=1)
         routed = df["pairs_fwd"].sum() + df["pairs_dropped"].sum()
-        totals.append({
-            "policy": policy, "replica_slots": int(df["replica_slots"].iloc[0]),
-            "pairs_fwd_max": per_step["pairs_fwd"].max().mean(), "pairs_fwd_mean": per_step["pairs_fwd"].mean().mean(),
-            "fwd_imbalance": (per_step["pairs_fwd"].max() / per_step["pairs_fwd"].mean()).mean(),
+        row = {
+            "trace": trace, "policy": policy, "replica_slots": int(df["replica_slots"].iloc[0]),
+            "fwd_ms": per_step["fwd_wall_ms"].mean().median(), "bwd_ms": per_step["bwd_wall_ms"].mean().median(),
+            "fwd_cpu_ms": per_step["fwd_cpu_ms"].mean().median(),
+            "bwd_cpu_ms": per_step["bwd_cpu_ms"].mean().median(),
+            "slowest_ms": per_step["layer_wall_ms"].max().median(),
+            "slowest_cpu_ms": per_step["layer_cpu_ms"].max().median(),
+            "step_ms": per_step["step_wall_ms"].max().median(),
+            "fwd_imbalance": (per_step["pairs_fwd"].max() / per_step["pairs_fwd"].mean()).median(),
+            "bwd_pairs_max": per_step["pairs_retained"].max().median(),
+            "bwd_pairs_mean": per_step["pairs_retained"].mean().median(),
+            "bwd_max_over_fwd_mean": (per_step["pairs_retained"].max() / per_step["pairs_fwd"].mean()).median(),
+            "retained_pct": 100.0 * df["pairs_retained"].sum() / max(df["pairs_fwd"].sum(), 1),
             "dropped_pct": 100.0 * df["pairs_dropped"].sum() / routed,
-            "token_buffer_KiB_max": per_step["token_buffer_bytes"].max().mean() / 1024,
-            "iteration_ms_max": wall.groupby(df["step"]).max().mean(),
-        })
+            "fwd_a2a_KiB": per_step["fwd_bytes"].sum().median() / 1024,
+            "bwd_a2a_KiB": per_step["bwd_bytes"].sum().median() / 1024,
+            "buffer_KiB_max": per_step["buffer_bytes"].max().median() / 1024,
+            "memory_over_budget": (per_step["memory_bytes"].max() / df["budget_bytes"].iloc[0]).median(),
+        }
+        for key in ("grad_rel_err", "grad_cos", "dx_rel_err"):
+            if key in df:
+                row[key] = per_step[key].first().median()  # all ranks hold the same all-reduced value
+        totals.append(row)
     return phases, pd.DataFrame(totals)
+
+
+TARGETS = [  # (name, the issue's words, how it is measured, bound)
+    ("bwd_balance", "slowest rank carries <= 1.1 x the mean backward pairs", "bwd_pairs_max / bwd_pairs_mean", 1.1),
+    ("bwd_bytes", "backward all-to-all bytes <= 0.7 x SYMI-dropless's", "bwd_a2a_KiB / symi-dropless's", 0.7),
+    ("cpu_time", "slowest-rank layer CPU time <= 0.75 x SYMI-dropless's", "slowest_cpu_ms / symi-dropless's",
+     0.75),
+]
+
+
+def targets(totals: pd.DataFrame, trace: str) -> pd.DataFrame:
+    """The issue's LRMoE targets on ``trace``, for every LRMoE variant that ran (with SYMI-dropless present)."""
+    df = totals[totals["trace"] == trace].set_index("policy")
+    rows = []
+    for policy in [p for p in df.index if p.startswith("lrmoe")]:
+        me = df.loc[policy]
+        symi = df.loc["symi-dropless"] if "symi-dropless" in df.index else None
+        values = {"bwd_balance": me["bwd_pairs_max"] / me["bwd_pairs_mean"],
+                  "bwd_bytes": me["bwd_a2a_KiB"] / symi["bwd_a2a_KiB"] if symi is not None else float("nan"),
+                  "cpu_time": me["slowest_cpu_ms"] / symi["slowest_cpu_ms"] if symi is not None else float("nan")}
+        for name, words, how, bound in TARGETS:
+            v = values[name]
+            rows.append({"trace": trace, "policy": policy, "target": words, "measured_as": how,
+                         "measured": v, "bound": bound, "met": bool(v <= bound) if v == v else None})
+    return pd.DataFrame(rows)
+
+
+def target_trace(labels: list[str], skew_params: list[float], skew: str) -> str:
+    """The trace the targets are read on: Zipf 0.8 when it ran, else the most skewed synthetic one."""
+    for label in labels:
+        if label == f"synthetic {skew} 0.8":
+            return label
+    synthetic = [lab for lab in labels if lab.startswith("synthetic")]
+    return synthetic[-1] if synthetic else labels[0]
 
 
 def report(args: argparse.Namespace, records: list[dict], world_size: int) -> pd.DataFrame:
@@ -179,8 +422,17 @@ def report(args: argparse.Namespace, records: list[dict], world_size: int) -> pd
     import seaborn as sns
 
     raw = pd.DataFrame(records)
+    counted = [c for c in raw if c.endswith("_bytes") or c.startswith("pairs_")]
+    raw[counted] = raw[counted].fillna(0)  # a phase a policy never ran moved no bytes
+    labels = list(dict.fromkeys(raw["trace"]))
+    order = {"policy": {name: i for i, name in enumerate(args.policies)},
+             "trace": {name: i for i, name in enumerate(labels)}}
+    raw = raw.sort_values(["trace", "policy", "step", "rank"], kind="stable",
+                          key=lambda c: c.map(order[c.name]) if c.name in order else c)
     phases, totals = summarise(raw)
-    config = {**vars(args), "world_size": world_size, "trace": "synthetic"}
+    on = target_trace(labels, args.skew_param, args.skew)
+    goals = targets(totals, on)
+    config = {**vars(args), "world_size": world_size, "traces": labels}
     with Tracker("layer_bench", config, results=args.out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
         for rec in records:
@@ -189,23 +441,41 @@ def report(args: argparse.Namespace, records: list[dict], world_size: int) -> pd
             run.log({"table": "phase", **rec})
         for rec in totals.to_dict("records"):
             run.log({"table": "policy", **rec})
+        for rec in goals.to_dict("records"):
+            run.log({"table": "target", **rec})
+        run.log_summary({f"target/{r['policy']}/{r['measured_as']}": r["measured"] for r in goals.to_dict("records")})
         sns.set_theme(style="whitegrid", context="paper")
-        fig, axes = plt.subplots(1, 2, figsize=(11, 3.4))
-        sns.barplot(phases, x="phase", y="wall_ms_max", hue="policy", ax=axes[0])
-        axes[0].set(ylabel="slowest rank, ms (mean over steps)", xlabel="")
-        traffic = phases.dropna(subset=["sent_KiB_max"])
-        sns.barplot(traffic, x="phase", y="sent_KiB_max", hue="policy", ax=axes[1])
-        axes[1].set(ylabel="KiB sent by the busiest rank", xlabel="")
-        for ax in axes:
-            ax.tick_params(axis="x", rotation=60)
-        fig.suptitle(f"EP layer per phase: {world_size} ranks, {args.model}, {args.tokens_per_rank} tokens/rank, "
-                     f"synthetic {args.skew} {args.skew_param}")
+        fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
+        for ax, (col, ylabel) in zip(axes, [("slowest_cpu_ms", "slowest rank layer CPU ms (median)"),
+                                           ("bwd_a2a_KiB", "backward all-to-all KiB (all ranks)"),
+                                           ("bwd_max_over_fwd_mean", "slowest rank bwd pairs / mean fwd"),
+                                           ("grad_rel_err", "expert-gradient error vs full")]):
+            if col in totals:
+                sns.barplot(totals, x="policy", y=col, hue="trace", ax=ax, legend=ax is axes[0])
+                ax.set(ylabel=ylabel, xlabel="")
+                ax.tick_params(axis="x", rotation=60)
+        sns.move_legend(axes[0], "lower left", frameon=True)
+        fig.suptitle(f"EP layer, {world_size} ranks, {args.model} D={args.hidden} F={args.ffn}, "
+                     f"{args.tokens_per_rank} tokens/rank, {args.spare_slots} spare slot(s)/rank")
         fig.tight_layout()
-        figs = run.log_figure("phases", fig)
-    shown = phases.astype(object).where(phases.notna(), None)  # no "nan" for phases that move no bytes
+        figs = run.log_figure("policies", fig)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(11, 3.4))
+        sns.barplot(phases[phases["trace"] == on], x="phase", y="wall_ms_max", hue="policy", ax=ax)
+        ax.set(ylabel="slowest rank, ms (mean over steps)", xlabel="", title=on)
+        ax.tick_params(axis="x", rotation=60)
+        fig.tight_layout()
+        run.log_figure("phases", fig)
+        plt.close(fig)
+    shown = phases[phases["trace"] == on]
+    shown = shown.astype(object).where(shown.notna(), None)  # no "nan" for phases that move no bytes
+    print(f"Per phase on {on} (all traces in the results file):")
     print(shown.to_markdown(index=False, floatfmt=".3f", missingval=""))
     print()
     print(totals.to_markdown(index=False, floatfmt=".3f"))
+    print()
+    print(f"LRMoE targets on {on} (benchmarks, not tests):")
+    print(goals.to_markdown(index=False, floatfmt=".3f") if len(goals) else "(no LRMoE policy ran)")
     print(f"results: {args.out}; figure: {figs[0]}")
     return phases
 

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lrmoe.config import model_preset  # noqa: E402
+from lrmoe.backward import BackwardConfig  # noqa: E402
 from lrmoe.data import get_batch, load_corpus  # noqa: E402
 from lrmoe.dist.replica import AdamConfig, RangeGroups  # noqa: E402
 from lrmoe.layer import EPMoELayer, initial_placement  # noqa: E402
@@ -52,12 +53,16 @@ def make_policy(name: str, num_experts: int, num_ranks: int, extra_slots: int = 
     if name == "symi-dropless":
         return Symi(slots_per_rank=slots, cf=None)
     if name.startswith("lrmoe"):
-        metric = {"lrmoe-m2": "m2", "lrmoe-m2-unbiased": "m2", "lrmoe-random": "random"}[name]
-        mode = "unbiased" if name.endswith("unbiased") else "topk"
-        policy = LRMoE(eps=eps, gamma=gamma, extra_slots=extra_slots)
-        policy.metric, policy.mode = metric, mode  # read by the layer's recalibrated backward
-        return policy
+        return LRMoE(eps=eps, gamma=gamma, extra_slots=extra_slots)
     raise ValueError(f"unknown policy {name!r}; known: {POLICIES}")
+
+
+def make_backward(name: str, seed: int) -> BackwardConfig | None:
+    """The recalibrated backward of an LRMoE policy name (metric and selection mode); None: plain autograd."""
+    if not name.startswith("lrmoe"):
+        return None
+    metric = {"lrmoe-m2": "m2", "lrmoe-m2-unbiased": "m2", "lrmoe-random": "random"}[name]
+    return BackwardConfig(metric=metric, mode="unbiased" if name.endswith("unbiased") else "topk", seed=seed)
 
 
 def build(args, rank: int, world: int, device: torch.device):
@@ -72,7 +77,7 @@ def build(args, rank: int, world: int, device: torch.device):
         placement = initial_placement(policy, world, cfg.num_experts, args.batch * cfg.seq_len * cfg.top_k)
         layer = EPMoELayer(weights, cfg.top_k, cfg.router, policy, placement, groups,
                            routed_scaling=cfg.routed_scaling, adam=AdamConfig(lr=args.lr, weight_decay=0.0),
-                           device=device)
+                           device=device, backward=make_backward(args.policy, args.seed * 1000 + i))
         layers.append(layer)
         return layer
 
@@ -133,7 +138,9 @@ def save_checkpoint(args, step, rank, model, layers, opt, gen, counts, history) 
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"step": step, "model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
              "layers": [{"placement_NS": l.store.placement_NS, "adam_steps": l.store.adam_steps,
-                         "prev_counts_E": l.prev_counts_E} for l in layers],
+                         "prev_counts_E": l.prev_counts_E,
+                         "bwd_generator": None if l.bwd_generator is None else l.bwd_generator.get_state()}
+                        for l in layers],
              "counts": counts, "history": history, "args": vars(args)}
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -153,6 +160,8 @@ def load_checkpoint(args, step, rank, model, layers, opt, gen):
         layer.store.placement_NS = saved["placement_NS"].clone()
         layer.store.adam_steps = saved["adam_steps"]
         layer.prev_counts_E = saved["prev_counts_E"]
+        if layer.bwd_generator is not None:
+            layer.bwd_generator.set_state(saved["bwd_generator"])
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     gen.set_state(state["gen"])

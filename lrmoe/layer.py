@@ -16,13 +16,21 @@ order, minus the ``dropped_NE[n, e]`` the plan drops (the last ones by position,
 slots in increasing global-slot order, ``fwd_NG[n, g]`` pairs to slot g.
 
 The per-pair expert outputs come home as one tensor ``o_MD`` (one row per kept pair, in packed order) before the
-weighted un-permute; ``pair_hook(o_MD, dispatch)`` is the place for a backward-pass hook (recalibration). This
-layer's backward is the plain autograd of the forward: exact for dropless plans and for capacity drops. Plans
-that retain fewer pairs for the backward, or move backward pairs between replicas, need that hook and are refused.
+weighted un-permute ``y_t = Σ_j g_tj · o_tj``, so the router gradient (through g) is exact for every pair.
+
+Two backwards, chosen when the layer is built:
+
+* ``backward=None``: the plain autograd of the forward, exact for dropless plans and for capacity drops. Plans
+  that retain fewer pairs for the backward, or move backward pairs between replicas, are refused.
+* ``backward=BackwardConfig(...)``: the hand-written backward of :mod:`lrmoe.backward`: the recalibration metric
+  and selection at home, compacted variable-size all-to-alls, the expert backward on retained rows only
+  (saved activations; moved rows recompute from their carried input). Runs every plan: dropless, capacity,
+  SYMI and LRMoE alike, so the policies are compared on one code path.
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
@@ -31,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .backward import BackwardConfig, BackwardRecord, ExpertExchange, expert_exchange
 from .dist.accounting import Accountant
 from .dist.comm import all_gather_rows, all_to_all_rows
 from .dist.replica import AdamConfig, RangeGroups, ReplicaStore
@@ -131,17 +140,23 @@ def source_to_slot_major(counts_NS: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(start_T, c_T) + torch.arange(total) - run_start
 
 
-def check_layer_plan(plan: LayerPlan, counts_NE: torch.Tensor, placement_NS: torch.Tensor) -> None:
+class NeedsRecalibration(ValueError, NotImplementedError):
+    """A plan that trims or moves backward pairs given to a layer built without the recalibrated backward
+    (a ``ValueError``; also a ``NotImplementedError``, what the plain backward raised for such plans before)."""
+
+
+def check_layer_plan(plan: LayerPlan, counts_NE: torch.Tensor, placement_NS: torch.Tensor,
+                     recalibrated: bool = False) -> None:
     """Raise unless ``plan`` is valid for these counts and one this layer can run: made for the placement the
-    slots hold, with no backward retention and no backward flows (those need the backward hook, not built yet)."""
+    slots hold; with backward retention or backward flows only when the layer has the recalibrated backward."""
     plan.validate(counts_NE)
     if not torch.equal(plan.placement_NS.cpu(), placement_NS):
         raise ValueError(f"plan.placement_NS {plan.placement_NS.tolist()} differs from the placement the slots hold "
                          f"{placement_NS.tolist()}: move the weights first (expert_step(next_placement_NS=...))")
-    if not torch.equal(plan.keep_NG, plan.fwd_NG) or plan.bwd_flows_F4.numel():
-        raise NotImplementedError(f"plan of policy {getattr(plan, 'policy', '?')!r} keeps fewer pairs for the "
-                                  f"backward or routes them between replicas; the EP layer's backward hook for that "
-                                  f"is not implemented yet")
+    if not recalibrated and (not torch.equal(plan.keep_NG, plan.fwd_NG) or plan.bwd_flows_F4.numel()):
+        raise NeedsRecalibration(f"plan of policy {getattr(plan, 'policy', '?')!r} keeps fewer pairs for the "
+                                 f"backward or routes them between replicas; that needs the recalibrated backward "
+                                 f"hook: build the layer with backward=BackwardConfig(...)")
 
 
 def planned_placement(policy, counts_NE: torch.Tensor, prev_counts_E: torch.Tensor | None) -> torch.Tensor:
@@ -186,6 +201,7 @@ class EPMoEInfo:
     counts_E: torch.Tensor  # long: routed pairs per expert over all ranks
     gate_TK: torch.Tensor
     dispatch: Dispatch
+    record: BackwardRecord | None = None  # what the recalibrated backward kept (filled by the backward)
 
 
 class EPMoELayer(nn.Module):
@@ -201,7 +217,8 @@ class EPMoELayer(nn.Module):
     def __init__(self, weights: dict[str, torch.Tensor], top_k: int, router: str, policy, placement_NS: torch.Tensor,
                  groups: RangeGroups, *, routed_scaling: float = 1.0, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, adam: AdamConfig = AdamConfig(),
-                 accountant: Accountant | None = None, kernel_backend: str | None = None):
+                 accountant: Accountant | None = None, kernel_backend: str | None = None,
+                 backward: BackwardConfig | None = None):
         super().__init__()
         missing = [k for k in EXPERT_WEIGHTS if k not in weights]
         if missing:
@@ -227,6 +244,10 @@ class EPMoELayer(nn.Module):
             self.w_shared_gate_DF = nn.Parameter(weights["w_shared_gate_DF"].to(device, dtype).clone())
             self.w_shared_up_DF = nn.Parameter(weights["w_shared_up_DF"].to(device, dtype).clone())
             self.w_shared_down_FD = nn.Parameter(weights["w_shared_down_FD"].to(device, dtype).clone())
+        if backward is not None and not isinstance(backward, BackwardConfig):
+            raise ValueError(f"backward must be a BackwardConfig or None, got {type(backward).__name__}")
+        self.backward_config = backward
+        self.bwd_generator = backward.generator(self.rank) if backward is not None else None
         self.prev_counts_E: torch.Tensor | None = None
         self.last_dispatch: Dispatch | None = None
 
@@ -260,7 +281,8 @@ class EPMoELayer(nn.Module):
                 pair_hook: Callable[[torch.Tensor, Dispatch], torch.Tensor] | None = None):
         """y_TD and an :class:`EPMoEInfo`. ``policy`` overrides the layer's own for this call; ``routing``
         replaces the router's choice (trace replay: its idx_TK and weight_TK are used as given);
-        ``pair_hook(o_MD, dispatch)`` sees the per-pair expert outputs at home and must keep their values."""
+        ``pair_hook(o_MD, dispatch)`` sees the per-pair expert outputs at home and must keep their values.
+        With the recalibrated backward, ``info.record`` says which pairs the backward kept, once it has run."""
         if x_TD.dim() != 2 or x_TD.shape[1] != self.hidden:
             raise ValueError(f"x_TD must have shape [tokens, {self.hidden}], got {tuple(x_TD.shape)}")
         if x_TD.dtype != self.store.dtype:
@@ -285,35 +307,47 @@ class EPMoELayer(nn.Module):
         with self._phase("plan"):
             counts_NE = all_gather_rows(torch.bincount(routed.idx_TK.reshape(-1), minlength=self.num_experts)).cpu()
             plan = policy.plan(counts_NE, self.prev_counts_E)
-            check_layer_plan(plan, counts_NE, self.placement_NS)
+            check_layer_plan(plan, counts_NE, self.placement_NS, recalibrated=self.backward_config is not None)
             self.prev_counts_E = counts_NE.sum(0)
 
-        x_slot_RD, dispatch = self.dispatch(x_TD, routed.idx_TK, gate_TK, plan, counts_NE)
-        with self._phase("expert_fwd"):
-            w_gate_SDF, w_up_SDF, w_down_SFD = self.store.slot_weights()
-            offs_S = torch.cumsum(dispatch.recv_counts_NS.sum(0), 0).to(torch.int32).to(x_TD.device)
-            y_slot_RD = expert_forward(x_slot_RD, w_gate_SDF, w_up_SDF, w_down_SFD, offs_S, self.kernel_backend)
-        y_TD = self.combine(y_slot_RD, dispatch, gate_TK, pair_hook)
+        record = None
+        if self.backward_config is None:
+            x_slot_RD, dispatch = self.dispatch(x_TD, routed.idx_TK, gate_TK, plan, counts_NE)
+            with self._phase("expert_fwd"):
+                w_gate_SDF, w_up_SDF, w_down_SFD = self.store.slot_weights()
+                offs_S = torch.cumsum(dispatch.recv_counts_NS.sum(0), 0).to(torch.int32).to(x_TD.device)
+                y_slot_RD = expert_forward(x_slot_RD, w_gate_SDF, w_up_SDF, w_down_SFD, offs_S, self.kernel_backend)
+            y_TD = self.combine(y_slot_RD, dispatch, gate_TK, pair_hook)
+            R = x_slot_RD.shape[0]
+            self._count("pairs_bwd", R)
+            self._count("pairs_retained", R)
+            # the experts' activations (gate, up, h) live inside the seam: modelled, not counted
+            self._count("token_buffer_bytes", 3 * R * self.expert_ffn * x_TD.element_size())
+        else:
+            dispatch = self.make_dispatch(routed.idx_TK, gate_TK, plan, counts_NE, x_TD.device)
+            record = BackwardRecord(top_k=K)
+            state = ExpertExchange(self, dispatch, gate_TK, self.backward_config, self.bwd_generator, record)
+            o_MD = expert_exchange(x_TD, self.store.slots_SP, state)
+            R = int(dispatch.recv_counts_NS.sum())
+            with self._phase("unpermute"):
+                if pair_hook is not None:
+                    o_MD = pair_hook(o_MD, dispatch)
+                y_TD = unpack(o_MD, dispatch.compact, weight_P=gate_TK.reshape(-1).to(o_MD.dtype), per_token=True,
+                              backend=self.kernel_backend)
         if self.shared:
             y_TD = y_TD + swiglu(x_TD, self.w_shared_gate_DF, self.w_shared_up_DF, self.w_shared_down_FD)[0]
 
-        if self.accountant is not None:
-            R = x_slot_RD.shape[0]
-            self.accountant.add("pairs_fwd", R)
-            self.accountant.add("pairs_bwd", R)
-            self.accountant.add("pairs_dropped", int((dispatch.slot_P < 0).sum()))
-            # the experts' activations (gate, up, h) live inside the seam: modelled, not counted
-            self.accountant.add("token_buffer_bytes", 3 * R * self.expert_ffn * x_TD.element_size())
+        self._count("pairs_fwd", R)
+        self._count("pairs_dropped", int((dispatch.slot_P < 0).sum()))
         self.last_dispatch = dispatch
         return y_TD, EPMoEInfo(scores_TE=routed.scores_TE, counts_E=self.prev_counts_E, gate_TK=gate_TK,
-                               dispatch=dispatch)
+                               dispatch=dispatch, record=record)
 
-    def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, gate_TK: torch.Tensor, plan, counts_NE: torch.Tensor):
-        """Permute the local pairs by the plan, send them to their slots, and sort the received rows by local
-        slot: returns (x_slot_RD, dispatch), R the rows this rank computes, slot-major (offsets from
-        ``dispatch.recv_counts_NS.sum(0)``). Differentiable in x_TD."""
+    def make_dispatch(self, idx_TK: torch.Tensor, gate_TK: torch.Tensor, plan, counts_NE: torch.Tensor,
+                      device: torch.device) -> Dispatch:
+        """The integer bookkeeping of one forward: each local pair's slot by the plan's pair-level rule, the
+        packing by (destination rank, local slot) and the all-to-all split sizes. No data moves."""
         N, S, K = self.num_ranks, self.slots_per_rank, self.top_k
-        device = x_TD.device
         with self._phase("permute"):
             fwd_NG = plan.fwd_NG.cpu().long()
             slot_P = assign_pairs(idx_TK.cpu(), gate_TK.cpu(), fwd_NG[self.rank], plan.dropped_NE[self.rank].cpu(),
@@ -321,15 +355,22 @@ class EPMoELayer(nn.Module):
             keep_P = slot_P >= 0
             cplan = compact_plan((slot_P.clamp_min(0) // S).to(device), (slot_P.clamp_min(0) % S).to(device), N, S,
                                  keep_P.to(device), top_k=K)
-            send_splits = cplan.send_splits()
             recv_counts_NS = fwd_NG[:, self.rank * S:(self.rank + 1) * S]
-            recv_splits = recv_counts_NS.sum(1).tolist()
-            x_send_MD = pack(x_TD, cplan, backend=self.kernel_backend)
-        dispatch = Dispatch(plan=plan, counts_NE=counts_NE, idx_TK=idx_TK, slot_P=slot_P, compact=cplan,
-                            send_splits=send_splits, recv_splits=recv_splits, recv_counts_NS=recv_counts_NS)
-        x_recv_RD = self._all_to_all(x_send_MD, send_splits, recv_splits, "dispatch_a2a", "dispatch_a2a_bwd")
+        return Dispatch(plan=plan, counts_NE=counts_NE, idx_TK=idx_TK, slot_P=slot_P, compact=cplan,
+                        send_splits=cplan.send_splits(), recv_splits=recv_counts_NS.sum(1).tolist(),
+                        recv_counts_NS=recv_counts_NS)
+
+    def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, gate_TK: torch.Tensor, plan, counts_NE: torch.Tensor):
+        """Permute the local pairs by the plan, send them to their slots, and sort the received rows by local
+        slot: returns (x_slot_RD, dispatch), R the rows this rank computes, slot-major (offsets from
+        ``dispatch.recv_counts_NS.sum(0)``). Differentiable in x_TD."""
+        dispatch = self.make_dispatch(idx_TK, gate_TK, plan, counts_NE, x_TD.device)
+        with self._phase("permute"):
+            x_send_MD = pack(x_TD, dispatch.compact, backend=self.kernel_backend)
+        x_recv_RD = self._all_to_all(x_send_MD, dispatch.send_splits, dispatch.recv_splits, "dispatch_a2a",
+                                     "dispatch_a2a_bwd")
         with self._phase("expert_fwd"):
-            x_slot_RD = x_recv_RD.index_select(0, source_to_slot_major(recv_counts_NS).to(device))
+            x_slot_RD = x_recv_RD.index_select(0, self._slot_major(dispatch.recv_counts_NS, x_TD.device))
         self._count_buffers(x_send_MD, x_recv_RD, x_slot_RD)
         return x_slot_RD, dispatch
 
@@ -338,7 +379,7 @@ class EPMoELayer(nn.Module):
         """The inverse of :meth:`dispatch`: rows back to source-major order, home by all-to-all, then
         y_t = Σ_j gate_tj · o_tj over the token's kept pairs. Differentiable in y_slot_RD and gate_TK."""
         with self._phase("expert_fwd"):
-            to_slot = source_to_slot_major(dispatch.recv_counts_NS).to(y_slot_RD.device)
+            to_slot = self._slot_major(dispatch.recv_counts_NS, y_slot_RD.device)
             from_slot = torch.empty_like(to_slot).scatter_(0, to_slot, torch.arange(to_slot.numel(),
                                                                                      device=to_slot.device))
             y_recv_RD = y_slot_RD.index_select(0, from_slot)
@@ -352,9 +393,31 @@ class EPMoELayer(nn.Module):
         self._count_buffers(y_slot_RD, y_recv_RD, o_MD)
         return y_TD
 
-    def _count_buffers(self, *tensors: torch.Tensor) -> None:
+    @staticmethod
+    def _slot_major(recv_counts_NS: torch.Tensor, device) -> torch.Tensor:
+        return source_to_slot_major(recv_counts_NS).to(device)
+
+    def _count(self, name: str, value: int) -> None:
         if self.accountant is not None:
-            self.accountant.add("token_buffer_bytes", sum(t.numel() * t.element_size() for t in tensors))
+            self.accountant.add(name, value)
+
+    def _count_buffers(self, *tensors: torch.Tensor) -> None:
+        self._count("token_buffer_bytes", sum(t.numel() * t.element_size() for t in tensors))
+
+    def _count_bwd_buffers(self, *tensors: torch.Tensor | None) -> None:
+        self._count("bwd_buffer_bytes", sum(t.numel() * t.element_size() for t in tensors if t is not None))
+
+    def _exchange(self, x: torch.Tensor, send: list[int], recv: list[int], phase: str) -> torch.Tensor:
+        """A non-differentiable all-to-all over the rows of ``x`` (the recalibrated exchange runs its own
+        backward), timed as ``phase``, with the bytes that leave and reach this rank."""
+        if self.accountant is None:
+            return all_to_all_rows(x, send, recv)
+        row = math.prod(x.shape[1:]) * x.element_size()
+        with self.accountant.phase(phase):
+            out = all_to_all_rows(x, send, recv)
+        away = lambda splits: sum(s for r, s in enumerate(splits) if r != self.rank) * row  # noqa: E731
+        self.accountant.add_bytes(phase, away(send), away(recv))
+        return out
 
     def _all_to_all(self, x_MD: torch.Tensor, send: list[int], recv: list[int], phase: str, bwd_phase: str):
         """The differentiable all-to-all, with its bytes and times in both directions in the accountant."""

@@ -353,7 +353,7 @@ def test_layer_errors_name_the_problem():
 
 
 # -- the benchmark script --------------------------------------------------------------------------------------
-BENCH = ["--tokens-per-rank", "32", "--steps", "2", "--warmup", "1", "--no-wandb", "--overwrite"]
+BENCH = ["--tokens-per-rank", "32", "--steps", "2", "--warmup", "1", "--skew-param", "0.8", "--no-wandb", "--overwrite"]
 
 
 def _bench_script():

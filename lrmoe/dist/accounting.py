@@ -23,11 +23,28 @@ Per rank n and iteration:
   b_p · shard_m for every (m ≠ n, e) with source(m, e) = n;
 * ``redistribute``: receives b_p · |X_n| · (P − shard_n); sends b_p · shard_n · Σ_{m≠n} |X_m|.
 
-Pairs computed: forward R_n, backward R_n (this layer's backward recomputes nothing and drops nothing). Token
+Pairs computed: forward R_n, backward R_n (the plain autograd backward recomputes nothing and drops nothing). Token
 buffers (one forward, all live at once while autograd holds them, so an upper bound of their peak):
 home side the packed send and the combine receive, 2·A_n·D·b_a; expert side the received rows, their slot-major
 copy, the expert output and its source-major copy, 4·R_n·D·b_a, plus the experts' activations gate, up and h,
 3·R_n·F·b_a (modelled: the grouped-GEMM seam does not expose them).
+
+**The recalibrated backward** (:mod:`lrmoe.backward`, :func:`expected_recalibrated`). From the plan: b[n, g] =
+bwd_NG (retained pairs of source n whose backward runs on slot g), m[n, g] = moved_NG (of those, the ones that moved
+there), k[n, g] = keep_NG − moved_out_NG (retained pairs that stay on their forward slot). With the compact layout
+(when the plan trims or moves pairs), source n sends slot g's rank s[n, g] = b + m rows (gradients, plus the input
+rows of moved pairs) and an int32 index for each of its k staying rows; the expert rank returns r[n, g] = b
+input-gradient rows. With the forward layout (the padded ablation, and plans that keep everything) s = f + 2m and
+r = f + m (f = fwd_NG) and no index. Per rank n, summing s, r, k over the slots of each destination:
+
+* ``combine_a2a_bwd``: sends D·b_a · Σ_{dst≠n} s[n, dst], receives D·b_a · Σ_{src≠n} s[src, n];
+* ``bwd_index_a2a``: the same with 4 bytes per staying row (compact layout only);
+* ``dispatch_a2a_bwd``: sends D·b_a · Σ_{src≠n} r[src, n], receives D·b_a · Σ_{dst≠n} r[n, dst];
+* ``pairs_bwd`` (rows of the backward GEMMs) Σ_src r[src, n]; ``pairs_retained`` Σ_src b[src, n];
+  ``pairs_recomputed`` Σ_src m[src, n];
+* ``bwd_buffer_bytes`` (the backward's packet buffers, sent and received): D·b_a · (Σ s[n, ·] + Σ s[·, n] +
+  Σ r[·, n] + Σ r[n, ·]);
+* the forward's ``combine_a2a`` rows carry one more element (‖h‖ of the pair) when metric m2 has to select.
 
 **Against SYMI's accounting.** SYMI counts s·N·W for the weight redistribution: every one of the s·N slots receives
 a whole expert (W = P·b_p). Here a rank receives each distinct expert once, without the shard it owns itself:
@@ -55,12 +72,15 @@ import torch
 from .replica import hosted_experts, ring_allreduce_bytes, shard_sizes, sync_plan
 
 FORWARD_PHASES = ("route", "plan", "permute", "dispatch_a2a", "expert_fwd", "combine_a2a", "unpermute")
-BACKWARD_PHASES = ("combine_a2a_bwd", "expert_bwd", "dispatch_a2a_bwd")
+BACKWARD_PHASES = ("recalibrate", "combine_a2a_bwd", "bwd_index_a2a", "expert_bwd", "dispatch_a2a_bwd",
+                   "unpermute_bwd")
 STEP_PHASES = ("replica_sync", "grad_collect", "adam", "redistribute")
 PHASES = FORWARD_PHASES + BACKWARD_PHASES + STEP_PHASES
-BYTE_PHASES = ("dispatch_a2a", "combine_a2a", "combine_a2a_bwd", "dispatch_a2a_bwd", "replica_sync",
-               "grad_collect", "redistribute")
-COUNTERS = ("pairs_fwd", "pairs_bwd", "pairs_dropped", "token_buffer_bytes")
+BYTE_PHASES = ("dispatch_a2a", "combine_a2a", "combine_a2a_bwd", "bwd_index_a2a", "dispatch_a2a_bwd",
+               "replica_sync", "grad_collect", "redistribute")
+INDEX_BYTES = 4  # one int32 per staying row in the compact backward layout
+COUNTERS = ("pairs_fwd", "pairs_bwd", "pairs_retained", "pairs_recomputed", "pairs_dropped", "token_buffer_bytes",
+            "bwd_buffer_bytes")
 
 
 @dataclass
@@ -174,8 +194,42 @@ def expected_layer(fwd_NG: torch.Tensor, slots_per_rank: int, hidden: int, ffn: 
     out["dispatch_a2a_bwd.recv_bytes"] = out["combine_a2a.recv_bytes"] * int(input_grad)
     out["pairs_fwd"] = R
     out["pairs_bwd"] = R
+    out["pairs_retained"] = R
     out["pairs_dropped"] = torch.zeros_like(R) if dropped_N is None else dropped_N.long()
     out["token_buffer_bytes"] = (2 * A + 4 * R) * row + 3 * R * ffn * act_bytes
+    return out
+
+
+def expected_recalibrated(plan, hidden: int, ffn: int, act_bytes: int, metric: str = "m1", compact: bool = True,
+                          input_grad: bool = True) -> dict[str, torch.Tensor]:
+    """:func:`expected_layer` for a layer with the recalibrated backward (``lrmoe.backward``): the same forward
+    (plus the ‖h‖ column metric m2 adds to the combine when the plan selects), and the backward exchange of the
+    module doc, from the plan alone. ``plan`` is a :class:`~lrmoe.plan.LayerPlan`."""
+    from ..backward import backward_counts, plan_selects  # the layout's own rule, so the two cannot drift apart
+
+    S = plan.slots_per_rank
+    out = expected_layer(plan.fwd_NG, S, hidden, ffn, act_bytes, plan.dropped_NE.sum(1), input_grad)
+    row = hidden * act_bytes
+    if metric == "m2" and plan_selects(plan):  # one more element per combine row
+        c = pair_matrix_NN(plan.fwd_NG, S).long()
+        off = c - torch.diag(torch.diag(c))
+        out["combine_a2a.sent_bytes"] = off.sum(0) * (row + act_bytes)
+        out["combine_a2a.recv_bytes"] = off.sum(1) * (row + act_bytes)
+        out["token_buffer_bytes"] = out["token_buffer_bytes"] + (c.sum(0) + c.sum(1)) * act_bytes
+    send_NG, ret_NG, index_NG = backward_counts(plan, compact)
+    s, r, k = (pair_matrix_NN(x, S).long() for x in (send_NG, ret_NG, index_NG))
+    off = lambda x: x - torch.diag(torch.diag(x))  # noqa: E731 - a rank's exchange with itself moves no bytes
+    ig = int(input_grad)
+    out["combine_a2a_bwd.sent_bytes"] = off(s).sum(1) * row
+    out["combine_a2a_bwd.recv_bytes"] = off(s).sum(0) * row
+    out["bwd_index_a2a.sent_bytes"] = off(k).sum(1) * INDEX_BYTES
+    out["bwd_index_a2a.recv_bytes"] = off(k).sum(0) * INDEX_BYTES
+    out["dispatch_a2a_bwd.sent_bytes"] = off(r).sum(0) * row * ig
+    out["dispatch_a2a_bwd.recv_bytes"] = off(r).sum(1) * row * ig
+    out["pairs_bwd"] = r.sum(0)
+    out["pairs_retained"] = pair_matrix_NN(plan.bwd_NG, S).long().sum(0)
+    out["pairs_recomputed"] = pair_matrix_NN(plan.moved_NG, S).long().sum(0)
+    out["bwd_buffer_bytes"] = (s.sum(1) + s.sum(0) + ig * (r.sum(0) + r.sum(1))) * row
     return out
 
 

@@ -1,0 +1,487 @@
+"""The recalibrated expert exchange of the EP layer: one autograd op from the tokens at home to the per-pair
+expert outputs back at home, with a hand-written backward that moves and computes only the retained pairs.
+
+Forward (no autograd inside): pack the pairs by (destination rank, local slot) → all-to-all → SwiGLU of every
+local slot as grouped GEMMs, *saving* its activations (input, gate and up pre-activations, h) → all-to-all back.
+The op returns o_MD, one row per computed pair in the forward's packed order; the layer's weighted un-permute
+(``y_t = Σ_j g_tj · o_tj``) stays outside, so the router gradient, which only needs ⟨δ, o⟩ at home, is exact for
+every pair, whatever this backward keeps.
+
+Backward, on every rank (DESIGN.md §4 steps 4–8):
+
+1. *Select, at home.* grad_o = g·δ arrives for each pair. If the plan trims (keep_NG < fwd_NG) or moves pairs
+   (bwd_flows_F4), the recalibration metric scores the pairs and :func:`lrmoe.selection.select` keeps the top
+   keep_NG[home, g] of each group (home rank, forward slot g) (or a sample scaled by 1/p, unbiased mode); the
+   flows out of (home, g) take the group's lowest-scoring kept pairs (:func:`flow_slots`). Dropped pairs stop
+   here: they never cross the network.
+2. *Compact and send.* Compact layout: the retained gradient rows, plus the input rows of moved pairs, packed by
+   (destination rank, local slot) with the compaction kernel; the expert rank also needs to know which of its
+   saved forward rows each staying row is, so a small int32 index per staying row follows in a second
+   all-to-all. Forward layout (``compact=False``, the padded ablation, and the fast path of plans that keep
+   everything): the gradient rows in the forward's own layout, zeros where a pair was not retained or moved
+   away, then the moved pairs' rows; no index needed, more bytes. Split sizes come from the plan: every rank
+   knows them without a collective.
+3. *Expert backward on retained rows only.* Rows that stay on their forward slot reuse the saved activations;
+   moved rows recompute their forward from the carried input. One variable-size grouped GEMM per weight
+   (dX, dW), weight gradients into the slots.
+4. *Input gradients home.* Only retained rows travel back; they are scatter-added into token order.
+
+The ablations of DESIGN.md §4 map onto :class:`BackwardConfig` (metric → ``"random"``, compaction → padded) and
+onto the policy (placement, quotas, backward routing). What the backward chose is written to the forward's
+:class:`BackwardRecord`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .dist.accounting import pair_matrix_NN
+from .dist.replica import unflatten_experts
+from .expert_compute import Activations, slot_offsets, swiglu_backward, swiglu_forward
+from .kernels.compact import CompactPlan, compact_plan, pack, unpack
+from .plan import LayerPlan
+from .recalibrate import Recalibration, score_and_select
+from .scoring import METRICS
+from .selection import DEFAULT_UNIFORM_MIX, MODES, group_order
+
+# kinds of the rows an expert rank receives in the backward
+STAY, MOVED, CARRY = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """How the layer's backward chooses and moves pairs (the plan says how many; this says which and how).
+
+    metric      recalibration metric of :mod:`lrmoe.scoring` ("m1", "m2", "m3", "gate" or "random").
+    mode        "topk" (keep the best, biased) or "unbiased" (sample p ∝ score, scale by 1/p).
+    compact     pack retained rows densely (True) or send padded forward-layout buffers (False: same gradients,
+                more bytes and GEMM rows).
+    seed        seeds the generator of the random metric and of unbiased draws (offset by the rank).
+    uniform_mix the unbiased mode's zero-score guard (:func:`lrmoe.selection.select`).
+    """
+
+    metric: str = "m1"
+    mode: str = "topk"
+    compact: bool = True
+    seed: int = 0
+    uniform_mix: float = DEFAULT_UNIFORM_MIX
+
+    def __post_init__(self) -> None:
+        if self.metric not in METRICS:
+            raise ValueError(f"BackwardConfig.metric={self.metric!r} is not one of {METRICS}")
+        if self.mode not in MODES:
+            raise ValueError(f"BackwardConfig.mode={self.mode!r} is not one of {MODES}")
+        if not isinstance(self.compact, bool):
+            raise ValueError(f"BackwardConfig.compact must be a bool, got {self.compact!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"BackwardConfig.seed must be a non-negative int, got {self.seed!r}")
+        if not self.uniform_mix >= 0:
+            raise ValueError(f"BackwardConfig.uniform_mix must be non-negative, got {self.uniform_mix!r}")
+
+    def generator(self, rank: int) -> torch.Generator:
+        """The rank's own generator: every rank draws differently, every run the same."""
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + rank)
+
+
+@dataclass
+class BackwardRecord:
+    """What the backward of one forward did on this rank, per local pair p = t·k + j (filled by the backward).
+
+    keep_P      bool: the pair's backward ran (False for pairs trimmed here or dropped by a forward capacity).
+    scale_P     float: its gradient multiplier (1, or 1/p in the unbiased mode; 0 when not kept).
+    scores_P    float: its recalibration score (nan where no selection ran or the pair was not computed).
+    bwd_slot_P  long: the global slot that ran its backward, -1 when not kept.
+    selected    whether a selection ran (the plan trims or moves pairs); False: every computed pair is kept.
+    """
+
+    top_k: int
+    keep_P: Tensor | None = None
+    scale_P: Tensor | None = None
+    scores_P: Tensor | None = None
+    bwd_slot_P: Tensor | None = None
+    selected: bool = False
+    num_backward: int = field(default=0)
+
+    def _need(self) -> None:
+        if self.keep_P is None:
+            raise RuntimeError("no backward has run through this forward yet")
+
+    @property
+    def keep_TK(self) -> Tensor:
+        self._need()
+        return self.keep_P.view(-1, self.top_k)
+
+    @property
+    def scale_TK(self) -> Tensor:
+        self._need()
+        return self.scale_P.view(-1, self.top_k)
+
+
+# -- pure bookkeeping ------------------------------------------------------------------------------------------
+def plan_selects(plan: LayerPlan) -> bool:
+    """Whether the plan's backward needs scores: it keeps fewer pairs than it computes, or moves some."""
+    return bool(plan.bwd_flows_F4.numel()) or not torch.equal(plan.keep_NG, plan.fwd_NG)
+
+
+def stay_NG(plan: LayerPlan) -> Tensor:
+    """[N, G] retained pairs of source n whose backward runs on their forward slot g."""
+    return plan.keep_NG - plan.moved_out_NG
+
+
+def flow_slots(slot_M: Tensor, keep_M: Tensor, scores_M: Tensor, flows_F3: Tensor) -> Tensor:
+    """The global slot that runs each row's backward (-1: not kept), by the plan's pair-level rule.
+
+    slot_M: forward slot (the group) of each row of one source rank; keep_M: the selection; flows_F3: that
+    source's rows (from_slot, to_slot, count) of bwd_flows_F4, sorted. The flows out of a group take its
+    lowest-scoring kept rows, the lowest ones to the first flow row; the rest stay. Kept rows are ranked as
+    :func:`lrmoe.selection.select` ranks them (score descending, then row index), so "lowest" is its reverse.
+    Example: a group of kept rows scored [.9, .1, .5, .3] with flows (g, a, 1), (g, b, 2): the .1 row goes to
+    a, the .3 and .5 rows to b, the .9 row stays.
+    """
+    bwd_M = torch.full_like(slot_M, -1)
+    kept = keep_M.nonzero().squeeze(1)
+    bwd_M[kept] = slot_M[kept]
+    if not flows_F3.numel() or not kept.numel():
+        return bwd_M
+    perm = group_order(scores_M[kept], slot_M[kept])
+    rows, g = kept[perm], slot_M[kept][perm]
+    num_groups = int(torch.maximum(g.max(), flows_F3[:, 0].max())) + 1
+    size = torch.bincount(g, minlength=num_groups)
+    start = torch.cumsum(size, 0) - size
+    low = size[g] - 1 - (torch.arange(g.numel()) - start[g])  # 0 = the group's lowest-scoring kept row
+    frm, to, cnt = flows_F3.long().unbind(1)
+    cum = torch.cumsum(cnt, 0)
+    first = torch.ones_like(frm, dtype=torch.bool)
+    first[1:] = frm[1:] != frm[:-1]
+    base = torch.cummax(torch.where(first, cum - cnt, 0), 0).values  # pairs of earlier groups' flows
+    big = int(cum[-1]) + slot_M.numel() + 1
+    at = torch.searchsorted(frm * big + (cum - base), g * big + low, right=True)
+    hit = (at < frm.numel()) & (frm[at.clamp(max=frm.numel() - 1)] == g)
+    bwd_M[rows[hit]] = to[at[hit]]
+    return bwd_M
+
+
+def rows_only(plan: CompactPlan, dest_P: Tensor) -> CompactPlan:
+    """The plan's rows blocks alone, back to back: the layout of what the experts return (no carried rows).
+    ``dest_P``: the destination of every pair, as given to :func:`~lrmoe.kernels.compact.compact_plan`."""
+    if not plan.num_carried:
+        return plan
+    carried_N = plan.carry_counts_NE.sum(1)
+    before_N = torch.cumsum(carried_N, 0) - carried_N  # carried rows of earlier destinations
+    pos_P = torch.where(plan.pos_P >= 0, plan.pos_P - before_N[dest_P.long()], -1)
+    keep_M = ~plan.carry_M
+    return replace(plan, num_carried=0, has_carry=False, pos_P=pos_P, carry_pos_P=torch.full_like(pos_P, -1),
+                   pair_M=plan.pair_M[keep_M], carry_M=plan.carry_M[keep_M],
+                   carry_counts_NE=torch.zeros_like(plan.carry_counts_NE))
+
+
+def backward_counts(plan: LayerPlan, compact: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows per (source n, global slot g) of the backward exchange: (sent to g's rank, returned from it, index
+    entries sent). Compact: the retained rows plus the moved pairs' input rows; padded: every forward row plus
+    the moved rows twice (gradient and input). The fast path of plans that select nothing is the padded one."""
+    moved = plan.moved_NG
+    if compact and plan_selects(plan):
+        return plan.bwd_NG + moved, plan.bwd_NG, stay_NG(plan)
+    return plan.fwd_NG + 2 * moved, plan.fwd_NG + moved, torch.zeros_like(plan.fwd_NG)
+
+
+def receive_layout(plan: LayerPlan, rank: int, compact: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Kind (STAY, MOVED, CARRY), local slot and source rank of every row this rank receives in the backward.
+
+    Per source, in rank order. Compact: for each local slot its moved rows then its staying rows (the
+    compaction puts carried pairs first in a group), then the carried input rows slot by slot. Padded: the
+    forward rows slot by slot (all "staying"; zeros where nothing was retained), the moved rows, their inputs.
+    """
+    N, S = plan.num_ranks, plan.slots_per_rank
+    mine = slice(rank * S, (rank + 1) * S)
+    moved_NS = plan.moved_NG[:, mine]
+    if compact and plan_selects(plan):
+        counts = torch.stack([moved_NS, stay_NG(plan)[:, mine]], 2).reshape(N, 2 * S)
+        kinds = torch.tensor([MOVED, STAY]).repeat(S)
+        slots = torch.arange(S).repeat_interleave(2)
+    else:
+        counts = torch.cat([plan.fwd_NG[:, mine], moved_NS], 1)
+        kinds = torch.tensor([STAY, MOVED]).repeat_interleave(S)
+        slots = torch.arange(S).repeat(2)
+    counts = torch.cat([counts, moved_NS], 1)  # [N, L] segments per source
+    kinds = torch.cat([kinds, torch.full((S,), CARRY)])
+    slots = torch.cat([slots, torch.arange(S)])
+    L = kinds.numel()
+    flat = counts.reshape(-1)
+    return (kinds.repeat(N).repeat_interleave(flat), slots.repeat(N).repeat_interleave(flat),
+            torch.arange(N).repeat_interleave(L).repeat_interleave(flat))
+
+
+# -- the exchange ----------------------------------------------------------------------------------------------
+@dataclass
+class Saved:
+    """What the forward leaves for the backward on one rank (held by autograd, freed with the graph)."""
+
+    x_TD: Tensor  # the local tokens: input rows of the pairs the backward moves
+    slots_SP: Tensor  # the slot weights the forward used
+    act: Activations  # the local slots' activations, slot-major (slot, source, forward order)
+    h_norm_M: Tensor | None  # ‖h‖ of each pair at home (metric m2)
+    o_MD: Tensor | None  # the pairs' outputs at home (metric m3)
+
+
+class ExpertExchange:
+    """One forward of the recalibrated exchange on one rank: built by the layer, run by :func:`expert_exchange`.
+
+    ``layer`` gives the communication helpers, the accountant and the kernel backend; ``dispatch`` the plan and
+    this rank's forward bookkeeping (:class:`lrmoe.layer.Dispatch`); ``record`` receives what the backward kept.
+    """
+
+    def __init__(self, layer, dispatch, gate_TK: Tensor, config: BackwardConfig, generator: torch.Generator,
+                 record: BackwardRecord):
+        self.layer, self.dispatch, self.config, self.generator = layer, dispatch, config, generator
+        self.record = record
+        self.gate_P = gate_TK.detach().reshape(-1)
+        self.plan = dispatch.plan
+        self.selects = plan_selects(self.plan)
+        self.compact = config.compact and self.selects  # plans that keep everything use the forward layout
+        self.h_norm_cols = int(self.selects and config.metric == "m2")  # ‖h‖ rides home on the combine
+
+    def weights(self, slots_SP: Tensor):
+        """(w_gate_SDF, w_up_SDF, w_down_SFD) views of the flat slot weights."""
+        return unflatten_experts(slots_SP, self.layer.hidden, self.layer.expert_ffn)
+
+    # -- forward -----------------------------------------------------------------------------------------------
+    def forward(self, x_TD: Tensor, slots_SP: Tensor) -> tuple[Tensor, Saved]:
+        layer, d = self.layer, self.dispatch
+        with layer._phase("permute"):
+            x_send_MD = pack(x_TD, d.compact, backend=layer.kernel_backend)
+        x_recv_RD = layer._exchange(x_send_MD, d.send_splits, d.recv_splits, "dispatch_a2a")
+        with layer._phase("expert_fwd"):
+            to_slot = layer._slot_major(d.recv_counts_NS, x_TD.device)
+            x_slot_RD = x_recv_RD.index_select(0, to_slot)
+            offs_S = slot_offsets(d.recv_counts_NS.sum(0), x_TD.device)
+            y_slot_RD, act = swiglu_forward(x_slot_RD, self.weights(slots_SP), offs_S, layer.kernel_backend)
+            from_slot = torch.empty_like(to_slot).scatter_(0, to_slot, torch.arange(to_slot.numel(),
+                                                                                     device=to_slot.device))
+            y_recv_RD = y_slot_RD.index_select(0, from_slot)
+            if self.h_norm_cols:
+                h_norm_R = torch.linalg.vector_norm(act.h_MF, dim=1).index_select(0, from_slot)
+                y_recv_RD = torch.cat([y_recv_RD, h_norm_R[:, None].to(y_recv_RD.dtype)], 1)
+        o_recv_MD = layer._exchange(y_recv_RD, d.recv_splits, d.send_splits, "combine_a2a")
+        o_MD, h_norm_M = o_recv_MD, None
+        if self.h_norm_cols:
+            o_MD, h_norm_M = o_recv_MD[:, :-1].contiguous(), o_recv_MD[:, -1].contiguous()
+        layer._count_buffers(x_send_MD, x_recv_RD, x_slot_RD, y_slot_RD, y_recv_RD, o_recv_MD)
+        layer._count("token_buffer_bytes", 3 * x_slot_RD.shape[0] * layer.expert_ffn * x_TD.element_size())
+        keep_o = self.selects and self.config.metric == "m3"
+        return o_MD, Saved(x_TD, slots_SP, act, h_norm_M, o_MD if keep_o else None)
+
+    # -- backward, at home: the selection ----------------------------------------------------------------------
+    def select(self, grad_o_MD: Tensor, saved: Saved) -> tuple[Tensor, Tensor | None, Tensor]:
+        """keep_M, scale_M (None: all ones) and the backward slot of every forward row (-1: not kept), in the
+        forward's packed order; the same per local pair into the record."""
+        d, plan, cfg, rank, rec = self.dispatch, self.plan, self.config, self.layer.rank, self.record
+        pair_M = d.compact.pair_M
+        device = grad_o_MD.device
+        slot_M = d.slot_P.to(device)[pair_M]
+        P = d.slot_P.numel()
+        if not self.selects:
+            rec.keep_P, rec.scale_P = d.slot_P >= 0, (d.slot_P >= 0).to(grad_o_MD.dtype)
+            rec.scores_P, rec.bwd_slot_P, rec.selected = torch.full((P,), float("nan")), d.slot_P.clone(), False
+            return torch.ones_like(slot_M, dtype=torch.bool), None, slot_M
+        cpu = lambda t: None if t is None else t.cpu()  # noqa: E731 - the selection is integer work on the host
+        group_M = slot_M.cpu()
+        chooser = Recalibration(cfg.metric, cfg.mode, group_M, plan.keep_NG[rank].clone(), self.generator,
+                                cfg.uniform_mix)
+        scores_M, selection = score_and_select(chooser, grad_o_MD.cpu(), cpu(saved.o_MD),
+                                               self.gate_P.index_select(0, pair_M).cpu(), cpu(saved.h_norm_M))
+        flows = plan.bwd_flows_F4
+        bwd_M = flow_slots(group_M, selection.keep_P, scores_M, flows[flows[:, 0] == rank][:, 1:])
+        at = pair_M.cpu()
+        rec.keep_P = torch.zeros(P, dtype=torch.bool).index_copy_(0, at, selection.keep_P)
+        rec.scale_P = torch.zeros(P, dtype=grad_o_MD.dtype).index_copy_(0, at, selection.scale_P.to(grad_o_MD.dtype))
+        rec.scores_P = torch.full((P,), float("nan"), dtype=scores_M.dtype).index_copy_(0, at, scores_M)
+        rec.bwd_slot_P = torch.full((P,), -1, dtype=torch.long).index_copy_(0, at, bwd_M)
+        rec.selected = True
+        scale_M = selection.scale_P.to(grad_o_MD) if cfg.mode == "unbiased" else None
+        return selection.keep_P.to(device), scale_M, bwd_M.to(device)
+
+    # -- backward ----------------------------------------------------------------------------------------------
+    def backward(self, grad_o_MD: Tensor, saved: Saved, input_grad: bool) -> tuple[Tensor | None, Tensor]:
+        """(dx_TD or None, the slots' weight gradient [S, P]); collective, like the forward."""
+        layer, d, plan = self.layer, self.dispatch, self.plan
+        rank, S = layer.rank, layer.slots_per_rank
+        with layer._phase("recalibrate"):
+            keep_M, scale_M, bwd_M = self.select(grad_o_MD, saved)
+            moved_M = keep_M & (bwd_M != d.slot_P.to(grad_o_MD.device)[d.compact.pair_M])
+            send_NN, ret_NN, index_NN = (pair_matrix_NN(x, S) for x in backward_counts(plan, self.compact))
+            if self.compact:
+                payload, ret_plan, index_send = self._pack_compact(grad_o_MD, saved, keep_M, scale_M, bwd_M, moved_M)
+            else:
+                payload, ret_plan = self._pack_forward_layout(grad_o_MD, saved, keep_M, scale_M, bwd_M, moved_M)
+            if payload.shape[0] != int(send_NN[rank].sum()):
+                raise RuntimeError(f"rank {rank}: the backward packet has {payload.shape[0]} rows, the plan says "
+                                   f"{int(send_NN[rank].sum())}: the selection disagrees with keep_NG / bwd_flows_F4")
+        recv = layer._exchange(payload, send_NN[rank].tolist(), send_NN[:, rank].tolist(), "combine_a2a_bwd")
+        index_recv = None
+        if self.compact:
+            index_recv = layer._exchange(index_send, index_NN[rank].tolist(), index_NN[:, rank].tolist(),
+                                         "bwd_index_a2a")
+        with layer._phase("expert_bwd"):
+            dx_rows, d_slots = self._expert_backward(recv, index_recv, saved, input_grad)
+        layer._count("pairs_retained", int(pair_matrix_NN(plan.bwd_NG, S)[:, rank].sum()))
+        layer._count("pairs_recomputed", int(pair_matrix_NN(plan.moved_NG, S)[:, rank].sum()))
+        layer._count_bwd_buffers(payload, recv, dx_rows)
+        dx_TD = None
+        if input_grad:  # rank as expert → each home, then home ← each expert
+            back = layer._exchange(dx_rows, ret_NN[:, rank].tolist(), ret_NN[rank].tolist(), "dispatch_a2a_bwd")
+            layer._count_bwd_buffers(back)
+            with layer._phase("unpermute_bwd"):
+                dx_TD = self._unpack_home(back, ret_plan, ret_NN[rank].tolist())
+        self.record.num_backward += 1
+        return dx_TD, d_slots
+
+    def _pair_rows(self, grad_o_MD: Tensor, scale_M: Tensor | None) -> Tensor:
+        """Gradient rows per local pair [P, D] (scaled in the unbiased mode), from the forward's packed order."""
+        d = self.dispatch
+        if not grad_o_MD.shape[0]:  # nothing computed here: no row is retained either
+            return grad_o_MD.new_zeros(d.slot_P.numel(), grad_o_MD.shape[1])
+        g = grad_o_MD if scale_M is None else grad_o_MD * scale_M[:, None]
+        return g.index_select(0, d.compact.pos_P.clamp_min(0))
+
+    def _per_pair(self, rows_M: Tensor, fill) -> Tensor:
+        """A per-row quantity of the forward's packed order, per local pair (``fill`` where no row)."""
+        pair_M = self.dispatch.compact.pair_M
+        out = torch.full((self.dispatch.slot_P.numel(),), fill, dtype=rows_M.dtype, device=rows_M.device)
+        return out.index_copy_(0, pair_M, rows_M)
+
+    def _pack_compact(self, grad_o_MD, saved, keep_M, scale_M, bwd_M, moved_M):
+        """Retained rows (and moved pairs' inputs) packed by (destination, slot), plus the index of each staying
+        row among its forward group's rows, for the expert rank to find its saved activations."""
+        d, layer = self.dispatch, self.layer
+        S = layer.slots_per_rank
+        keep_P, moved_P = self._per_pair(keep_M, False), self._per_pair(moved_M, False)
+        bwd_P = self._per_pair(bwd_M.clamp_min(0), 0)
+        dest_P = bwd_P // S
+        bplan = compact_plan(dest_P, bwd_P % S, layer.num_ranks, S, keep_P, moved_P, top_k=layer.top_k)
+        payload = pack(self._pair_rows(grad_o_MD, scale_M), bplan,
+                       carry_YD=saved.x_TD if bplan.num_carried else None, backend=layer.kernel_backend)
+        # index of each pair within its forward group (home, forward slot): the order the expert saved it in
+        fwd_counts = d.compact.counts_NE.reshape(-1)
+        group_start = torch.cumsum(fwd_counts, 0) - fwd_counts
+        fidx_P = d.compact.pos_P - group_start[d.slot_P.to(grad_o_MD.device).clamp_min(0)]
+        staying = ~bplan.carry_M & ~moved_P[bplan.pair_M]
+        index_send = fidx_P[bplan.pair_M[staying]].to(torch.int32)
+        return payload, rows_only(bplan, dest_P), index_send
+
+    def _pack_forward_layout(self, grad_o_MD, saved, keep_M, scale_M, bwd_M, moved_M):
+        """Per destination: the forward's rows (zero unless retained and staying), then the moved pairs' block
+        (gradient rows, then input rows)."""
+        d, layer = self.dispatch, self.layer
+        S = layer.slots_per_rank
+        stay_M = keep_M & ~moved_M
+        if scale_M is None and bool(stay_M.all()):
+            stay_rows = grad_o_MD  # the fast path: the forward's own layout, every row
+        else:
+            w_M = stay_M.to(grad_o_MD.dtype) if scale_M is None else stay_M.to(grad_o_MD.dtype) * scale_M
+            stay_rows = grad_o_MD * w_M[:, None]
+        if not bool(moved_M.any()):
+            return stay_rows.contiguous(), None
+        moved_P = self._per_pair(moved_M, False)
+        bwd_P = self._per_pair(bwd_M.clamp_min(0), 0)
+        mplan = compact_plan(bwd_P // S, bwd_P % S, layer.num_ranks, S, moved_P, moved_P, top_k=layer.top_k)
+        moved_rows = pack(self._pair_rows(grad_o_MD, scale_M), mplan, carry_YD=saved.x_TD,
+                          backend=layer.kernel_backend)
+        parts = []
+        for a, b in zip(torch.split(stay_rows, d.send_splits), torch.split(moved_rows, mplan.send_splits())):
+            parts += [a, b]
+        return torch.cat(parts), (mplan, bwd_P // S)
+
+    def _expert_backward(self, recv: Tensor, index_recv: Tensor | None, saved: Saved, input_grad: bool):
+        """dx of every received gradient row (in receive order) and the slots' weight gradient [S, P].
+
+        The batch: the received gradient rows sorted by slot. Staying rows take their saved activations
+        (their row in the slot-major saved arrays: the (slot, source) segment's start plus the index that came
+        with them, or their position in the forward layout); moved rows recompute from their carried input."""
+        layer, d, plan = self.layer, self.dispatch, self.plan
+        N, S, device = layer.num_ranks, layer.slots_per_rank, recv.device
+        kind_Q, slot_Q, src_Q = (t.to(device) for t in receive_layout(plan, layer.rank, self.compact))
+        grad_pos = (kind_Q != CARRY).nonzero().squeeze(1)
+        order = torch.argsort(slot_Q[grad_pos], stable=True)
+        at_B = grad_pos[order]  # receive position of each batch row
+        kind_B, slot_B = kind_Q[at_B], slot_Q[at_B]
+        B = at_B.numel()
+        weights = self.weights(saved.slots_SP)
+        act_saved = saved.act
+        stay_Q = kind_Q == STAY
+        within_Q = torch.zeros_like(kind_Q)
+        if self.compact:
+            within_Q[stay_Q] = index_recv.to(device).long()
+        else:  # the staying rows of a (source, slot) segment are all its forward rows, in order
+            seg = (src_Q * S + slot_Q)[stay_Q]
+            size = torch.bincount(seg, minlength=N * S)
+            within_Q[stay_Q] = torch.arange(seg.numel(), device=device) - (torch.cumsum(size, 0) - size)[seg]
+        fwd_SN = d.recv_counts_NS.to(device).T.reshape(-1)  # forward rows per (slot, source), slot-major
+        saved_Q = (torch.cumsum(fwd_SN, 0) - fwd_SN)[slot_Q * N + src_Q] + within_Q
+        if not self.compact and B == act_saved.x_MD.shape[0] and bool((kind_B == STAY).all()):
+            act = act_saved  # every forward row in the forward's order: the saved activations as they are
+        else:
+            st = (kind_B == STAY).nonzero().squeeze(1)
+            mv = (kind_B == MOVED).nonzero().squeeze(1)
+            parts = [t.new_empty((B,) + t.shape[1:]) for t in act_saved]
+            rows = saved_Q[at_B[st]]
+            for dst, src in zip(parts, act_saved):
+                dst.index_copy_(0, st, src.index_select(0, rows))
+            if mv.numel():  # the k-th moved gradient row (receive order) owns the k-th carried input row
+                moved_rank_Q = torch.cumsum((kind_Q == MOVED).long(), 0) - 1
+                carry_Q = (kind_Q == CARRY).nonzero().squeeze(1)
+                x_mv = recv.index_select(0, carry_Q[moved_rank_Q[at_B[mv]]])
+                offs_mv = slot_offsets(torch.bincount(slot_B[mv], minlength=S), device)
+                _, redo = swiglu_forward(x_mv, weights, offs_mv, layer.kernel_backend)
+                for dst, src in zip(parts, redo):
+                    dst.index_copy_(0, mv, src)
+            act = Activations(*parts)
+        offs_S = slot_offsets(torch.bincount(slot_B, minlength=S), device)
+        dx_B, dw_gate, dw_up, dw_down = swiglu_backward(act, recv.index_select(0, at_B), weights, offs_S,
+                                                        layer.kernel_backend, input_grad)
+        layer._count("pairs_bwd", B)
+        d_slots = torch.cat([dw_gate.reshape(S, -1), dw_up.reshape(S, -1), dw_down.reshape(S, -1)], 1)
+        dx_rows = torch.empty_like(dx_B).index_copy_(0, order, dx_B) if input_grad else None  # receive order
+        return dx_rows, d_slots.to(saved.slots_SP.dtype)
+
+    def _unpack_home(self, back: Tensor, ret_plan, ret_splits: list[int]) -> Tensor:
+        """Scatter-add the returned input-gradient rows into token order."""
+        d, backend = self.dispatch, self.layer.kernel_backend
+        if self.compact:
+            return unpack(back, ret_plan, per_token=True, backend=backend)
+        if ret_plan is None:  # the forward layout alone
+            return unpack(back, d.compact, per_token=True, backend=backend)
+        mplan, dest_P = ret_plan
+        parts = torch.split(back, ret_splits)
+        fwd_rows = torch.cat([p[:n] for p, n in zip(parts, d.send_splits)])
+        moved_rows = torch.cat([p[n:] for p, n in zip(parts, d.send_splits)])
+        dx_TD = unpack(fwd_rows, d.compact, per_token=True, backend=backend)
+        return dx_TD + unpack(moved_rows, rows_only(mplan, dest_P), per_token=True, backend=backend)
+
+
+class _Exchange(torch.autograd.Function):
+    """x_TD, slots_SP → o_MD (see the module doc). The backward is :meth:`ExpertExchange.backward`."""
+
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, slots_SP: Tensor, state: ExpertExchange):
+        o_MD, saved = state.forward(x_TD, slots_SP)
+        ctx.state = state
+        ctx.save_for_backward(x_TD, slots_SP, *saved.act, saved.h_norm_M, saved.o_MD)
+        return o_MD
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_o_MD: Tensor):
+        x_TD, slots_SP, x_MD, gate_MF, up_MF, h_MF, h_norm_M, o_MD = ctx.saved_tensors
+        saved = Saved(x_TD, slots_SP, Activations(x_MD, gate_MF, up_MF, h_MF), h_norm_M, o_MD)
+        dx_TD, d_slots = ctx.state.backward(grad_o_MD.contiguous(), saved, ctx.needs_input_grad[0])
+        return dx_TD, d_slots, None
+
+
+def expert_exchange(x_TD: Tensor, slots_SP: Tensor, state: ExpertExchange) -> Tensor:
+    """o_MD of the recalibrated exchange (see the module doc), differentiable in x_TD and the slot weights."""
+    return _Exchange.apply(x_TD, slots_SP, state)

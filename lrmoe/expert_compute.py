@@ -1,0 +1,83 @@
+"""The raw expert computation of the recalibrated layer, forward and backward by hand, on rows sorted by slot:
+SwiGLU experts as variable-size grouped GEMMs (``lrmoe.kernels.grouped_gemm``), no dispatch, no autograd.
+
+The forward keeps its activations (:class:`Activations`) so the backward of the rows that stay on their slot
+needs no recomputation; the backward runs on whichever rows it is given (only the retained ones), and rows whose
+forward ran elsewhere recompute their activations with :func:`swiglu_forward` first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .kernels import grouped_gemm as _grouped_gemm
+from .kernels.dispatch import choose_backend
+from .kernels.grouped_gemm import grouped_mm
+
+
+@dataclass
+class Activations:
+    """A SwiGLU's activations on rows sorted by slot: input x, pre-activations gate and up, and h."""
+
+    x_MD: Tensor
+    gate_MF: Tensor
+    up_MF: Tensor
+    h_MF: Tensor
+
+    def __iter__(self):
+        return iter((self.x_MD, self.gate_MF, self.up_MF, self.h_MF))
+
+
+def slot_offsets(counts_S: Tensor, device) -> Tensor:
+    """int32 cumulative end offsets of the slots' rows (the ``offs`` of a grouped GEMM)."""
+    return torch.cumsum(counts_S, 0).to(torch.int32).to(device)
+
+
+def grouped_mm_dw(x_MK: Tensor, dy_MN: Tensor, offs_S: Tensor, num_groups: int, backend: str) -> Tensor:
+    """dW_s = X_sᵀ dY_s for each group of rows, [S, K, N]: the weight gradient of a grouped GEMM. The kernels
+    package's implementation (any backend) when it has one, else one ``torch.mm`` per non-empty group."""
+    impl = getattr(_grouped_gemm, "grouped_mm_dw", None) or getattr(_grouped_gemm, "_mm_dw", None)
+    if impl is not None:
+        return impl(x_MK.contiguous(), dy_MN.contiguous(), offs_S, num_groups, backend)
+    dw = x_MK.new_zeros(num_groups, x_MK.shape[1], dy_MN.shape[1])  # pragma: no cover - kernels fallback
+    start = 0
+    for s, end in enumerate(offs_S.tolist()):
+        if end > start:
+            torch.mm(x_MK[start:end].t(), dy_MN[start:end], out=dw[s])
+        start = end
+    return dw
+
+
+def swiglu_forward(x_MD: Tensor, weights, offs_S: Tensor, backend: str | None) -> tuple[Tensor, Activations]:
+    """y = (silu(x W_gate) ⊙ (x W_up)) W_down per slot, as three grouped GEMMs; returns y and the activations.
+    ``weights`` = (w_gate_SDF, w_up_SDF, w_down_SFD)."""
+    w_gate_SDF, w_up_SDF, w_down_SFD = weights
+    gate_MF = grouped_mm(x_MD, w_gate_SDF, offs_S, backend=backend)
+    up_MF = grouped_mm(x_MD, w_up_SDF, offs_S, backend=backend)
+    h_MF = F.silu(gate_MF) * up_MF
+    return grouped_mm(h_MF, w_down_SFD, offs_S, backend=backend), Activations(x_MD, gate_MF, up_MF, h_MF)
+
+
+def swiglu_backward(act: Activations, dy_MD: Tensor, weights, offs_S: Tensor, backend: str | None,
+                    input_grad: bool = True) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
+    """The SwiGLU backward from saved activations: (dx or None, dW_gate, dW_up, dW_down), all variable-size
+    grouped GEMMs over the rows given."""
+    w_gate_SDF, w_up_SDF, w_down_SFD = weights
+    S = w_gate_SDF.shape[0]
+    name = choose_backend(dy_MD, backend=backend).name
+    dw_down = grouped_mm_dw(act.h_MF, dy_MD, offs_S, S, name)
+    dh_MF = grouped_mm(dy_MD, w_down_SFD.transpose(1, 2), offs_S, backend=backend)
+    sig_MF = torch.sigmoid(act.gate_MF)
+    dup_MF = dh_MF * (act.gate_MF * sig_MF)
+    dgate_MF = dh_MF * act.up_MF * sig_MF * (1 + act.gate_MF * (1 - sig_MF))  # silu' = σ(1 + x(1 − σ))
+    dw_gate = grouped_mm_dw(act.x_MD, dgate_MF, offs_S, S, name)
+    dw_up = grouped_mm_dw(act.x_MD, dup_MF, offs_S, S, name)
+    dx_MD = None
+    if input_grad:
+        dx_MD = grouped_mm(dgate_MF, w_gate_SDF.transpose(1, 2), offs_S, backend=backend)
+        dx_MD = dx_MD + grouped_mm(dup_MF, w_up_SDF.transpose(1, 2), offs_S, backend=backend)
+    return dx_MD, dw_gate, dw_up, dw_down

@@ -1,0 +1,340 @@
+"""LRMoE end to end in the expert-parallel layer (gloo, 2 and 4 forked ranks) against the reference layer.
+
+The recalibrated backward (lrmoe.backward) must give, for every plan: with unbounded quotas, exactly the
+reference's gradients; with quotas, exactly the reference's gradients on the retained pair set the layer
+reports (keep, scale); the router gradient and the shared expert untouched by the trimming; per-rank retained
+pairs within the cap apart from the reported floor excess; and backward all-to-all bytes of exactly the
+retained rows plus the carried input rows of moved pairs. Tiny float64 shapes; the routing is skewed (a router
+feature every token shares) so that the quotas trim and the backward routing moves pairs.
+"""
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lrmoe.backward import BackwardConfig, flow_slots, plan_selects, receive_layout, rows_only
+from lrmoe.dist.accounting import Accountant, check_counts, expected_recalibrated
+from lrmoe.dist.comm import all_gather_rows
+from lrmoe.dist.launch import launch
+from lrmoe.dist.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
+from lrmoe.kernels.compact import compact_plan, pack, unpack
+from lrmoe.layer import EPMoELayer, NeedsRecalibration, initial_placement
+from lrmoe.plan import LayerPlan
+from lrmoe.policies import LRMoE, StaticEP
+from lrmoe.reference import ReferenceMoE
+
+D, F, E, K, T = 8, 5, 8, 2, 16
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+SHARD = dict(rtol=1e-5, atol=1e-6)  # expert gradients pass through the fp32 optimizer shards
+
+
+# -- pure bookkeeping ------------------------------------------------------------------------------------------
+def test_flow_slots_moves_the_lowest_scoring_kept_rows_first_row_first():
+    # one group (slot 3) of kept rows scored .9 .1 .5 .3 and a dropped row; flows (3 -> 5, 1) and (3 -> 7, 2)
+    slot = torch.tensor([3, 3, 3, 3, 3])
+    keep = torch.tensor([True, True, True, True, False])
+    scores = torch.tensor([0.9, 0.1, 0.5, 0.3, 0.0])
+    flows = torch.tensor([[3, 5, 1], [3, 7, 2]])
+    assert flow_slots(slot, keep, scores, flows).tolist() == [3, 5, 7, 7, -1]
+    # flows of another group leave this one alone; no flows: every kept row stays
+    assert flow_slots(slot, keep, scores, torch.tensor([[2, 5, 1]])).tolist() == [3, 3, 3, 3, -1]
+    assert flow_slots(slot, keep, scores, torch.zeros(0, 3, dtype=torch.long)).tolist() == [3, 3, 3, 3, -1]
+
+
+def test_flow_slots_two_groups_and_ties():
+    # groups 0 (rows 0, 2, 4) and 1 (rows 1, 3); equal scores rank by row index, so the later row is "lower"
+    slot = torch.tensor([0, 1, 0, 1, 0])
+    scores = torch.tensor([0.5, 0.2, 0.5, 0.4, 0.1])
+    flows = torch.tensor([[0, 6, 2], [1, 4, 1]])
+    assert flow_slots(slot, torch.ones(5, dtype=torch.bool), scores, flows).tolist() == [0, 4, 6, 1, 6]
+
+
+def test_rows_only_drops_the_carry_blocks():
+    # 4 pairs to 2 destinations; pairs 0 and 3 carry. Packed: dest0 [p0 p1 | c0], dest1 [p3 p2 | c3]
+    dest = torch.tensor([0, 0, 1, 1])
+    plan = compact_plan(dest, torch.zeros(4, dtype=torch.long), 2, 1, carry_P=torch.tensor([True, False, False, True]))
+    assert plan.pos_P.tolist() == [0, 1, 4, 3]
+    rows = rows_only(plan, dest)
+    assert rows.pos_P.tolist() == [0, 1, 3, 2] and rows.num_packed == 4 and rows.num_carried == 0
+    back = torch.arange(4.0)[:, None]  # what the destinations return, rows blocks only
+    assert unpack(back, rows, per_token=False).flatten().tolist() == [0.0, 1.0, 3.0, 2.0]
+    packed = pack(torch.arange(4.0)[:, None] * 10, plan, carry_YD=torch.arange(4.0)[:, None])
+    assert packed.flatten().tolist() == [0.0, 10.0, 0.0, 30.0, 20.0, 3.0]
+
+
+def test_receive_layout_compact_and_padded():
+    # 2 ranks x 1 slot, expert 0 on both. Source 0: 3 forward pairs on slot 0, keeps 2, moves 1 to slot 1;
+    # source 1: 2 pairs on slot 1, keeps both.
+    plan = LayerPlan(placement_NS=torch.tensor([[0], [0]]), fwd_NG=torch.tensor([[3, 0], [0, 2]]),
+                     dropped_NE=torch.zeros(2, 1, dtype=torch.long), keep_NG=torch.tensor([[2, 0], [0, 2]]),
+                     bwd_flows_F4=torch.tensor([[0, 0, 1, 1]]), floor_excess_N=torch.zeros(2, dtype=torch.long))
+    assert plan_selects(plan)
+    kind, slot, src = receive_layout(plan, 1, compact=True)
+    # from source 0: its moved gradient row, then its carried input row; from source 1: 2 staying rows
+    assert kind.tolist() == [1, 2, 0, 0] and src.tolist() == [0, 0, 1, 1] and slot.tolist() == [0, 0, 0, 0]
+    kind, _, src = receive_layout(plan, 1, compact=False)
+    assert kind.tolist() == [1, 2, 0, 0]  # source 0 computed nothing on rank 1 in the forward
+    kind, _, src = receive_layout(plan, 0, compact=False)
+    assert kind.tolist() == [0, 0, 0] and src.tolist() == [0, 0, 0]  # padded: all 3 forward rows, one zero
+    kind, _, _ = receive_layout(plan, 0, compact=True)
+    assert kind.tolist() == [0]  # compact: the one staying row
+
+
+@pytest.mark.parametrize("field, value, message", [("metric", "m9", "metric"), ("mode", "all", "mode"),
+                                                   ("compact", 1, "compact"), ("seed", -1, "seed"),
+                                                   ("uniform_mix", -0.1, "uniform_mix")])
+def test_backward_config_rejects_bad_values(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        BackwardConfig(**{field: value})
+
+
+# -- distributed cases -----------------------------------------------------------------------------------------
+def skewed_reference(family: str, shared: bool) -> ReferenceMoE:
+    """A reference layer whose router prefers low expert ids through feature 0 (see :func:`batch`)."""
+    ref = ReferenceMoE(D, F, E, K, family, shared_ffn=4 if shared else 0, seed=3, dtype=torch.float64)
+    with torch.no_grad():
+        ref.w_router_ED[:, 0] = torch.linspace(2.0, -1.0, E)
+        if family == "sigmoid_bias":
+            ref.bias_E.copy_(torch.linspace(0.3, -0.3, E))
+    return ref
+
+
+def batch(world: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(world * T, D, generator=g, dtype=torch.float64)
+    x[:, 0] += 1.5  # the shared feature: skewed routing
+    return x, torch.randn(world * T, D, generator=g, dtype=torch.float64)
+
+
+def gathered_selection(record):
+    keep = all_gather_rows(record.keep_TK.double()).view(-1, K) > 0
+    return keep, all_gather_rows(record.scale_TK.double()).view(-1, K)
+
+
+def expert_grads(layer):
+    layer.store.sync_replica_grads()
+    return unflatten_experts(layer.store.gather_full(layer.store.collect_grad_shards()), D, F)
+
+
+def run_case(rank, groups, policy, cfg, *, family="softmax_topk", shared=False, seed=5, input_grad=True):
+    """One iteration of the layer with the recalibrated backward against the reference on the retained pair
+    set the layer reports; checks every gradient, the selection rule and the accounting. Returns a summary."""
+    world = dist.get_world_size()
+    ref = skewed_reference(family, shared)
+    acc = Accountant()
+    layer = EPMoELayer(ref.export_weights(), K, family, policy, initial_placement(policy, world, E), groups,
+                       accountant=acc, backward=cfg)
+    x, w = batch(world, seed)
+    mine = slice(rank * T, (rank + 1) * T)
+    x_local = x[mine].clone().requires_grad_(input_grad)
+    y, info = layer(x_local)
+    (y * w[mine]).sum().backward()
+    rec, plan = info.record, info.dispatch.plan
+    keep_TK, scale_TK = gathered_selection(rec)
+    x_ref = x.clone().requires_grad_(True)
+    y_ref, _ = ref(x_ref, keep_TK, scale_TK)
+    (y_ref * w).sum().backward()
+    torch.testing.assert_close(y, y_ref[mine], **TIGHT)
+    if input_grad:
+        torch.testing.assert_close(x_local.grad, x_ref.grad[mine], **TIGHT)
+    layer.sync_dense_grads()
+    names = ["w_router_ED"] + (["w_shared_gate_DF", "w_shared_up_DF", "w_shared_down_FD"] if shared else [])
+    for p, name in zip(layer.dense_parameters(), names):  # the router and the shared expert: exact
+        torch.testing.assert_close(p.grad, getattr(ref, name).grad, **TIGHT)
+    for got, want in zip(expert_grads(layer), (ref.w_gate_EDF.grad, ref.w_up_EDF.grad, ref.w_down_EFD.grad)):
+        torch.testing.assert_close(got.double(), want, **SHARD)
+
+    # the selection follows the plan's pair-level rule
+    G = plan.num_slots
+    slot_P = info.dispatch.slot_P
+    kept = torch.bincount(slot_P[rec.keep_P], minlength=G)
+    assert torch.equal(kept, plan.keep_NG[rank])  # every group keeps exactly its quota
+    moved = rec.keep_P & (rec.bwd_slot_P != slot_P)
+    for frm, to, count in plan.bwd_flows_F4[plan.bwd_flows_F4[:, 0] == rank][:, 1:].tolist():
+        out = moved & (slot_P == frm) & (rec.bwd_slot_P == to)
+        assert int(out.sum()) == count
+        stay = rec.keep_P & ~moved & (slot_P == frm)
+        if stay.any():  # the flows take the group's lowest-scoring kept pairs
+            assert float(rec.scores_P[out].max()) <= float(rec.scores_P[stay].min())
+    assert int(moved.sum()) == int(plan.moved_out_NG[rank].sum())
+
+    # counted = the formulas, and the issue's statements about them
+    elem = torch.tensor([], dtype=torch.float64).element_size()
+    record = acc.record()
+    check_counts(record, expected_recalibrated(plan, D, F, elem, cfg.metric, cfg.compact, input_grad), rank)
+    S = plan.slots_per_rank
+    away_G = torch.arange(G) // S != rank
+    if cfg.compact and plan_selects(plan):
+        retained_away = int(plan.bwd_NG[rank][away_G].sum())
+        assert record["combine_a2a_bwd.sent_bytes"] == (retained_away + int(plan.carry_NG[rank].sum())) * D * elem
+    assert record["pairs_retained"] == int(plan.bwd_load_N[rank])
+    if plan.bwd_cap_N is not None:
+        assert record["pairs_retained"] <= int(plan.bwd_cap_N[rank]) + int(plan.floor_excess_N[rank])
+    trimmed = int((plan.fwd_NG - plan.keep_NG).sum())
+    return {"trimmed": trimmed, "flows": plan.bwd_flows_F4.shape[0], "grads": expert_grads(layer),
+            "bytes": record["combine_a2a_bwd.sent_bytes"], "keep_all": bool(rec.keep_P.all())}
+
+
+QUOTA_CONFIGS = [
+    BackwardConfig(metric="m1"),
+    BackwardConfig(metric="m2", mode="unbiased", seed=3),
+    BackwardConfig(metric="m3", compact=False),
+    BackwardConfig(metric="random", seed=1),
+    BackwardConfig(metric="gate", mode="unbiased", compact=False),
+]
+
+
+def _lrmoe_cases(rank):
+    groups = RangeGroups()
+    summary = {}
+    # unbounded quotas: every pair, exactly the reference (and the record says so)
+    for policy in (LRMoE(quotas=False, backward_routing=False), LRMoE(eps=100.0)):
+        out = run_case(rank, groups, policy, BackwardConfig())
+        assert out["keep_all"] and out["trimmed"] == 0
+    # quotas, backward routing, every metric, both modes, compact and padded
+    for i, cfg in enumerate(QUOTA_CONFIGS):
+        out = run_case(rank, groups, LRMoE(eps=0.0, forward="even", extra_slots=2), cfg)
+        summary[i] = (out["trimmed"], out["flows"])
+    # the GLM family: sigmoid router with a selection bias, and a shared expert that is never dropped
+    run_case(rank, groups, LRMoE(eps=0.0, forward="even"), BackwardConfig(metric="m2"), family="sigmoid_bias",
+             shared=True)
+    # an input that needs no gradient: the input-gradient all-to-all is skipped
+    run_case(rank, groups, LRMoE(eps=0.0, forward="even"), BackwardConfig(), input_grad=False)
+    # compaction off: the same gradients from the same selection, more bytes
+    policy = LRMoE(eps=0.0, forward="even", extra_slots=2)
+    dense = run_case(rank, groups, policy, BackwardConfig(compact=False))
+    packed = run_case(rank, groups, policy, BackwardConfig(compact=True))
+    for a, b in zip(dense["grads"], packed["grads"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    summary["bytes"] = (dense["bytes"], packed["bytes"])
+    # the other ablation switches: backward routing off (no flows), placement off (home slots only)
+    assert run_case(rank, groups, LRMoE(eps=0.0, forward="even", backward_routing=False),
+                    BackwardConfig())["flows"] == 0
+    run_case(rank, groups, LRMoE(eps=0.0, extra_slots=0), BackwardConfig())
+    return summary
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_lrmoe_layer_equals_the_reference_on_the_retained_pairs(world_size):
+    summary = launch(_lrmoe_cases, world_size, timeout_s=120)[0]
+    # the cases did exercise what they claim: pairs moved between replicas, and (4 ranks) pairs trimmed
+    assert all(flows > 0 for i, (_, flows) in summary.items() if isinstance(i, int))
+    if world_size == 4:
+        assert all(trimmed > 0 for i, (trimmed, _) in summary.items() if isinstance(i, int))
+    dense_bytes, packed_bytes = summary["bytes"]
+    assert dense_bytes >= packed_bytes
+
+
+def _training(rank, steps):
+    """LRMoE over several steps: the placement follows the previous counts, the weights move by redistribution,
+    and the layer stays equal to the reference trained by Adam on the gradients of the pairs the layer kept."""
+    world = dist.get_world_size()
+    policy = LRMoE(eps=0.0, forward="even", extra_slots=1)
+    ref = skewed_reference("softmax_topk", False)
+    with torch.no_grad():  # the hottest experts are the last ones: not where a uniform history puts replicas
+        ref.w_router_ED[:, 0] = ref.w_router_ED[:, 0].flip(0)
+    cfg = AdamConfig(lr=1e-2)
+    layer = EPMoELayer(ref.export_weights(), K, "softmax_topk", policy, initial_placement(policy, world, E),
+                       RangeGroups(), adam=cfg, backward=BackwardConfig(metric="m1"))
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=cfg.lr, foreach=False)
+    dense_opt = torch.optim.Adam(layer.dense_parameters(), lr=cfg.lr, foreach=False)
+    mine = slice(rank * T, (rank + 1) * T)
+    placements = [layer.placement_NS.clone()]
+    for step in range(steps):
+        x, w = batch(world, 40 + step)
+        y, info = layer(x[mine].clone().requires_grad_(True))
+        (y * w[mine]).sum().backward()
+        keep_TK, scale_TK = gathered_selection(info.record)
+        y_ref, _ = ref(x, keep_TK, scale_TK)
+        (y_ref * w).sum().backward()
+        torch.testing.assert_close(y, y_ref[mine].detach(), rtol=1e-5, atol=1e-6)  # masters are fp32
+        layer.sync_dense_grads()
+        for opt in (dense_opt, ref_opt):
+            opt.step()
+            opt.zero_grad()
+        placements.append(layer.expert_step().clone())
+    master = layer.store.full_master()
+    want = flatten_experts(ref.w_gate_EDF.detach(), ref.w_up_EDF.detach(), ref.w_down_EFD.detach())
+    torch.testing.assert_close(master.double(), want, rtol=1e-5, atol=1e-6)
+    return placements
+
+
+def test_lrmoe_training_steps_follow_the_reference_through_redistribution():
+    placements = launch(_training, 2, 3, timeout_s=120)[0]
+    assert len({tuple(p.flatten().tolist()) for p in placements}) > 1  # the replicas did move (uniform → skewed)
+
+
+class HalfRetention:
+    """Static EP whose plan keeps half of each group's pairs for the backward."""
+
+    def plan(self, counts_NE, prev_counts_E=None):
+        plan = StaticEP().plan(counts_NE, prev_counts_E)
+        return dataclasses.replace(plan, keep_NG=plan.fwd_NG // 2, policy="half-retention")
+
+
+def _plain_backward_refuses(rank):
+    ref = skewed_reference("softmax_topk", False)
+    placement = initial_placement(StaticEP(), dist.get_world_size(), E)
+    layer = EPMoELayer(ref.export_weights(), K, "softmax_topk", StaticEP(), placement, RangeGroups())
+    with pytest.raises(ValueError, match="backward=BackwardConfig"):
+        layer(torch.randn(T, D, dtype=torch.float64), policy=HalfRetention())
+    with pytest.raises(NeedsRecalibration):
+        layer(torch.randn(T, D, dtype=torch.float64), policy=HalfRetention())
+    with pytest.raises(ValueError, match="backward must be a BackwardConfig"):
+        EPMoELayer(ref.export_weights(), K, "softmax_topk", StaticEP(), placement, RangeGroups(), backward="m1")
+    return True
+
+
+def test_a_layer_without_the_recalibrated_backward_refuses_trimming_plans():
+    assert launch(_plain_backward_refuses, 2) == [True, True]
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------------
+def _bench():
+    path = Path(__file__).resolve().parent.parent / "experiments" / "layer_bench.py"
+    spec = importlib.util.spec_from_file_location("layer_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_layer_bench_replays_a_recorded_trace_beside_the_synthetic_ones(tmp_path):
+    from lrmoe.traces import generate_trace
+
+    bench = _bench()
+    generate_trace(4, 2, 4, 16, 4, 32, seed=7).save(tmp_path / "run.npz")
+    args = bench.parse_args(["--trace", str(tmp_path / "run.npz"), "--trace-layer", "1", "--steps", "3",
+                             "--warmup", "1", "--skew-param", "0.4", "0.8"])
+    traces = bench.make_traces(args, 4, 16, 4, "qwen3-30b-a3b-debug")
+    assert [label for label, _, _ in traces] == ["synthetic zipf 0.4", "synthetic zipf 0.8", "recorded run"]
+    label, counts, tokens = traces[-1]
+    assert counts.shape == (4, 4, 16) and tokens == 32
+    args = bench.parse_args(["--trace", str(tmp_path / "run.npz"), "--steps", "9"])
+    with pytest.raises(ValueError, match="--trace"):
+        bench.make_traces(args, 4, 16, 4, "qwen3-30b-a3b-debug")
+
+
+def test_layer_bench_quick_runs_every_policy_and_reports_the_targets(tmp_path, capsys):
+    bench = _bench()
+    out = tmp_path / "bench.jsonl"
+    bench.main(["--ranks", "2", "--tokens-per-rank", "32", "--steps", "2", "--warmup", "0", "--skew-param", "0.8",
+                "--hidden", "32", "--ffn", "16", "--no-wandb", "--out", str(out)])
+    printed = capsys.readouterr().out
+    for name in bench.ISSUE_POLICIES:
+        assert f"| {name}" in printed
+    assert "target" in printed
+    from lrmoe.tracking import read_results
+
+    records = read_results(out)
+    policies = {r["policy"] for r in records if r["table"] == "policy"}
+    assert policies == set(bench.ISSUE_POLICIES)
+    targets = [r for r in records if r["table"] == "target"]
+    assert len(targets) == 3 * 2 and all("measured" in r and "met" in r for r in targets)  # LRMoE M1 and M2
+    per_policy = {r["policy"]: r for r in records if r["table"] == "policy"}
+    assert per_policy["symi-dropless"]["grad_rel_err"] < 1e-5  # dropless, nothing trimmed: the full gradient
+    assert per_policy["capacity-cf1"]["dropped_pct"] > 0
+    assert (tmp_path / "bench_policies.png").exists()
