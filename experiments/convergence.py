@@ -73,6 +73,12 @@ def main(argv=None) -> pd.DataFrame:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--extra-slots", type=int, default=1, help="replica slots per rank for SYMI (and LRMoE)")
+    parser.add_argument("--lrmoe-extra-slots", type=int, default=0,
+                        help="LRMoE's replica slots per rank (default 0: the memory-constrained case, where the "
+                             "backward quotas, not replicas, bound the hot rank)")
+    parser.add_argument("--lrmoe-eps", type=float, default=0.0,
+                        help="LRMoE's balance slack: backward cap (1 + eps) x the mean forward load")
     parser.add_argument("--quick", action="store_true", help="a short run: 40 steps, 2 ranks")
     add_tracking_args(parser, "outputs/convergence.jsonl")
     args = parser.parse_args(argv)
@@ -90,6 +96,9 @@ def main(argv=None) -> pd.DataFrame:
                 train.main(["--preset", args.preset, "--policy", policy, "--ranks", str(args.ranks),
                             "--steps", str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
                             "--eval-every", str(args.eval_every), "--seed", str(args.seed),
+                            "--extra-slots", str(args.lrmoe_extra_slots if policy.startswith("lrmoe")
+                                                 else args.extra_slots),
+                            "--eps", str(args.lrmoe_eps),
                             "--ckpt-dir", str(work / "checkpoints" / policy), "--ckpt-every", "20",
                             "--out", str(results), "--trace-out", str(work / f"trace_{policy}.npz"),
                             *(["--resume"] if results.exists() or args.resume else []),
