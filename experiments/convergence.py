@@ -79,11 +79,11 @@ def main(argv=None) -> pd.DataFrame:
                              "backward quotas, not replicas, bound the hot rank)")
     parser.add_argument("--lrmoe-eps", type=float, default=0.0,
                         help="LRMoE's balance slack: backward cap (1 + eps) x the mean forward load")
-    parser.add_argument("--quick", action="store_true", help="a short run: 40 steps, 2 ranks")
+    parser.add_argument("--quick", action="store_true", help="a short run: 40 steps, batch 2")
     add_tracking_args(parser, "outputs/convergence.jsonl")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.ranks, args.eval_every, args.batch = 40, 2, 10, 2
+        args.steps, args.eval_every, args.batch = 40, 10, 2
     out = Path(args.out)
     work = out.with_suffix("")  # per-policy results, checkpoints and traces
     with Tracker("convergence", vars(args), results=out, seed=args.seed, overwrite=args.overwrite,

@@ -38,6 +38,16 @@ STAGES = [
           table=-2),
     Stage("ablate", "experiments/ablate.py", quick=["--quick"], full=[]),
     Stage("convergence", "experiments/convergence.py", quick=["--quick"], full=[]),
+    # the real layer on synthetic traces and on the routing recorded by the convergence run's dropless policy
+    Stage("layer_bench", "experiments/layer_bench.py",
+          quick=["--trace", "{out}/convergence/trace_static-ep.npz"],
+          full=["--steps", "20", "--trace", "{out}/convergence/trace_static-ep.npz"]),
+    # memory-constrained: no spare replica slot, so the backward quotas do the balancing
+    Stage("layer_bench_constrained", "experiments/layer_bench.py",
+          quick=["--spare-slots", "0", "--skew-param", "0.8", "--policies", "static-ep", "symi-dropless", "lrmoe-m2",
+                 "lrmoe-random"],
+          full=["--spare-slots", "0", "--steps", "20", "--policies", "static-ep", "symi-dropless", "lrmoe-m1",
+                "lrmoe-m2", "lrmoe-m1-unbiased", "lrmoe-random"]),
 ]
 
 
@@ -83,7 +93,7 @@ def main(argv=None) -> int:
             print(f"== {stage.name}: complete, skipped (--resume)")
             summary += [f"## {stage.name}", "", done.read_text(), ""]
             continue
-        extra = stage.quick if args.mode == "quick" else stage.full
+        extra = [a.format(out=out) for a in (stage.quick if args.mode == "quick" else stage.full)]
         cmd = [sys.executable, str(ROOT / stage.script), "--out", str(results), *extra]
         if results.exists():  # an interrupted stage: its scripts append to what it already wrote
             cmd.append("--resume")

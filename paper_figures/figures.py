@@ -172,6 +172,32 @@ def bytes_memory(path: str | Path):
     return fig, data
 
 
+def rank_load(path: str | Path, trace: str | None = None):
+    """Per-rank load of the real layer (layer_bench.py, gloo ranks, no spare replica slot): pairs computed in the
+    forward and pairs kept for the backward, median over the measured steps, per policy, on the most skewed
+    synthetic trace."""
+    data = records(path)
+    data = data[data.get("table", "per_rank_step") == "per_rank_step"] if "table" in data else data
+    if trace is None:
+        synthetic = sorted(t for t in data.trace.unique() if t.startswith("synthetic"))
+        trace = synthetic[-1] if synthetic else data.trace.iloc[0]
+    data = data[data.trace == trace]
+    data = data.astype({"rank": int}).groupby(["policy", "rank"], as_index=False)[["pairs_fwd", "pairs_bwd"]].median()
+    long = data.melt(id_vars=["policy", "rank"], value_vars=["pairs_fwd", "pairs_bwd"], var_name="pass",
+                     value_name="pairs")
+    long["pass"] = long["pass"].map({"pairs_fwd": "forward (computed)", "pairs_bwd": "backward (kept)"})
+    policies = list(dict.fromkeys(data.policy))
+    fig, axes = plt.subplots(1, len(policies), figsize=(2.6 * len(policies), 3.2), sharey=True, squeeze=False)
+    for ax, policy in zip(axes[0], policies):
+        sns.barplot(long[long.policy == policy], x="rank", y="pairs", hue="pass", ax=ax,
+                    legend=policy == policies[-1])
+        ax.set(title=policy, xlabel="rank")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"Per-rank load before and after recalibration (real layer, gloo ranks, no spare slot, {trace})")
+    fig.tight_layout()
+    return fig, data
+
+
 # name -> (results file stem, figure function)
 FIGURES = {
     "fidelity": ("metric_fidelity", fidelity),
@@ -180,4 +206,5 @@ FIGURES = {
     "layer_time": ("ablate", layer_time),
     "ablation_waterfall": ("ablate", ablation_waterfall),
     "bytes_memory": ("ablate", bytes_memory),
+    "rank_load": ("layer_bench_constrained", rank_load),
 }

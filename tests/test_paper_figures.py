@@ -29,6 +29,9 @@ SAMPLES = {
                      "time_s": 0.001 * s} for p in ("static-ep", "lrmoe-m2") for s in (1, 2, 3)],
     "trace_stats": [{"trace": "zipf 0.4", "gini_mean": 0.22, "max_over_mean_mean": 3.9, "source": "synthetic"},
                     {"trace": "recorded", "gini_mean": 0.35, "max_over_mean_mean": 2.5, "source": "recorded"}],
+    "layer_bench_constrained": [{"table": "per_rank_step", "trace": "synthetic zipf 0.8", "policy": policy, "rank": rank,
+                     "pairs_fwd": 100.0 + 10 * rank + i, "pairs_bwd": 90.0 + rank + i}
+                    for i, policy in enumerate(["symi-dropless", "lrmoe-m2"]) for rank in range(4)],
     "ablate": [{"model": "qwen3-30b-a3b", "ranks": 8, "mem_gb": 40.0, "skew": skew, "system": system, "fits": True,
                 "forward_ms_per_layer": 10.0 + i, "backward_ms_per_layer": 20.0 + i + skew,
                 "communication_ms_per_layer": 5.0 + 2 * i, "sync_ms_per_layer": 1.0 + 0.5 * i,
