@@ -13,11 +13,20 @@ Unbiased mode (and the random metric) are random: each configuration runs ``--dr
 the mean single-draw error and ``rel_w_of_mean``, the error of the gradient averaged over the draws (→ 0 for an
 unbiased estimator, stays put for a biased one).
 
-The layers are the MoE layers of the debug presets, at random initialisation (training does not exist yet in
-this package: rerun on trained weights when it does). The data are random: inputs x ~ N(0, 1) and an upstream
-gradient δ that is either i.i.d. Gaussian (``gaussian``) or Gaussian with a log-normal per-token scale,
-exp(N(0, 1)) (``heavy``: tokens whose losses differ, as in training). Tokens are split over ``--sources``
-simulated source ranks; quotas are ρ · routed pairs per (source rank, expert), apportioned exactly (lrmoe.quotas.apportion).
+Three data sources (``--data``), each a layer, an input x and an upstream gradient δ = ∂L/∂y:
+
+* ``gaussian`` and ``heavy``: the MoE layer of a debug preset at random initialisation (``weights:
+  "random-init"``, ``layer: 0``), inputs x ~ N(0, 1) and δ either i.i.d. Gaussian or Gaussian with a log-normal
+  per-token scale exp(N(0, 1)) (tokens whose losses differ, as in training);
+* ``text``: every MoE layer of the debug preset's transformer (reference MoE layers) after ``--train-steps``
+  steps of language-model training on byte-level text (Python's standard library by default), with that
+  layer's real input x, captured by a forward hook, and the real gradient δ = ∂(LM loss)/∂y of its output,
+  captured by a tensor hook, on a held-out batch (``weights: "trained-<steps>"``, ``layer``: the MoE layer's
+  index). The trained weights are cached beside the results file, so reruns skip training.
+
+Tokens are split over ``--sources`` simulated source ranks; quotas are ρ · routed pairs per (source rank,
+expert), apportioned exactly (lrmoe.quotas.apportion). The headline table (the second to last) is every metric's
+error divided by random's at the same ρ and mode, per data source: below 1 the metric beats random.
 
     python experiments/metric_fidelity.py --out outputs/metric_fidelity.jsonl
 """
@@ -25,7 +34,10 @@ simulated source ranks; quotas are ρ · routed pairs per (source rank, expert),
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import itertools
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -41,15 +53,19 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 import torch  # noqa: E402
 
-from lrmoe.config import model_preset  # noqa: E402
+from lrmoe.config import MoEConfig, model_preset  # noqa: E402
+from lrmoe.data import Corpus, get_batch, load_corpus  # noqa: E402
+from lrmoe.model import MoETransformer  # noqa: E402
 from lrmoe.recalibrate import Recalibration, pair_groups, pair_hook, proportional_quotas  # noqa: E402
 from lrmoe.reference import ReferenceMoE  # noqa: E402
+from lrmoe.routing import update_expert_bias  # noqa: E402
 from lrmoe.scoring import METRICS  # noqa: E402
 from lrmoe.selection import MODES  # noqa: E402
 from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
 
 EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
-DATA = ("gaussian", "heavy")
+RANDOM_DATA = ("gaussian", "heavy")  # random-init layer, random x and δ
+DATA = RANDOM_DATA + ("text",)  # text: trained layers, real x and δ
 PRESETS = ("qwen3-30b-a3b-debug", "glm-4.5-air-debug")
 
 
@@ -63,8 +79,8 @@ class Gradients:
 
 def make_batch(data: str, tokens: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs x_TD and upstream gradient delta_TD of one batch of random data (see the module doc)."""
-    if data not in DATA:
-        raise ValueError(f"data={data!r} is not one of {DATA}")
+    if data not in RANDOM_DATA:
+        raise ValueError(f"data={data!r} is not one of the random sources {RANDOM_DATA}")
     gen = torch.Generator().manual_seed(seed)
     x_TD = torch.randn(tokens, hidden, generator=gen)
     delta_TD = torch.randn(tokens, hidden, generator=gen)
@@ -147,9 +163,134 @@ def fidelity_sweep(layer: ReferenceMoE, x_TD: torch.Tensor, delta_TD: torch.Tens
     return records
 
 
+# --- the trained source: a debug transformer trained on text, its MoE layers' real x and δ ---------------------
+@dataclass(frozen=True)
+class TrainSpec:
+    """How the ``text`` source's model is trained. Every field is part of the cache key."""
+
+    preset: str
+    steps: int
+    batch: int  # sequences per step
+    seq_len: int
+    lr: float  # AdamW, no weight decay
+    aux_coef: float  # load-balancing loss weight (global-batch form: one process holds the whole batch)
+    bias_rate: float  # aux-loss-free selection-bias update rate (sigmoid_bias routers)
+    seed: int
+    corpus_digest: str  # sha256 prefix of the training bytes
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch", "seq_len"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value > 0):
+                raise ValueError(f"TrainSpec.{name} must be a positive int, got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"TrainSpec.lr must be positive, got {self.lr!r}")
+        for name in ("aux_coef", "bias_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainSpec.{name} must be non-negative, got {getattr(self, name)!r}")
+
+    @property
+    def weights_label(self) -> str:
+        return f"trained-{self.steps}"
+
+    def cache_name(self) -> str:
+        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return f"{self.preset}-{self.weights_label}-{digest}.pt"
+
+
+def corpus_digest(corpus: Corpus) -> str:
+    return hashlib.sha256(corpus.train.to(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def build_model(cfg: MoEConfig, seed: int) -> MoETransformer:
+    """The preset's single-process transformer with reference MoE layers (layer i drawn from seed · 1000 + i,
+    as experiments/train.py draws them)."""
+    return MoETransformer(cfg, lambda i: ReferenceMoE.from_config(cfg, seed=seed * 1000 + i), seed=seed)
+
+
+def moe_layers(model: MoETransformer) -> list[ReferenceMoE]:
+    return [block.ffn for block in model.blocks if block.is_moe]
+
+
+def train_model(spec: TrainSpec, corpus: Corpus) -> tuple[MoETransformer, list[float]]:
+    """Train the preset's model from its seeded initialisation for ``spec.steps`` steps of next-byte prediction
+    on ``corpus.train``. Returns the model and the LM loss of every step (deterministic for a given spec)."""
+    cfg = model_preset(spec.preset)
+    model = build_model(cfg, spec.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(spec.seed)
+    losses = []
+    for _ in range(spec.steps):
+        ids_BT, targets_BT = get_batch(corpus.train, spec.batch, spec.seq_len, gen)
+        _, infos, loss, total = model(ids_BT, targets_BT, aux_coef=spec.aux_coef)
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        opt.step()
+        if cfg.router == "sigmoid_bias":  # GLM-4.5: aux-loss-free balancing of the selection bias
+            with torch.no_grad():
+                for layer, info in zip(moe_layers(model), infos):
+                    layer.bias_E.copy_(update_expert_bias(layer.bias_E, info.counts_E, spec.bias_rate))
+        losses.append(float(loss))
+    return model, losses
+
+
+def trained_model(spec: TrainSpec, corpus: Corpus, cache_dir: Path) -> tuple[MoETransformer, dict]:
+    """The model of ``spec``: loaded from ``cache_dir`` when a run with the same spec saved it, else trained and
+    saved there. Returns the model and {"cached", "path", "losses"}."""
+    path = Path(cache_dir) / spec.cache_name()
+    if path.exists():
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state.get("spec") == dataclasses.asdict(spec):
+            model = build_model(model_preset(spec.preset), spec.seed)
+            model.load_state_dict(state["model"])
+            return model, {"cached": True, "path": path, "losses": state["losses"]}
+    model, losses = train_model(spec, corpus)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"spec": dataclasses.asdict(spec), "model": model.state_dict(), "losses": losses}, tmp)
+    tmp.replace(path)  # atomic: an interrupted save leaves no half-written cache entry
+    return model, {"cached": False, "path": path, "losses": losses}
+
+
+def capture_moe_io(model: MoETransformer, ids_BT: torch.Tensor, targets_BT: torch.Tensor
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+    """One forward and backward of the LM loss (no auxiliary loss) through ``model``. Returns, for every MoE
+    layer, its input x_TD (forward hook on the block's FFN) and the gradient delta_TD = ∂(LM loss)/∂y_TD of its
+    output (tensor hook on y), and the loss. Parameter gradients are left cleared."""
+    layers = moe_layers(model)
+    xs: list[torch.Tensor | None] = [None] * len(layers)
+    deltas: list[torch.Tensor | None] = [None] * len(layers)
+
+    def forward_hook(i):
+        def hook(module, inputs, output):
+            xs[i] = inputs[0].detach().clone()
+            output[0].register_hook(lambda grad: deltas.__setitem__(i, grad.detach().clone()))
+        return hook
+
+    handles = [layer.register_forward_hook(forward_hook(i)) for i, layer in enumerate(layers)]
+    try:
+        _, _, loss, _ = model(ids_BT, targets_BT)
+        loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.zero_grad(set_to_none=True)
+    if any(d is None for d in deltas):
+        raise RuntimeError("an MoE layer's output received no gradient")
+    return xs, deltas, float(loss)
+
+
+def text_batch(corpus: Corpus, tokens: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A held-out batch of about ``tokens`` tokens: max(1, tokens // seq_len) windows of min(seq_len, tokens)."""
+    if tokens <= 0:
+        raise ValueError(f"tokens must be positive, got {tokens}")
+    length = min(seq_len, tokens)
+    return get_batch(corpus.val, max(1, tokens // length), length, torch.Generator().manual_seed(seed))
+
+
 def versus_random(table: pd.DataFrame, key: str = "rel_w_all") -> pd.DataFrame:
     """For each setting, every metric's error divided by the random metric's error at the same ρ and mode."""
-    cols = ["preset", "data", "mode", "rho"]
+    cols = [c for c in ("preset", "weights", "data", "layer", "mode", "rho") if c in table]
     base = table[table.metric == "random"].set_index(cols)[key].rename("random")
     joined = table[table.metric != "random"].join(base, on=cols)
     # undefined where random makes no error either (ρ = 1)
@@ -157,7 +298,42 @@ def versus_random(table: pd.DataFrame, key: str = "rel_w_all") -> pd.DataFrame:
     return joined[cols + ["metric", key, "random", "ratio_to_random"]].dropna(subset=["ratio_to_random"])
 
 
-def main(argv=None) -> pd.DataFrame:
+def ratio_table(vs: pd.DataFrame) -> pd.DataFrame:
+    """The headline: mean ratio to random per (mode, metric), over everything (``all``), per data source
+    (weights / data) and, for trained sources, per ρ."""
+    vs = vs.assign(source=vs["weights"] + " / " + vs["data"])
+    table = vs.groupby(["mode", "metric"])["ratio_to_random"].mean().rename("all").to_frame()
+    table = table.join(vs.pivot_table(index=["mode", "metric"], columns="source", values="ratio_to_random"))
+    trained = vs[vs.weights.str.startswith("trained")]
+    if len(trained):
+        per_rho = trained.pivot_table(index=["mode", "metric"], columns=["source", "rho"], values="ratio_to_random")
+        per_rho.columns = [f"{source} ρ={rho:g}" for source, rho in per_rho.columns]
+        table = table.join(per_rho)
+    return table.reset_index()
+
+
+def verdict(vs: pd.DataFrame) -> list[str]:
+    """Lines per data source: the best metric against random in each mode (mean over presets, layers and ρ), and
+    the best (metric, mode) against the stronger of the two random baselines (random in the top-k mode shrinks
+    the gradient by about ρ; random in the unbiased mode rescales kept pairs by 1/p and does not)."""
+    lines = []
+    vs = vs.assign(source=vs["weights"] + " / " + vs["data"])
+    mean = vs.groupby(["source", "mode", "metric"], as_index=False)[["rel_w_all", "random", "ratio_to_random"]].mean()
+    for source, by_source in mean.groupby("source"):
+        for mode, part in by_source.groupby("mode"):
+            best = part.loc[part["ratio_to_random"].idxmin()]
+            beats = "beats" if best.ratio_to_random < 1 else "does not beat"
+            lines.append(f"* {source}, {mode}: best metric {best.metric} {beats} random, error "
+                         f"{best.rel_w_all:.3f} vs {best.random:.3f} (ratio {best.ratio_to_random:.2f})")
+        best = by_source.loc[by_source["rel_w_all"].idxmin()]
+        base = by_source.groupby("mode")["random"].first()
+        ratio = best.rel_w_all / base.min()
+        lines.append(f"* {source}, across modes: best {best.metric} ({best['mode']}), error {best.rel_w_all:.3f} "
+                     f"vs the better random baseline ({base.idxmin()}) {base.min():.3f}: ratio {ratio:.2f}")
+    return lines
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=list(PRESETS))
     parser.add_argument("--data", nargs="+", default=list(DATA), choices=DATA)
@@ -168,59 +344,120 @@ def main(argv=None) -> pd.DataFrame:
     parser.add_argument("--sources", type=int, default=4, help="simulated source ranks (quota groups)")
     parser.add_argument("--draws", type=int, default=8, help="draws per random configuration")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="tiny run for tests: 128 tokens, 2 draws")
+    group = parser.add_argument_group("the text source (trained layers, real gradients)")
+    group.add_argument("--train-steps", type=int, default=None, help="training steps (default 150; --quick: 20)")
+    group.add_argument("--train-batch", type=int, default=16, help="sequences per training step")
+    group.add_argument("--train-seq-len", type=int, default=None, help="default: the preset's seq_len")
+    group.add_argument("--train-lr", type=float, default=3e-3)
+    group.add_argument("--aux-coef", type=float, default=0.1, help="load-balancing loss weight (as train.py)")
+    group.add_argument("--bias-rate", type=float, default=1e-3, help="aux-free bias update rate (GLM)")
+    group.add_argument("--corpus", default=None, help="folder or glob of text files (default: Python's stdlib)")
+    group.add_argument("--max-bytes", type=int, default=1_000_000, help="bytes per split of the corpus")
+    group.add_argument("--cache-dir", default=None,
+                       help="where trained weights are cached (default: <results stem>_models beside the results)")
+    parser.add_argument("--quick", action="store_true", help="tiny run for tests: 128 tokens, 2 draws, 20 steps")
     add_tracking_args(parser, "outputs/metric_fidelity.jsonl")
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens, args.draws = 128, 2
+        args.train_steps = 20 if args.train_steps is None else args.train_steps
+    args.train_steps = 150 if args.train_steps is None else args.train_steps
+    for name in ("tokens", "sources", "draws", "train_steps", "train_batch", "max_bytes"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.cache_dir is None:
+        out = Path(args.out)
+        args.cache_dir = str(out.with_name(f"{out.stem}_models"))
+    return args
+
+
+def sources(args, preset: str, corpus: Corpus | None, summary: dict):
+    """Yield (labels, layer, x_TD, delta_TD) for every data source of ``preset`` the run asks for."""
+    cfg = model_preset(preset)
+    for data in args.data:
+        if data in RANDOM_DATA:
+            layer = ReferenceMoE.from_config(cfg, seed=args.seed)
+            x_TD, delta_TD = make_batch(data, args.tokens, cfg.hidden, args.seed + 1)
+            yield {"weights": "random-init", "data": data, "layer": 0}, layer, x_TD, delta_TD
+            continue
+        spec = TrainSpec(preset=preset, steps=args.train_steps, batch=args.train_batch,
+                         seq_len=args.train_seq_len or cfg.seq_len, lr=args.train_lr, aux_coef=args.aux_coef,
+                         bias_rate=args.bias_rate, seed=args.seed, corpus_digest=corpus_digest(corpus))
+        t0 = time.perf_counter()
+        model, info = trained_model(spec, corpus, Path(args.cache_dir))
+        ids_BT, targets_BT = text_batch(corpus, args.tokens, spec.seq_len, args.seed + 1)
+        xs, deltas, batch_loss = capture_moe_io(model, ids_BT, targets_BT)
+        losses = info["losses"]
+        train_loss = sum(losses[-10:]) / len(losses[-10:])
+        summary[preset] = {"weights": spec.weights_label, "cached": info["cached"], "cache": str(info["path"]),
+                           "first_loss": losses[0], "train_loss": train_loss, "batch_loss": batch_loss,
+                           "seconds": time.perf_counter() - t0}
+        print(f"{preset}: {spec.weights_label} ({'cached' if info['cached'] else 'trained'} in "
+              f"{time.perf_counter() - t0:.1f} s), LM loss {losses[0]:.2f} → {train_loss:.2f} (last 10 steps), "
+              f"held-out batch {batch_loss:.2f} nats/byte", flush=True)
+        for i, (layer, x_TD, delta_TD) in enumerate(zip(moe_layers(model), xs, deltas)):
+            labels = {"weights": spec.weights_label, "data": data, "layer": i, "train_loss": train_loss,
+                      "batch_loss": batch_loss}
+            yield labels, layer, x_TD, delta_TD
+
+
+def main(argv=None) -> pd.DataFrame:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     rows = []
     start = time.perf_counter()
+    corpus = load_corpus(args.corpus, max_bytes=args.max_bytes) if "text" in args.data else None
     with Tracker("metric_fidelity", vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
-        for preset, data in itertools.product(args.presets, args.data):
-            cfg = model_preset(preset)
-            layer = ReferenceMoE.from_config(cfg, seed=args.seed)  # random init: no trained weights yet
-            x_TD, delta_TD = make_batch(data, args.tokens, cfg.hidden, args.seed + 1)
-            for record in fidelity_sweep(layer, x_TD, delta_TD, metrics=args.metrics, modes=args.modes,
-                                         rhos=args.rhos, sources=args.sources, draws=args.draws, seed=args.seed):
-                record = {"preset": preset, "data": data, "weights": "random-init", **record}
-                run.log(record)
-                rows.append(record)
+        training: dict = {}
+        for preset in args.presets:
+            for labels, layer, x_TD, delta_TD in sources(args, preset, corpus, training):
+                for record in fidelity_sweep(layer, x_TD, delta_TD, metrics=args.metrics, modes=args.modes,
+                                             rhos=args.rhos, sources=args.sources, draws=args.draws,
+                                             seed=args.seed):
+                    record = {"preset": preset, **labels, "tokens": x_TD.shape[0], **record}
+                    run.log(record)
+                    rows.append(record)
         table = pd.DataFrame(rows)
-        wide = table.pivot_table(index=["preset", "data", "mode", "metric"], columns="rho",
-                                 values=["cos_w_mean", "rel_w_mean", "cos_x"]).round(3)
+        index = ["preset", "weights", "data", "layer", "mode", "metric"]
+        wide = table.pivot_table(index=index, columns="rho", values=["cos_w_mean", "rel_w_mean", "cos_x"]).round(3)
         wide.columns = [f"{name} ρ={rho:g}" for name, rho in wide.columns]
-        print("Gradient fidelity against the full gradient (random-init debug-preset layers, random data; "
-              "mean over draws where random):\n")
+        print("\nGradient fidelity against the full gradient (debug-preset layers: random-init on random data, "
+              "trained on text with real gradients; mean over draws where random):\n")
         print(wide.reset_index().to_markdown(index=False, floatfmt=".3f"))
-        summary_rows = []
+        headline = pd.DataFrame()
         vs = versus_random(table) if "random" in args.metrics and len(args.metrics) > 1 else pd.DataFrame()
         if len(vs):
-            best = vs.loc[vs.groupby(["preset", "data", "mode", "rho"])["ratio_to_random"].idxmin()]
+            best = vs.loc[vs.groupby(["preset", "weights", "data", "layer", "mode", "rho"])["ratio_to_random"].idxmin()]
             print("\nBest metric against random at the same ρ and mode (relative error of all expert weight "
                   "gradients; ratio < 1: the metric beats random):\n")
             print(best.to_markdown(index=False, floatfmt=".3f"))
-            mean_ratio = vs.groupby(["mode", "metric"])["ratio_to_random"].mean().reset_index()
-            print("\nMean ratio to random over presets, data and ρ:\n")
-            print(mean_ratio.to_markdown(index=False, floatfmt=".3f"))
-            summary_rows = mean_ratio.to_dict("records")
+            headline = ratio_table(vs)
+            print("\nDoes any metric beat random? Per data source (mean over presets, layers and ρ):\n")
+            print("\n".join(verdict(vs)))
+            print("\nMean ratio to random (error of all expert weight gradients ÷ random's at the same ρ and mode; "
+                  "< 1: the metric beats random), over everything, per data source (weights / data), and per ρ "
+                  "on trained layers:\n")
+            print(headline.to_markdown(index=False, floatfmt=".3f"))
         if (table.draws > 1).any():
             of_mean = table[table.draws > 1].pivot_table(index=["mode", "metric"], columns="rho",
                                                          values=["rel_w_all", "rel_w_of_mean"])
             of_mean.columns = [f"{name} ρ={rho:g}" for name, rho in of_mean.columns]
-            print(f"\nSingle-draw error against the error of the mean over the draws (mean over presets and data; "
-                  f"the unbiased mode's mean approaches the full gradient, about as 1/sqrt(draws)):\n")
+            print(f"\nSingle-draw error against the error of the mean over the draws (mean over presets, layers and "
+                  f"data; the unbiased mode's mean approaches the full gradient, about as 1/sqrt(draws)):\n")
             print(of_mean.reset_index().to_markdown(index=False, floatfmt=".3f"))
-        run.log_summary({"ratio_to_random": summary_rows, "seconds": time.perf_counter() - start})
+        run.log_summary({"ratio_to_random": headline.to_dict("records"), "training": training,
+                         "seconds": time.perf_counter() - start})
         sns.set_theme(style="whitegrid", context="paper")
-        table["setting"] = table["preset"].str.replace("-debug", "") + " / " + table["data"]
+        trained = table["weights"].str.startswith("trained")
+        table["setting"] = (table["preset"].str.replace("-debug", "") + " / " + table["weights"] + " / "
+                            + table["data"] + table["layer"].map(lambda i: f" / L{i}").where(trained, ""))
         grid = sns.relplot(table, x="rho", y="rel_w_mean", hue="metric", style="metric", col="mode", row="setting",
-                           kind="line", markers=True, height=2.2, aspect=1.6, facet_kws={"sharey": False})
+                           kind="line", markers=True, height=2.2, aspect=1.9, facet_kws={"sharey": False})
         grid.set_titles("{row_name} | {col_name}")
         grid.set_axis_labels("retention ρ", "expert-gradient rel. error")
-        grid.figure.suptitle("Recalibrated vs full expert weight gradients (random-init layers, random data)",
-                             y=1.02)
+        grid.figure.suptitle("Recalibrated vs full expert weight gradients (random-init layers on random data, "
+                             "trained layers on text)", y=1.02)
         figs = run.log_figure("fidelity", grid.figure)
         plt.close(grid.figure)
         print(f"\n{len(rows)} configurations in {time.perf_counter() - start:.1f} s; results: {args.out}; "
