@@ -31,8 +31,8 @@ error divided by random's at the same ρ and mode, per data source: below 1 the 
     python experiments/metric_fidelity.py --out outputs/metric_fidelity.jsonl
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: tests load this script by path without entering it in sys.modules,
+# and dataclasses cannot resolve string annotations of a module missing there.
 import argparse
 import dataclasses
 import hashlib
@@ -230,7 +230,7 @@ def train_model(spec: TrainSpec, corpus: Corpus) -> tuple[MoETransformer, list[f
             with torch.no_grad():
                 for layer, info in zip(moe_layers(model), infos):
                     layer.bias_E.copy_(update_expert_bias(layer.bias_E, info.counts_E, spec.bias_rate))
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return model, losses
 
 
@@ -277,7 +277,7 @@ def capture_moe_io(model: MoETransformer, ids_BT: torch.Tensor, targets_BT: torc
         model.zero_grad(set_to_none=True)
     if any(d is None for d in deltas):
         raise RuntimeError("an MoE layer's output received no gradient")
-    return xs, deltas, float(loss)
+    return xs, deltas, float(loss.detach())
 
 
 def text_batch(corpus: Corpus, tokens: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,8 +29,13 @@ def records(path: str | Path) -> pd.DataFrame:
 
 
 def fidelity(path: str | Path):
-    """Metric fidelity against retention: relative error of all expert-weight gradients, per metric and mode."""
+    """Metric fidelity against retention: relative error of all expert-weight gradients, per metric and mode.
+    Trained layers with real text gradients when the results hold them, else every row (random data)."""
     data = records(path)
+    source = "random-init layers, random data"
+    if "data" in data and (data["data"] == "text").any():
+        data = data[data["data"] == "text"]
+        source = "trained debug layers, real text gradients"
     data = data.groupby(["mode", "metric", "rho"], as_index=False)["rel_w_all"].mean()
     modes = list(dict.fromkeys(data["mode"]))
     fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 3.3), sharey=True, squeeze=False)
@@ -39,7 +44,7 @@ def fidelity(path: str | Path):
         sns.lineplot(part, x="rho", y="rel_w_all", hue="metric", marker="o", ax=ax,
                      palette=style.palette(part.metric.unique()))
         ax.set(title=f"{mode} selection", xlabel="retention ρ", ylabel="relative error of expert grads")
-    fig.suptitle("Gradient fidelity of backward recalibration (lower is better)")
+    fig.suptitle(f"Gradient fidelity of backward recalibration, {source} (lower is better)")
     fig.tight_layout()
     return fig, data
 
