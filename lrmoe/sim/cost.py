@@ -146,14 +146,21 @@ def load_gemm_calibration(path: str | Path, model_name: str | None = None) -> Ge
                      launch_s=float(fit.get("launch_s", 0.0)), source=source)
 
 
-def cpu_gloo_preset(calibration_json: str | Path, num_ranks: int) -> tuple[ClusterConfig, GemmCurve]:
+def cpu_gloo_preset(calibration_json: str | Path, num_ranks: int,
+                    clock: str | None = None) -> tuple[ClusterConfig, GemmCurve]:
     """A CPU "cluster" (one node of gloo processes) and its GEMM curve, from micro-benchmark constants.
 
-    The seam for validating the model against measured CPU runs: the calibration file (to be written by the
-    CPU micro-benchmarks beside ``experiments/layer_bench.py``) holds ``peak_flops``, ``a2a_bw``,
-    ``a2a_latency``, ``mem_bw`` and a ``gemm`` fit (``eff_max``, ``m_half``, ``launch_s``).
+    The seam for validating the model against measured CPU runs: the calibration file (written by
+    :mod:`lrmoe.sim.calibrate_cpu`) holds ``peak_flops``, ``a2a_bw``, ``a2a_latency``, ``mem_bw`` and a ``gemm``
+    fit (``eff_max``, ``m_half``, ``launch_s``); ``clock`` picks the constants of one clock from its ``clocks``
+    entry instead of the top-level ones.
     """
     data = json.loads(Path(calibration_json).read_text())
+    if clock is not None:
+        if clock not in data.get("clocks", {}):
+            raise ValueError(f"CPU calibration {str(calibration_json)!r} has no constants for clock={clock!r}; "
+                             f"it has {sorted(data.get('clocks', {}))}")
+        data = data["clocks"][clock]
     missing = [k for k in ("peak_flops", "a2a_bw", "a2a_latency", "gemm") if k not in data]
     if missing:
         raise ValueError(f"CPU calibration {str(calibration_json)!r} lacks {missing}")

@@ -1,0 +1,473 @@
+"""How far to trust the simulator: the cost model's per-phase predictions for the exact plans of a measured
+``layer_bench.py`` run, against the times measured per phase, on a CPU "cluster" calibrated on this machine.
+
+    python experiments/validate_sim.py --quick                       # runs a small layer_bench itself, < 1 min
+    python experiments/validate_sim.py --bench outputs/layer_bench.jsonl
+    python experiments/validate_sim.py --bench B.jsonl --calibration C.json   # reuse a calibration file
+
+1. *Calibrate* (:mod:`lrmoe.sim.calibrate_cpu`): on as many forked gloo ranks as the benchmark had, at its D and F,
+   time the layer's grouped-GEMM SwiGLU (forward and backward) vs rows, ``all_to_all_single`` vs bytes, and Adam;
+   fit the cost model's GEMM curve, an all-to-all latency + bytes/bandwidth line and a memory bandwidth. Written
+   as a JSON file with its provenance beside the results file; :func:`lrmoe.sim.cost.cpu_gloo_preset` reads it.
+2. *Replay the plans*: the benchmark's synthetic traces are regenerated from its run header (same arguments, same
+   seed) and fed through fresh policy objects built by ``layer_bench.make_policy``, step by step as the layer
+   feeds them (``prev_counts_E`` = the previous step's global counts). The replay is checked against what the
+   benchmark counted: every rank's pairs and bytes of every phase, each step, must equal the formulas of
+   :mod:`lrmoe.dist.accounting` on the replayed plan (the benchmark checked the same formulas on the plan it ran).
+3. *Predict and compare*: ``CostModel.cost(plan)`` per step and rank; per phase the predicted time against the
+   measured one (statistics below); error = predicted / measured - 1, per (trace, policy, phase) cell, then its
+   median over cells per phase and over all cells (the issue's target: median |error| <= 20 %).
+
+Clocks. The layer records each rank's elapsed (``wall``) and CPU (``cpu``) time per phase; the calibration
+measures both, and the model is compared with each. The CPU clock is the headline (as in ``layer_bench``'s own
+targets): with 4 ranks on 2 shared cores, elapsed time is mostly waiting for a core, for peers, and for other
+processes, none of which a per-rank cost model describes, and a rank waiting in a collective uses no CPU.
+
+Which rank's time is "the phase's time": each rank's median over the measured steps (a rank's times have rare
+spikes of a few ms, from the Python runtime and the scheduler, that a per-step maximum over ranks picks up about
+every other step), then the **slowest rank**, the same statistic on the predicted per-rank times. By the wall clock
+a collective's slowest rank also waited for the peers that arrived late (the previous phase's imbalance, which the
+model charges to that phase), so the all-to-alls, the gradient collection and the redistribution take the
+**fastest rank** there, the last one to arrive, which waits for nobody (the replica sync starts right after the
+dense gradients' all-reduce over all ranks, and ranks outside every replica range skip it: the slowest rank). The
+literal statistic, the median over steps of each step's slowest rank, is reported beside it
+(``step_slowest_median_abs_error``).
+
+Phases the cost model does not cover, excluded and listed in the output: route, plan, permute, unpermute,
+recalibrate, bwd_index_a2a, unpermute_bwd (and shared_fwd / shared_bwd, which the model covers but the layer does
+not time). Times on this machine are noisy (2 cores shared by 4 ranks and whatever else runs): every number is a
+median, the per-cell spread is large, and two runs of the same command differ by several points of error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+import warnings
+from argparse import Namespace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from lrmoe.config import model_preset  # noqa: E402
+from lrmoe.dist.accounting import expected_recalibrated, expected_step  # noqa: E402
+from lrmoe.layer import planned_placement  # noqa: E402
+from lrmoe.sim.calibrate_cpu import CLOCKS, calibrate, spec_for_bench, write_calibration  # noqa: E402
+from lrmoe.sim.cost import PHASES as MODEL_PHASES  # noqa: E402
+from lrmoe.sim.cost import CostModel, cpu_gloo_preset  # noqa: E402
+from lrmoe.tracking import Tracker, add_tracking_args, read_results  # noqa: E402
+
+LOCAL = ("expert_fwd", "expert_bwd", "adam")  # measured as the slowest rank
+COLLECTIVE = ("dispatch_a2a", "combine_a2a", "combine_a2a_bwd", "dispatch_a2a_bwd", "grad_collect", "redistribute")
+LOCKSTEP = ("replica_sync",)  # a collective entered in step: the slowest rank
+COVERED = tuple(p for p in MODEL_PHASES if p in LOCAL + COLLECTIVE + LOCKSTEP)
+EXCLUDED = {
+    "route": "router GEMM and top-k on the home rank: not in the cost model",
+    "plan": "counts all-gather and the planner on the host: not in the cost model",
+    "permute": "local packing of the pairs by destination: the model leaves local permutations out",
+    "unpermute": "weighted scatter-add of the outputs at home: local permutation, not modelled",
+    "recalibrate": "scoring and selection at home: not in the cost model",
+    "bwd_index_a2a": "the compact backward's int32 row-index all-to-all: not a phase of the model",
+    "unpermute_bwd": "scatter-add of the input gradients at home: local permutation, not modelled",
+    "shared_fwd": "modelled, but the layer does not time the shared expert (and the Qwen debug preset has none)",
+    "shared_bwd": "modelled, but the layer does not time the shared expert",
+}
+TARGET = 0.20  # median |error| the issue asks for
+COUNT_KEYS = ("pairs_fwd", "pairs_bwd", "pairs_retained", "pairs_recomputed", "pairs_dropped")
+QUICK_BENCH = ["--quick", "--no-grad-error"]
+FULL_BENCH = ["--no-grad-error", "--policies", "static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1",
+              "lrmoe-m2", "lrmoe-padded"]
+
+
+def load_layer_bench():
+    """The ``experiments/layer_bench.py`` module (its policy constructors, traces and memory model)."""
+    spec = importlib.util.spec_from_file_location("layer_bench", Path(__file__).resolve().parent / "layer_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- the benchmark's results --------------------------------------------------------------------------------------
+def read_bench(path: str | Path) -> tuple[dict, pd.DataFrame]:
+    """(run config, per-rank-step records) of the last run in a layer_bench results file that has records."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--bench {str(path)!r} is not a file")
+    runs = read_results(path, "run")
+    records = [r for r in read_results(path) if r.get("table") == "per_rank_step"]
+    for run in reversed(runs):
+        mine = [r for r in records if r["run_id"] == run["run_id"]]
+        if mine and run.get("name") == "layer_bench":
+            return run["config"], pd.DataFrame(mine)
+    raise ValueError(f"--bench {str(path)!r} holds no layer_bench run with per_rank_step records")
+
+
+def bench_shapes(config: dict):
+    """(model config at the benchmark's D, F and dtype, ranks, E/N home slots, element bytes)."""
+    model = model_preset(config["model"])
+    model = model.replace(hidden=config["hidden"] or model.hidden, expert_ffn=config["ffn"] or model.expert_ffn,
+                          dtype=config["dtype"])
+    n = int(config["world_size"])
+    return model, n, model.num_experts // n, model.dtype_bytes
+
+
+# -- replaying the plans ---------------------------------------------------------------------------------------------
+def replay_plans(config: dict, bench=None) -> dict:
+    """{(trace, policy): {"plans": [LayerPlan per step], "next": [placement after each step], "backward": cfg}}.
+
+    Every step of the run, warm-up included, in the order the layer plans them. The recorded trace of
+    ``--trace`` is replayed when its file is still there (else left out, with a note on stderr)."""
+    bench = bench or load_layer_bench()
+    model, n, base, elem = bench_shapes(config)
+    ns = Namespace(**config)
+    if ns.trace and not Path(ns.trace).is_file():
+        print(f"validate_sim: the recorded trace {ns.trace} is gone; its records are left out", file=sys.stderr)
+        ns.trace = None
+    out = {}
+    for label, counts_SNE, tokens in bench.make_traces(ns, n, model.num_experts, model.top_k, model.name):
+        buffer_load = 1.0 + ns.eps if ns.buffer_load is None else ns.buffer_load
+        memory = bench.memory_model(base, ns.spare_slots, tokens, model.top_k, model.hidden, model.expert_ffn, elem,
+                                    buffer_load)
+        global_SE = counts_SNE.sum(1)
+        for name in ns.policies:
+            policy, backward = bench.make_policy(name, base, ns.spare_slots, memory, ns.eps, ns.gamma)
+            plans, nxt = [], []
+            for step in range(counts_SNE.shape[0]):
+                prev = global_SE[step - 1] if step else None
+                plans.append(policy.plan(counts_SNE[step], prev))
+                nxt.append(planned_placement(policy, counts_SNE[step], global_SE[step]))
+            out[(label, name)] = {"plans": plans, "next": nxt, "backward": backward, "memory": memory}
+    return out
+
+
+def check_replay(raw: pd.DataFrame, replay: dict, config: dict) -> pd.DataFrame:
+    """Every counted quantity of the benchmark (pairs per rank, bytes per phase and rank) against the formulas of
+    :mod:`lrmoe.dist.accounting` on the replayed plan of the same step. Returns the mismatches (empty: the replay
+    is the plan the benchmark ran, as far as anything it recorded can tell)."""
+    model, n, _, elem = bench_shapes(config)
+    warmup = int(config["warmup"])
+    bad = []
+    for (trace, policy), df in raw.groupby(["trace", "policy"], sort=False):
+        if (trace, policy) not in replay:
+            continue
+        rep = replay[(trace, policy)]
+        for step, rows in df.groupby("step"):
+            t = int(step) + warmup
+            plan = rep["plans"][t]
+            want = expected_recalibrated(plan, model.hidden, model.expert_ffn, elem, rep["backward"].metric,
+                                         rep["backward"].compact)
+            want.update(expected_step(plan.placement_NS, rep["next"][t], model.num_experts, model.hidden,
+                                      model.expert_ffn, elem))
+            want["replica_slots"] = torch.full((n,), int((plan.placement_NS >= 0).sum()))
+            want["floor_excess"] = plan.floor_excess_N
+            for rec in rows.to_dict("records"):
+                r = int(rec["rank"])
+                for key, values in want.items():
+                    got = rec.get(key)
+                    got = 0 if got is None or got != got else int(got)  # a phase never run counted nothing
+                    if got != int(values[r]):
+                        bad.append({"trace": trace, "policy": policy, "step": int(step), "rank": r, "key": key,
+                                    "counted": got, "replayed": int(values[r])})
+    return pd.DataFrame(bad, columns=["trace", "policy", "step", "rank", "key", "counted", "replayed"])
+
+
+# -- predicted and measured --------------------------------------------------------------------------------------
+KEYS = ["clock", "trace", "policy", "phase"]
+
+
+def predict(replay: dict, config: dict, calibration: str | Path, clock: str | None = "cpu") -> pd.DataFrame:
+    """Predicted ms per (clock, trace, policy, measured step, covered phase, rank) on the CPU cluster calibrated by
+    ``clock`` (that clock's constants of the calibration file; None: its top-level ones)."""
+    model, n, _, _ = bench_shapes(config)
+    cluster, curve = cpu_gloo_preset(calibration, n, clock=clock)
+    warmup, frames = int(config["warmup"]), []
+    cols = [MODEL_PHASES.index(p) for p in COVERED]
+    for (trace, policy), rep in replay.items():
+        cm = CostModel(model, cluster, gemm=curve, compaction=rep["backward"].compact, sharded_optimizer=True,
+                       mem_budget_bytes=rep["memory"].budget_bytes)
+        for t, plan in enumerate(rep["plans"][warmup:]):
+            ms_NC = cm.cost(plan).time_NP[:, cols] * 1e3
+            frames.append(pd.DataFrame({"trace": trace, "policy": policy, "step": t,
+                                        "phase": [p for _ in range(n) for p in COVERED],
+                                        "rank": [r for r in range(n) for _ in COVERED],
+                                        "predicted_ms": ms_NC.reshape(-1).tolist()}))
+    return pd.concat(frames, ignore_index=True).assign(clock=clock or "cpu")
+
+
+def phase_statistic(phase: str, clock: str) -> str:
+    """Which rank's time is the phase's time: "slowest", or "fastest" for a collective by the wall clock (the
+    last rank to arrive, see the module doc). By the CPU clock a rank's wait costs no CPU: always the slowest."""
+    return "fastest" if clock == "wall" and phase in COLLECTIVE else "slowest"
+
+
+def measured_phase_ms(raw: pd.DataFrame, clock: str = "cpu") -> pd.DataFrame:
+    """Measured ms per (clock, trace, policy, step, covered phase, rank) by ``clock`` (``cpu``: the rank's CPU
+    time, ``wall``: elapsed); 0 for a rank that skipped a phase others ran (e.g. outside every replica range)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
+    cols = {f"{p}.{clock}_ms": p for p in COVERED if f"{p}.{clock}_ms" in raw and raw[f"{p}.{clock}_ms"].notna().any()}
+    if not cols:
+        raise ValueError(f"the benchmark records no {clock}-clock time of any covered phase {COVERED}")
+    long = raw[["trace", "policy", "step", "rank", *cols]].melt(id_vars=["trace", "policy", "step", "rank"],
+                                                                 var_name="phase", value_name="measured_ms")
+    long["phase"] = long["phase"].map(cols)
+    long["measured_ms"] = long["measured_ms"].fillna(0.0)
+    return long.assign(clock=clock, step=long["step"].astype(int), rank=long["rank"].astype(int))
+
+
+def compare(predicted: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
+    """One row per (clock, trace, policy, phase): predicted and measured ms, and the error predicted / measured - 1.
+
+    Both sides alike: each rank's median over the steps, then the slowest rank (or, for a collective by the wall
+    clock, the measured fastest rank: :func:`phase_statistic`; the model's collective still ends with its slowest
+    rank). Beside it, the literal statistic: the median over steps of each step's slowest rank
+    (``*_step_slowest_ms``, ``error_step_slowest``), which the ranks' rare few-ms spikes inflate."""
+    both = predicted.merge(measured, on=KEYS + ["step", "rank"], how="inner")
+    if both.empty:
+        raise ValueError("no (clock, trace, policy, step, phase, rank) is both predicted and measured")
+    per_rank = both.groupby(KEYS + ["rank"], sort=False)[["predicted_ms", "measured_ms"]].median().reset_index()
+    grouped = per_rank.groupby(KEYS, sort=False)
+    cells = grouped["predicted_ms"].max().to_frame()
+    cells["measured_slowest_ms"] = grouped["measured_ms"].max()
+    cells["measured_fastest_ms"] = grouped["measured_ms"].min()
+    step_max = both.groupby(KEYS + ["step"], sort=False)[["predicted_ms", "measured_ms"]].max()
+    step_max = step_max.groupby(KEYS, sort=False).median()
+    cells["predicted_step_slowest_ms"] = step_max["predicted_ms"]
+    cells["measured_step_slowest_ms"] = step_max["measured_ms"]
+    cells["steps"] = both.groupby(KEYS, sort=False)["step"].nunique()
+    cells = cells.reset_index()
+    fastest = [phase_statistic(p, c) == "fastest" for p, c in zip(cells["phase"], cells["clock"])]
+    cells["measured_ms"] = cells["measured_slowest_ms"].where(~pd.Series(fastest), cells["measured_fastest_ms"])
+    for err, pred, meas in (("error", "predicted_ms", "measured_ms"),
+                            ("error_step_slowest", "predicted_step_slowest_ms", "measured_step_slowest_ms")):
+        timed = cells[meas] > 0  # a phase that took no measurable time has no relative error (NaN)
+        cells[err] = float("nan")
+        cells.loc[timed, err] = relative_error(cells.loc[timed, pred], cells.loc[timed, meas])
+    return cells
+
+
+def relative_error(predicted, measured):
+    """predicted / measured - 1, elementwise (pandas, torch or floats); measured times must be positive."""
+    bad = measured <= 0
+    if bool(bad.any() if hasattr(bad, "any") else bad):
+        raise ValueError(f"relative_error: measured times must be positive, got {measured}")
+    return predicted / measured - 1.0
+
+
+def phase_table(cells: pd.DataFrame, clock: str = "cpu") -> pd.DataFrame:
+    """One row per covered phase that was measured: medians over the (trace, policy) cells of ``clock``, and
+    the median |error| by the other clock beside them."""
+    rows = []
+    for phase in COVERED:
+        c = cells[(cells["phase"] == phase) & (cells["clock"] == clock)]
+        if c.empty:
+            continue
+        row = {"phase": phase, "rank": phase_statistic(phase, clock), "cells": len(c),
+               "predicted_ms": c["predicted_ms"].median(), "measured_ms": c["measured_ms"].median(),
+               "median_error": c["error"].median(), "median_abs_error": c["error"].abs().median()}
+        for other in CLOCKS:
+            o = cells[(cells["phase"] == phase) & (cells["clock"] == other)]
+            if other != clock and not o.empty:
+                row[f"{other}_median_abs_error"] = o["error"].abs().median()
+        row["step_slowest_median_abs_error"] = c["error_step_slowest"].abs().median()
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+# -- the script --------------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bench", default=None, help="a layer_bench results file (default: run a small one first)")
+    p.add_argument("--calibration", default=None,
+                   help="reuse this CPU calibration file (default: measure, and write <out>_cpu_calibration.json)")
+    p.add_argument("--quick", action="store_true", help="small benchmark and calibration, about a minute")
+    p.add_argument("--seed", type=int, default=0)
+    add_tracking_args(p, "outputs/validate_sim.jsonl")
+    return p.parse_args(argv)
+
+
+def run_bench(args, out_dir: Path) -> Path:
+    """Run layer_bench (small) into the output folder; returns its results file."""
+    path = out_dir / f"{Path(args.out).stem}_layer_bench.jsonl"
+    argv = [*(QUICK_BENCH if args.quick else FULL_BENCH), "--seed", str(args.seed), "--out", str(path)]
+    argv += ["--overwrite"] if args.overwrite else ["--resume"] if args.resume else []
+    argv += ["--no-wandb"] if args.no_wandb else []
+    print(f"== layer_bench {' '.join(argv)}", flush=True)
+    load_layer_bench().main(argv)
+    return path
+
+
+def calibration_file(args, config: dict, out_dir: Path) -> tuple[Path, dict]:
+    if args.calibration:
+        path = Path(args.calibration)
+        if not path.is_file():
+            raise ValueError(f"--calibration {str(path)!r} is not a file")
+        return path, json.loads(path.read_text())
+    model, n, base, _ = bench_shapes(config)
+    spec = spec_for_bench(n, model.hidden, model.expert_ffn, model.num_experts, model.top_k,
+                          int(config["tokens_per_rank"]), base + int(config["spare_slots"]), config["dtype"],
+                          quick=args.quick, seed=args.seed)
+    t0 = time.time()
+    data = calibrate(spec)
+    data["provenance"]["seconds"] = round(time.time() - t0, 1)
+    data["provenance"]["for_bench"] = {k: config[k] for k in ("model", "hidden", "ffn", "tokens_per_rank", "dtype",
+                                                              "world_size")}
+    path = out_dir / f"{Path(args.out).stem}_cpu_calibration.json"
+    write_calibration(data, path, overwrite=args.overwrite or args.resume)
+    return path, data
+
+
+def plot(cells: pd.DataFrame, table: pd.DataFrame, clock: str, title: str):
+    """Left: predicted vs measured ms of every (trace, policy, phase) cell by ``clock``; right: the error per phase,
+    both clocks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    sns.set_theme(style="whitegrid", context="paper")
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.1, 1]})
+    mine = cells[cells["clock"] == clock]
+    sns.scatterplot(mine, x="measured_ms", y="predicted_ms", hue="phase", style="phase", ax=ax, s=40)
+    positive = pd.concat([mine["measured_ms"], mine["predicted_ms"]])
+    positive = positive[positive > 0]
+    xs = [float(positive.min()) * 0.7, float(positive.max()) * 1.4]
+    ax.plot(xs, xs, color="black", lw=1, label="predicted = measured")
+    for f in (1 + TARGET, 1 - TARGET):
+        ax.plot(xs, [x * f for x in xs], color="grey", lw=0.8, ls="--")
+    ax.set(xscale="log", yscale="log", xlim=xs, ylim=xs, xlabel=f"measured ms, {clock} clock (median over steps)",
+           ylabel="predicted ms (cost model)", title="each (trace, policy, phase); dashed: ±20 %")
+    ax.legend(fontsize=7, ncol=2, loc="upper left")
+    with warnings.catch_warnings():  # seaborn's boxplot uses an argument matplotlib deprecates
+        warnings.simplefilter("ignore", DeprecationWarning)
+        sns.boxplot(cells, x="phase", y="error", hue="clock", hue_order=list(CLOCKS), order=list(table["phase"]),
+                    ax=bx, fliersize=2)
+    bx.axhspan(-TARGET, TARGET, color="green", alpha=0.1)
+    bx.axhline(0, color="black", lw=0.8)
+    bx.set(ylabel="predicted / measured - 1", xlabel="", title="prediction error per phase")
+    bx.tick_params(axis="x", rotation=50)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def fmt(df: pd.DataFrame, floatfmt: str = ".3f") -> str:
+    return df.to_markdown(index=False, floatfmt=floatfmt)
+
+
+def constants_table(cal: dict) -> pd.DataFrame:
+    """The calibrated constants of each clock, in readable units, with the fits' median relative errors."""
+    rows = []
+    for clock in CLOCKS:
+        c = cal.get("clocks", {}).get(clock, cal if clock == cal.get("clock", "cpu") else None)
+        if c is None:
+            continue
+        fits = c.get("fits", {})
+        rows.append({"clock": clock, "GEMM GFLOP/s": c["peak_flops"] / 1e9, "m_half rows": c["gemm"]["m_half"],
+                     "launch us": c["gemm"]["launch_s"] * 1e6, "a2a latency us": c["a2a_latency"] * 1e6,
+                     "a2a GB/s": c["a2a_bw"] / 1e9, "Adam mem GB/s": c["mem_bw"] / 1e9,
+                     "GEMM fit err": fits.get("gemm", {}).get("median_rel_error", float("nan")),
+                     "GEMM fwd err": fits.get("gemm", {}).get("median_rel_error_fwd", float("nan")),
+                     "GEMM bwd err": fits.get("gemm", {}).get("median_rel_error_bwd", float("nan")),
+                     "a2a fit err": fits.get("a2a", {}).get("median_rel_error", float("nan"))})
+        sized = [m for m in c.get("measurements", {}).get("a2a", []) if m["bytes_sent"] > 0 and "p2p_seconds" in m]
+        if sized:  # the diagnostic: the layer's point-to-point exchange against the all-to-all, same bytes
+            rows[-1]["a2a ms (median)"] = statistics.median(m["seconds"] for m in sized) * 1e3
+            rows[-1]["p2p ms (median, not used)"] = statistics.median(m["p2p_seconds"] for m in sized) * 1e3
+    return pd.DataFrame(rows)
+
+
+def main(argv=None) -> pd.DataFrame:
+    args = parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and not (args.overwrite or args.resume):  # fail before any benchmark runs
+        raise FileExistsError(f"results file {out} exists; pass --overwrite to replace it or --resume to append")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bench_path = Path(args.bench) if args.bench else run_bench(args, out.parent)
+    config, raw = read_bench(bench_path)
+    cal_path, cal = calibration_file(args, config, out.parent)
+    replay = replay_plans(config)
+    mismatches = check_replay(raw, replay, config)
+    clocks = [c for c in CLOCKS if c in cal.get("clocks", {})] or [cal.get("clock", "cpu")]
+    primary = clocks[0]
+    cells = pd.concat([compare(predict(replay, config, cal_path, c if "clocks" in cal else None).assign(clock=c),
+                               measured_phase_ms(raw, c)) for c in clocks], ignore_index=True)
+    table = phase_table(cells, primary)
+    med = {c: float(cells.loc[cells["clock"] == c, "error"].abs().median()) for c in clocks}
+    med_slowest = {c: float(cells.loc[cells["clock"] == c, "error_step_slowest"].abs().median()) for c in clocks}
+    mine = cells[cells["clock"] == primary]
+    model, n, _, _ = bench_shapes(config)
+    totals = cells.groupby(["clock", "trace", "policy"], sort=False)[["predicted_ms", "measured_ms"]].sum()
+    totals = totals.reset_index()
+    totals["error"] = relative_error(totals["predicted_ms"], totals["measured_ms"])
+    consts = constants_table(cal)
+    config_out = {**vars(args), "bench": str(bench_path), "calibration": str(cal_path)}
+    with Tracker("validate_sim", config_out, results=out, seed=args.seed, overwrite=args.overwrite,
+                 resume=args.resume, wandb=not args.no_wandb) as run:
+        for rec in consts.to_dict("records"):
+            run.log({"table": "calibration", **rec, "calibration_file": str(cal_path)})
+        for rec in mismatches.to_dict("records"):
+            run.log({"table": "replay_mismatch", **rec})
+        for rec in cells.to_dict("records"):
+            run.log({"table": "cell", **rec})
+        for rec in totals.to_dict("records"):
+            run.log({"table": "covered_total", **rec})
+        for rec in table.to_dict("records"):
+            run.log({"table": "phase", "clock": primary, **rec})
+        for phase, why in EXCLUDED.items():
+            run.log({"table": "excluded", "phase": phase, "reason": why})
+        run.log_summary({"clock": primary, "median_abs_error": med[primary],
+                         "median_abs_error_by_clock": med, "median_abs_error_slowest_rank_by_clock": med_slowest,
+                         "target": TARGET, "target_met": med[primary] <= TARGET,
+                         "replay_mismatches": len(mismatches), "cells": len(mine), "bench": str(bench_path),
+                         "calibration": str(cal_path)})
+        fig = plot(cells, table, primary, f"cost model vs measured layer: {n} gloo ranks, {model.name} "
+                                          f"D={model.hidden} F={model.expert_ffn}, {config['tokens_per_rank']} "
+                                          f"tokens/rank")
+        figs = run.log_figure("predicted_vs_measured", fig)
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+    prov = cal.get("provenance", {})
+    print(f"\nCPU calibration: {cal_path} ({prov.get('date', '?')}, {prov.get('device', '?')}, torch "
+          f"{prov.get('torch', '?')}); fit errors are median relative errors over the micro-benchmark sizes")
+    print(fmt(consts, ".3g"))
+    print("(a2a / p2p ms: medians over the micro-benchmark's packet sizes of the layer's all-to-all and of its "
+          "point-to-point exchange; the cost model charges gradient collection and redistribution, which run as "
+          "point-to-point exchanges, as all-to-alls)")
+    if len(mismatches):
+        print(f"\nReplay: {len(mismatches)} counted quantities differ from the replayed plans (first ones below); "
+              f"the predictions are for plans the benchmark did not run.")
+        print(fmt(mismatches.head(10)))
+    else:
+        print(f"\nReplay: the replayed plans reproduce every pair and byte the benchmark counted "
+              f"({raw.shape[0]} rank-steps).")
+    print("\nExcluded phases (not covered by the cost model, or not timed by the layer):")
+    for phase, why in EXCLUDED.items():
+        print(f"* {phase}: {why}")
+    print("\nSum of the covered phases per (trace, policy), medians over steps:")
+    print(fmt(totals))
+    steps = int(cells["steps"].max())
+    for c in clocks:
+        print(f"\nMedian |error| over the {int((cells['clock'] == c).sum())} (trace, policy, phase) cells, {c} "
+              f"clock: {med[c]:.1%} (target <= {TARGET:.0%}: {'met' if med[c] <= TARGET else 'not met'}); against "
+              f"the literal slowest rank of every phase: {med_slowest[c]:.1%}.")
+    print(f"Times are medians over {steps} noisy steps on a shared CPU. results: {out}; figure: {figs[0]}")
+    print(f"\nPrediction error per covered phase, {primary} clock (medians over "
+          f"{mine.groupby(['trace', 'policy']).ngroups} trace x policy cells):")
+    print(fmt(table))
+    return table
+
+
+if __name__ == "__main__":
+    main()
