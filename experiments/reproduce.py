@@ -42,6 +42,9 @@ STAGES = [
     Stage("layer_bench", "experiments/layer_bench.py",
           quick=["--trace", "{out}/convergence/trace_static-ep.npz"],
           full=["--steps", "20", "--trace", "{out}/convergence/trace_static-ep.npz"]),
+    # the cost model's per-phase predictions against the layer benchmark's measured times (CPU calibration)
+    Stage("validate_sim", "experiments/validate_sim.py", quick=["--quick", "--bench", "{out}/layer_bench.jsonl"],
+          full=["--bench", "{out}/layer_bench.jsonl"]),
     # memory-constrained: no spare replica slot, so the backward quotas do the balancing
     Stage("layer_bench_constrained", "experiments/layer_bench.py",
           quick=["--spare-slots", "0", "--skew-param", "0.8", "--policies", "static-ep", "symi-dropless", "lrmoe-m2",
