@@ -2,7 +2,8 @@
 
 * ``TRITON_INTERPRET=1`` when no GPU is present, so Triton kernels run in the interpreter;
 * W&B offline, and W&B / Jupyter / matplotlib files kept in a temporary folder, not in ``$HOME``;
-* a non-interactive matplotlib backend.
+* a non-interactive matplotlib backend;
+* one intra-op torch thread (bitwise determinism, see below).
 """
 
 import os
@@ -31,6 +32,11 @@ for _var, _sub in [("WANDB_DIR", "wandb"), ("WANDB_CACHE_DIR", "wandb-cache"), (
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Bitwise run-to-run determinism on CPU needs one intra-op thread: with two, the BLAS splits the layers' small
+# per-expert GEMMs between threads differently from run to run (last-bit differences). The launcher's ranks and
+# the experiments run one thread per process for the same reason.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
