@@ -150,6 +150,29 @@ print(f"kept {int(default['rec'].keep_P.sum())} of {default['rec'].keep_P.numel(
       f"relative error of all expert gradients: {default['rel_all']:.3f}")
 
 # %% [markdown]
+# ## LRMoE's quotas instead of a uniform retention
+#
+# Above, every (source rank, expert) group keeps the same fraction ρ. LRMoE's quotas are not uniform: they cap
+# each rank's backward load at (1 + ε) × the mean forward load and trim only the hot ranks (with a per-expert
+# floor γ). Here the planner's LRMoE policy plans the same routed counts with no spare replica slot.
+
+# %%
+from lrmoe.policies import LRMoE  # noqa: E402
+
+result = run(skew=0.8)
+counts_NE = result["counts_Q"].view(RANKS, cfg.num_experts)
+rows = []
+for eps in [0.0, 0.1, 0.3]:
+    plan = LRMoE(eps=eps, gamma=0.1, extra_slots=0).plan(counts_NE)
+    for rank, (fwd, bwd) in enumerate(zip(plan.fwd_load_N.tolist(), plan.bwd_load_N.tolist())):
+        rows += [{"eps": eps, "rank": rank, "pass": "forward", "pairs": fwd},
+                 {"eps": eps, "rank": rank, "pass": "backward (kept)", "pairs": bwd}]
+loads = pd.DataFrame(rows)
+grid = sns.catplot(loads, x="rank", y="pairs", hue="pass", col="eps", kind="bar", height=3, aspect=1.1)
+grid.figure.suptitle("LRMoE quotas: per-rank load before and after (Zipf s = 0.8)", y=1.05)
+plt.show()
+
+# %% [markdown]
 # ## Does the metric beat random at the same retention?
 #
 # The same batch under every metric, topk selection: mean relative error of the expert-weight gradients.
