@@ -79,6 +79,8 @@ def main(argv=None) -> pd.DataFrame:
                              "backward quotas, not replicas, bound the hot rank)")
     parser.add_argument("--lrmoe-eps", type=float, default=0.0,
                         help="LRMoE's balance slack: backward cap (1 + eps) x the mean forward load")
+    parser.add_argument("--aux-coef", type=float, default=0.1,
+                        help="load-balancing loss weight (lower: more routing skew, more for LRMoE to trim)")
     parser.add_argument("--quick", action="store_true", help="a short run: 40 steps, batch 2")
     add_tracking_args(parser, "outputs/convergence.jsonl")
     args = parser.parse_args(argv)
@@ -98,7 +100,7 @@ def main(argv=None) -> pd.DataFrame:
                             "--eval-every", str(args.eval_every), "--seed", str(args.seed),
                             "--extra-slots", str(args.lrmoe_extra_slots if policy.startswith("lrmoe")
                                                  else args.extra_slots),
-                            "--eps", str(args.lrmoe_eps),
+                            "--eps", str(args.lrmoe_eps), "--aux-coef", str(args.aux_coef),
                             "--ckpt-dir", str(work / "checkpoints" / policy), "--ckpt-every", "20",
                             "--out", str(results), "--trace-out", str(work / f"trace_{policy}.npz"),
                             *(["--resume"] if results.exists() or args.resume else []),
