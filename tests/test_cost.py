@@ -338,16 +338,9 @@ def test_errors_name_the_problem():
 
 # -- the GPU calibration script (its fit and its data file; the measurement itself needs a GPU) -------------------
 def _calibrate_module():
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from _scripts import load_experiment
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / "calibrate_gpu.py"
-    spec = importlib.util.spec_from_file_location("calibrate_gpu", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment("calibrate_gpu")
 
 
 def test_calibration_fit_recovers_known_constants():

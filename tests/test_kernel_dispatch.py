@@ -108,14 +108,9 @@ def test_ops_run_the_chosen_implementation(interp, monkeypatch):
 
 
 def _load_bench():
-    import importlib.util
-    from pathlib import Path
+    from _scripts import load_experiment
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / "bench_kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment("bench_kernels")
 
 
 @needs_interp

@@ -363,13 +363,11 @@ def _bench_script():
 
 
 def test_layer_bench_under_the_fork_launcher(tmp_path, capsys):
-    import importlib.util
+    from _scripts import load_experiment
 
     from lrmoe.tracking import read_results
 
-    spec = importlib.util.spec_from_file_location("layer_bench", _bench_script())
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_experiment("layer_bench")
     out = tmp_path / "bench.jsonl"
     phases = bench.main(["--ranks", "2", "--policies", "static-ep", "capacity-cf1", "symi-dropless",
                          "--out", str(out), *BENCH])

@@ -9,8 +9,6 @@ feature every token shares) so that the quotas trim and the backward routing mov
 """
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -295,11 +293,9 @@ def test_a_layer_without_the_recalibrated_backward_refuses_trimming_plans():
 
 # -- the benchmark ---------------------------------------------------------------------------------------------
 def _bench():
-    path = Path(__file__).resolve().parent.parent / "experiments" / "layer_bench.py"
-    spec = importlib.util.spec_from_file_location("layer_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    from _scripts import load_experiment
+
+    return load_experiment("layer_bench")
 
 
 def test_layer_bench_replays_a_recorded_trace_beside_the_synthetic_ones(tmp_path):

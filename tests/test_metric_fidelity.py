@@ -1,7 +1,5 @@
 """The fidelity harness's trained source: real inputs and upstream gradients of trained MoE layers."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,11 +13,9 @@ PRESETS = ["qwen3-30b-a3b-debug", "glm-4.5-air-debug"]
 
 
 def load_script(name):
-    spec = importlib.util.spec_from_file_location(f"experiments_{name}", ROOT / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    from _scripts import load_experiment
+
+    return load_experiment(name)
 
 
 @pytest.fixture(scope="module")

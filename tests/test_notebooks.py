@@ -1,6 +1,5 @@
 """Every notebook runs top to bottom, headless, in its small mode; each .ipynb matches its paired .py source."""
 
-import os
 from pathlib import Path
 
 import jupytext

@@ -214,14 +214,9 @@ def test_bad_input_raises_value_error_naming_it(call, message):
 
 # --- the fidelity harness ----------------------------------------------------------------------------------------
 def load_script(name):
-    import importlib.util
-    from pathlib import Path
+    from _scripts import load_experiment
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"experiments_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment(name)
 
 
 def test_metric_fidelity_quick_run(tmp_path):

@@ -209,16 +209,9 @@ def test_paper_scale_run_within_a_minute():
 
 # -- the ablation runner ----------------------------------------------------------------------------------------
 def _ablate_module():
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from _scripts import load_experiment
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / "ablate.py"
-    spec = importlib.util.spec_from_file_location("ablate", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment("ablate")
 
 
 def test_ablation_runner_writes_results_headline_and_figures(tmp_path, capsys):

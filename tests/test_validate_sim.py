@@ -3,7 +3,6 @@ micro-benchmarks run on forked ranks and write a file the cost model reads, the 
 layer benchmark ran (every pair and byte it counted), the error statistics on a hand case, and the script's table
 (one row per covered phase)."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -21,10 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"experiments_{name}", ROOT / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from _scripts import load_experiment
+
+    return load_experiment(name)
 
 
 # -- the fits ----------------------------------------------------------------------------------------------------
