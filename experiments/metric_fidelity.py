@@ -443,8 +443,8 @@ def main(argv=None) -> pd.DataFrame:
             of_mean = table[table.draws > 1].pivot_table(index=["mode", "metric"], columns="rho",
                                                          values=["rel_w_all", "rel_w_of_mean"])
             of_mean.columns = [f"{name} ρ={rho:g}" for name, rho in of_mean.columns]
-            print(f"\nSingle-draw error against the error of the mean over the draws (mean over presets, layers and "
-                  f"data; the unbiased mode's mean approaches the full gradient, about as 1/sqrt(draws)):\n")
+            print("\nSingle-draw error against the error of the mean over the draws (mean over presets, layers and "
+                  "data; the unbiased mode's mean approaches the full gradient, about as 1/sqrt(draws)):\n")
             print(of_mean.reset_index().to_markdown(index=False, floatfmt=".3f"))
         run.log_summary({"ratio_to_random": headline.to_dict("records"), "training": training,
                          "seconds": time.perf_counter() - start})

@@ -169,7 +169,8 @@ _MODELS = {
     "glm-4.5-air": MoEConfig(
         name="glm-4.5-air", hidden=4096, expert_ffn=1408, num_experts=128, top_k=8, router="sigmoid_bias",
         num_layers=46, first_dense_layers=1, dense_ffn=10944, num_shared_experts=1, shared_ffn=1408,
-        routed_scaling=1.0, num_heads=96, num_kv_heads=8, head_dim=128, vocab_size=151552, seq_len=4096, dtype="bfloat16"),
+        routed_scaling=1.0, num_heads=96, num_kv_heads=8, head_dim=128, vocab_size=151552, seq_len=4096,
+        dtype="bfloat16"),
     # CPU-trainable variants: same router family and block structure, tiny sizes (ours).
     "qwen3-30b-a3b-debug": MoEConfig(
         name="qwen3-30b-a3b-debug", hidden=64, expert_ffn=32, num_experts=16, top_k=4, router="softmax_topk",
