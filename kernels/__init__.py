@@ -10,7 +10,7 @@ Triton itself is imported only when a Triton backend first runs, so the torch pa
 
 from .compact import CompactPlan, compact_plan, pack, unpack
 from .dispatch import BACKENDS, BackendChoice, active_backend, choose_backend, use_backend
-from .grouped_gemm import grouped_mm, swiglu_experts
+from .grouped_gemm import grouped_mm, grouped_mm_dw, swiglu_experts
 
 __all__ = ["BACKENDS", "BackendChoice", "CompactPlan", "active_backend", "choose_backend", "compact_plan",
-           "grouped_mm", "pack", "swiglu_experts", "unpack", "use_backend"]
+           "grouped_mm", "grouped_mm_dw", "pack", "swiglu_experts", "unpack", "use_backend"]

@@ -140,6 +140,19 @@ def grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor,
     return GroupedMM.apply(x_MK, w_EKN, offs_E, choice.name)
 
 
+def grouped_mm_dw(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_E: torch.Tensor, num_groups: int,
+                  backend: str | None = None) -> torch.Tensor:
+    """The weight gradient of a grouped GEMM on its own: ``dW_e = x[rows of e]^T @ dy[rows of e]`` -> [E, K, N]
+    (zero for an empty group). For callers that write their own backward, e.g. the recalibrated expert backward,
+    which runs it on the retained rows only."""
+    if x_MK.dim() != 2 or dy_MN.dim() != 2 or x_MK.shape[0] != dy_MN.shape[0]:
+        raise ValueError(f"grouped_mm_dw: x_MK and dy_MN must be 2-D with the same rows, got {tuple(x_MK.shape)} "
+                         f"and {tuple(dy_MN.shape)}")
+    offs_E = _check_offs(x_MK, offs_E, num_groups)
+    choice = choose_backend(x_MK, backend=backend)
+    return _mm_dw(x_MK.contiguous(), dy_MN.contiguous(), offs_E, num_groups, choice.name)
+
+
 def swiglu_experts(x_MD: torch.Tensor, w_gate_EDF: torch.Tensor, w_up_EDF: torch.Tensor,
                    w_down_EFD: torch.Tensor, offs_E: torch.Tensor, backend: str | None = None,
                    return_hidden: bool = False):

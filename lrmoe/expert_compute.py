@@ -38,18 +38,9 @@ def slot_offsets(counts_S: Tensor, device) -> Tensor:
 
 
 def grouped_mm_dw(x_MK: Tensor, dy_MN: Tensor, offs_S: Tensor, num_groups: int, backend: str) -> Tensor:
-    """dW_s = X_sᵀ dY_s for each group of rows, [S, K, N]: the weight gradient of a grouped GEMM. The kernels
-    package's implementation (any backend) when it has one, else one ``torch.mm`` per non-empty group."""
-    impl = getattr(_grouped_gemm, "grouped_mm_dw", None) or getattr(_grouped_gemm, "_mm_dw", None)
-    if impl is not None:
-        return impl(x_MK.contiguous(), dy_MN.contiguous(), offs_S, num_groups, backend)
-    dw = x_MK.new_zeros(num_groups, x_MK.shape[1], dy_MN.shape[1])  # pragma: no cover - kernels fallback
-    start = 0
-    for s, end in enumerate(offs_S.tolist()):
-        if end > start:
-            torch.mm(x_MK[start:end].t(), dy_MN[start:end], out=dw[s])
-        start = end
-    return dw
+    """dW_s = X_sᵀ dY_s for each group of rows, [S, K, N]: the weight gradient of a grouped GEMM (the kernels
+    package's op, on the given backend)."""
+    return _grouped_gemm.grouped_mm_dw(x_MK, dy_MN, offs_S, num_groups, backend=backend)
 
 
 def swiglu_forward(x_MD: Tensor, weights, offs_S: Tensor, backend: str | None) -> tuple[Tensor, Activations]:

@@ -192,3 +192,18 @@ def test_compiled_triton_matches_torch_on_gpu(dtype):
     torch.testing.assert_close(y.double().cpu(), yr, **tol)
     torch.testing.assert_close(x.grad.double().cpu(), xr.grad, **tol)
     torch.testing.assert_close(w.grad.double().cpu(), wr.grad, **tol)
+
+
+def test_public_weight_gradient_op_equals_the_autograd_weight_gradient():
+    from lrmoe.kernels.grouped_gemm import grouped_mm, grouped_mm_dw
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(13, 5, generator=gen, dtype=torch.float64)
+    dy = torch.randn(13, 7, generator=gen, dtype=torch.float64)
+    offs = torch.tensor([4, 4, 11], dtype=torch.int32)  # group 1 empty, rows 11-12 belong to no group
+    w = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
+    (grouped_mm(x, w, offs, backend="torch") * dy).sum().backward()
+    dw = grouped_mm_dw(x, dy, offs, 3, backend="torch")
+    assert torch.allclose(dw, w.grad) and not dw[1].any()
+    with pytest.raises(ValueError, match="same rows"):
+        grouped_mm_dw(x, dy[:5], offs, 3, backend="torch")
