@@ -26,6 +26,20 @@ from .dispatch import check_kernel_mode, kernel_is_interpreted
 # Program pid covers tile (pid_m, pid_n) of a virtual [cdiv(M, BLOCK_M) + E, cdiv(N, BLOCK_N)] tile grid,
 # swizzled by GROUP_M for L2 reuse; tile row pid_m is the (pid_m - first tile of e)-th BLOCK_M rows of group e.
 @triton.jit
+def _mac(acc, a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc += a @ b, upcasting the tiles first where the dtype needs it (the interpreter's bf16) and in IEEE
+    precision where asked (fp32 / fp64 checks)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
+    else:
+        acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
+    return acc
+
+
+@triton.jit
 def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, M, N, K, E,
                        stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_ym, stride_yn,
                        BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -75,13 +89,7 @@ def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, M, N, K, E,
                 k_ok = rk < K - k0
                 a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
-            else:
-                acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
+            acc = _mac(acc, a, b, UPCAST, IEEE)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
         y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :] * stride_yn
@@ -128,13 +136,7 @@ def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, M, K, N,
                     mask=k_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_R] = x_e^T tile
         b = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dym + rn[None, :] * stride_dyn,
                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
-        else:
-            acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
+        acc = _mac(acc, a, b, UPCAST, IEEE)
     dw_ptrs = dw_ptr + expert.to(tl.int64) * stride_we + rk[:, None] * stride_wk + rn[None, :] * stride_wn
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
 
