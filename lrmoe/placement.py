@@ -27,6 +27,12 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
+def _non_negative_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
 def _popularity(popularity_E: Tensor) -> Tensor:
     """Validated float64 copy of a popularity vector: 1-D, finite, non-negative, not empty."""
     if not isinstance(popularity_E, Tensor):
@@ -151,10 +157,8 @@ def slots_that_fit(mem_budget_bytes, slot_bytes: float, pair_buffer_bytes: float
         raise ValueError(f"slot_bytes must be positive, got {slot_bytes!r}")
     if pair_buffer_bytes < 0:
         raise ValueError(f"pair_buffer_bytes must be non-negative, got {pair_buffer_bytes!r}")
-    if isinstance(base_slots, bool) or not isinstance(base_slots, int) or base_slots < 0:
-        raise ValueError(f"base_slots must be a non-negative int, got {base_slots!r}")
-    if isinstance(max_extra, bool) or not isinstance(max_extra, int) or max_extra < 0:
-        raise ValueError(f"max_extra must be a non-negative int, got {max_extra!r}")
+    _non_negative_int("base_slots", base_slots)
+    _non_negative_int("max_extra", max_extra)
     budget = torch.as_tensor(mem_budget_bytes, dtype=torch.float64)
     planned = torch.as_tensor(planned_pairs_per_rank, dtype=torch.float64)
     if (planned < 0).any():
@@ -213,8 +217,7 @@ def lrmoe_placement(popularity_E: Tensor, num_ranks: int, base_slots: int, extra
     E = pop_E.numel()
     _positive_int("num_ranks", num_ranks)
     _positive_int("base_slots", base_slots)
-    if isinstance(extra_slots, bool) or not isinstance(extra_slots, int) or extra_slots < 0:
-        raise ValueError(f"extra_slots must be a non-negative int, got {extra_slots!r}")
+    _non_negative_int("extra_slots", extra_slots)
     if E % num_ranks or base_slots != E // num_ranks:
         raise ValueError(f"base_slots={base_slots} must equal num_experts/num_ranks for the home layout "
                          f"(num_experts={E}, num_ranks={num_ranks})")

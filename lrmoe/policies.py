@@ -19,12 +19,12 @@ import math
 import torch
 from torch import Tensor
 
-from lrmoe.placement import (MemoryModel, lrmoe_placement, replica_table, slots_that_fit, static_placement,
-                             symi_placement)
+from lrmoe.placement import (MemoryModel, _non_negative_int, _positive_int, lrmoe_placement, replica_table,
+                             static_placement, symi_placement)
 from lrmoe.plan import DROP_RULES, LayerPlan, no_flows
 from lrmoe.quotas import _check_fraction, rank_caps, retention_quotas
-from lrmoe.replica_routing import (apply_capacity, backward_on, check_counts, forward_on, gshard_capacity,
-                                   route_forward, symi_capacity)
+from lrmoe.replica_routing import (_check_cf, apply_capacity, backward_on, check_counts, forward_on,
+                                   gshard_capacity, route_forward, symi_capacity)
 
 
 def _check_prev(prev_counts_E: Tensor | None, num_experts: int) -> Tensor:
@@ -39,11 +39,18 @@ def _check_prev(prev_counts_E: Tensor | None, num_experts: int) -> Tensor:
     return prev
 
 
-def _dropless(policy: str, placement_NS: Tensor, fwd_NG: Tensor, num_experts: int) -> LayerPlan:
+def _forward_only(policy: str, placement_NS: Tensor, fwd_NG: Tensor, dropped_NE: Tensor,
+                  drop_by: str = "position") -> LayerPlan:
+    """A plan that retains every computed pair for the backward, where its forward ran (no quotas, no moves)."""
     N = placement_NS.shape[0]
-    return LayerPlan(placement_NS=placement_NS, fwd_NG=fwd_NG,
-                     dropped_NE=torch.zeros(N, num_experts, dtype=torch.long), keep_NG=fwd_NG.clone(),
-                     bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(N, dtype=torch.long), policy=policy)
+    return LayerPlan(placement_NS=placement_NS, fwd_NG=fwd_NG, dropped_NE=dropped_NE, keep_NG=fwd_NG.clone(),
+                     bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(N, dtype=torch.long), policy=policy,
+                     drop_by=drop_by)
+
+
+def _dropless(policy: str, placement_NS: Tensor, fwd_NG: Tensor, num_experts: int) -> LayerPlan:
+    dropped_NE = torch.zeros(placement_NS.shape[0], num_experts, dtype=torch.long)
+    return _forward_only(policy, placement_NS, fwd_NG, dropped_NE)
 
 
 class StaticEP:
@@ -67,9 +74,7 @@ class Capacity:
     def __init__(self, cf: float = 1.0, drop_by: str = "position"):
         if drop_by not in DROP_RULES:
             raise ValueError(f"drop_by={drop_by!r} is not one of {DROP_RULES}")
-        if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf) or cf <= 0:
-            raise ValueError(f"cf must be a positive finite number, got {cf!r}")
-        self.cf, self.drop_by = float(cf), drop_by
+        self.cf, self.drop_by = _check_cf(cf), drop_by
         self.name = f"capacity-cf{self.cf:g}" + ("-gate" if drop_by == "gate" else "")
 
     def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
@@ -78,9 +83,7 @@ class Capacity:
         placement_NS = static_placement(E, N)
         dropped_NE = apply_capacity(counts_NE, gshard_capacity(counts_NE, self.cf))
         fwd_NG = route_forward(counts_NE - dropped_NE, placement_NS, "even")
-        return LayerPlan(placement_NS=placement_NS, fwd_NG=fwd_NG, dropped_NE=dropped_NE, keep_NG=fwd_NG.clone(),
-                         bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(N, dtype=torch.long),
-                         policy=self.name, drop_by=self.drop_by)
+        return _forward_only(self.name, placement_NS, fwd_NG, dropped_NE, self.drop_by)
 
 
 class Symi:
@@ -91,12 +94,8 @@ class Symi:
     """
 
     def __init__(self, slots_per_rank: int, cf: float | None = None):
-        if isinstance(slots_per_rank, bool) or not isinstance(slots_per_rank, int) or slots_per_rank <= 0:
-            raise ValueError(f"slots_per_rank must be a positive int, got {slots_per_rank!r}")
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or
-                               not math.isfinite(cf) or cf <= 0):
-            raise ValueError(f"cf must be None or a positive finite number, got {cf!r}")
-        self.slots_per_rank, self.cf = slots_per_rank, None if cf is None else float(cf)
+        self.slots_per_rank = _positive_int("slots_per_rank", slots_per_rank)
+        self.cf = None if cf is None else _check_cf(cf)
         self.name = "symi-dropless" if cf is None else f"symi-cf{self.cf:g}"
 
     def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
@@ -107,9 +106,7 @@ class Symi:
             return _dropless(self.name, placement_NS, route_forward(counts_NE, placement_NS, "even"), E)
         dropped_NE = apply_capacity(counts_NE, symi_capacity(counts_NE, placement_NS, self.cf))
         fwd_NG = route_forward(counts_NE - dropped_NE, placement_NS, "even")
-        return LayerPlan(placement_NS=placement_NS, fwd_NG=fwd_NG, dropped_NE=dropped_NE, keep_NG=fwd_NG.clone(),
-                         bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(N, dtype=torch.long),
-                         policy=self.name)
+        return _forward_only(self.name, placement_NS, fwd_NG, dropped_NE)
 
 
 class LRMoE:
@@ -137,8 +134,7 @@ class LRMoE:
                  backward_rounds: int = 2):
         self.eps = _check_fraction("eps", eps, None)
         self.gamma = _check_fraction("gamma", gamma, 1.0)
-        if isinstance(extra_slots, bool) or not isinstance(extra_slots, int) or extra_slots < 0:
-            raise ValueError(f"extra_slots must be a non-negative int, got {extra_slots!r}")
+        _non_negative_int("extra_slots", extra_slots)
         if memory is not None and not isinstance(memory, MemoryModel):
             raise ValueError(f"memory must be a MemoryModel or None, got {type(memory).__name__}")
         if forward not in ("balanced", "even"):
@@ -163,7 +159,7 @@ class LRMoE:
         planned = math.ceil((1.0 + self.eps) * total_pairs / num_ranks - 1e-9)
         if m.budget_bytes < base_slots * m.slot_bytes + planned * m.pair_bytes:
             return 0
-        return slots_that_fit(m.budget_bytes, m.slot_bytes, m.pair_bytes, planned, base_slots, self.extra_slots)
+        return m.extra_slots(planned, base_slots, self.extra_slots)
 
     def _mem_cap(self, num_ranks: int, slots_per_rank: int):
         caps = []

@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import _positive
+
 GEMM_MODEL = "t = launch_s + sum over non-empty groups of flops_per_row * (rows + m_half) / peak_flops"
 A2A_MODEL = "t = a2a_latency + bytes sent to other ranks / a2a_bw"
 ADAM_TRAFFIC_BYTES = 32.0  # the cost model's default optimizer_traffic_per_param
@@ -176,9 +178,7 @@ class CalibrationSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_ranks", "hidden", "ffn", "num_experts", "repeats", "max_gemm_rows"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"CalibrationSpec.{name} must be positive, got {getattr(self, name)!r}")
+        _positive(self, "num_ranks", "hidden", "ffn", "num_experts", "repeats", "max_gemm_rows")
         if self.num_ranks < 2:
             raise ValueError(f"CalibrationSpec.num_ranks must be at least 2 (an all-to-all), got {self.num_ranks}")
         if self.warmup < 0:

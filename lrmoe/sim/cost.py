@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ClusterConfig, MoEConfig
+from ..config import ClusterConfig, MoEConfig, _non_negative
 
 # The layer's phase names (lrmoe.dist.accounting), in execution order, plus the shared expert (GLM). The
 # backward all-to-alls are named for the forward one they invert: combine_a2a_bwd carries output gradients from
@@ -92,9 +92,7 @@ class GemmCurve:
     def __post_init__(self) -> None:
         if not 0 < self.eff_max <= 1:
             raise ValueError(f"GemmCurve.eff_max must be in (0, 1], got {self.eff_max!r}")
-        for name in ("m_half", "launch_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"GemmCurve.{name} must be non-negative, got {getattr(self, name)!r}")
+        _non_negative(self, "m_half", "launch_s")
 
     def seconds(self, rows: torch.Tensor, flops_per_row: float, peak_flops: float) -> torch.Tensor:
         """Seconds for groups of ``rows`` rows each (elementwise; an empty group costs nothing)."""
@@ -279,10 +277,8 @@ class CostModel:
                                float(self.cluster.mem_budget_bytes) / self.model.num_moe_layers)
         if self.sync_groups not in ("range", "hosts"):
             raise ValueError(f"CostModel.sync_groups={self.sync_groups!r} is not 'range' or 'hosts'")
-        for name in ("grad_bytes", "state_bytes_per_param", "optimizer_traffic_per_param", "recompute_fraction",
-                     "mem_budget_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"CostModel.{name} must be non-negative, got {getattr(self, name)!r}")
+        _non_negative(self, "grad_bytes", "state_bytes_per_param", "optimizer_traffic_per_param",
+                      "recompute_fraction", "mem_budget_bytes")
 
     # -- memory per slot and per pair (what LRMoE's placement MemoryModel should be given) ------------------------
     @property
@@ -454,7 +450,7 @@ class CostModel:
             if c.hbm_bw > 0:
                 time_NP[:, _P["adam"]] = hosts_NE.double().sum(1) * p_e * self.optimizer_traffic_per_param / c.hbm_bw
             return used_N
-        shard_N = torch.tensor([p_e // n + (1 if r < p_e % n else 0) for r in range(n)], dtype=torch.float64)
+        shard_N = (p_e // n + (rank_N < p_e % n)).double()  # rank r's shard: the first p_e % n get one more
         # Gradient collection: rank q outside e's group fetches shard q from holder (i mod h_e), i = q's index
         # among the ranks outside the group.
         collect_NM = torch.zeros(n * n, dtype=torch.float64).index_add_(
