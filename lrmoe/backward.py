@@ -256,22 +256,18 @@ class ExpertExchange:
             x_send_MD = pack(x_TD, d.compact, backend=layer.kernel_backend)
         x_recv_RD = layer._exchange(x_send_MD, d.send_splits, d.recv_splits, "dispatch_a2a")
         with layer._phase("expert_fwd"):
-            to_slot = layer._slot_major(d.recv_counts_NS, x_TD.device)
-            x_slot_RD = x_recv_RD.index_select(0, to_slot)
+            x_slot_RD = x_recv_RD.index_select(0, d.to_slot_R)
             offs_S = slot_offsets(d.recv_counts_NS.sum(0), x_TD.device)
             y_slot_RD, act = swiglu_forward(x_slot_RD, self.weights(slots_SP), offs_S, layer.kernel_backend)
-            from_slot = torch.empty_like(to_slot).scatter_(0, to_slot, torch.arange(to_slot.numel(),
-                                                                                     device=to_slot.device))
-            y_recv_RD = y_slot_RD.index_select(0, from_slot)
+            y_recv_RD = y_slot_RD.index_select(0, d.from_slot_R)
             if self.h_norm_cols:
-                h_norm_R = torch.linalg.vector_norm(act.h_MF, dim=1).index_select(0, from_slot)
+                h_norm_R = torch.linalg.vector_norm(act.h_MF, dim=1).index_select(0, d.from_slot_R)
                 y_recv_RD = torch.cat([y_recv_RD, h_norm_R[:, None].to(y_recv_RD.dtype)], 1)
         o_recv_MD = layer._exchange(y_recv_RD, d.recv_splits, d.send_splits, "combine_a2a")
         o_MD, h_norm_M = o_recv_MD, None
         if self.h_norm_cols:
             o_MD, h_norm_M = o_recv_MD[:, :-1].contiguous(), o_recv_MD[:, -1].contiguous()
         layer._count_buffers(x_send_MD, x_recv_RD, x_slot_RD, y_slot_RD, y_recv_RD, o_recv_MD)
-        layer._count("token_buffer_bytes", 3 * x_slot_RD.shape[0] * layer.expert_ffn * x_TD.element_size())
         keep_o = self.selects and self.config.metric == "m3"
         return o_MD, Saved(x_TD, slots_SP, act, h_norm_M, o_MD if keep_o else None)
 

@@ -1,5 +1,6 @@
-"""The raw expert computation of the recalibrated layer, forward and backward by hand, on rows sorted by slot:
-SwiGLU experts as variable-size grouped GEMMs (``lrmoe.kernels.grouped_gemm``), no dispatch, no autograd.
+"""The raw expert computation of the EP layer, forward and backward by hand, on rows sorted by slot: SwiGLU
+experts as variable-size grouped GEMMs (``lrmoe.kernels.grouped_gemm``), no dispatch. The layer's plain backward
+differentiates :func:`swiglu_forward` with autograd; the recalibrated one calls :func:`swiglu_backward`.
 
 The forward keeps its activations (:class:`Activations`) so the backward of the rows that stay on their slot
 needs no recomputation; the backward runs on whichever rows it is given (only the retained ones), and rows whose
@@ -14,9 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .kernels import grouped_gemm as _grouped_gemm
-from .kernels.dispatch import choose_backend
-from .kernels.grouped_gemm import grouped_mm
+from .kernels.grouped_gemm import grouped_mm, grouped_mm_dw
 
 
 @dataclass
@@ -37,12 +36,6 @@ def slot_offsets(counts_S: Tensor, device) -> Tensor:
     return torch.cumsum(counts_S, 0).to(torch.int32).to(device)
 
 
-def grouped_mm_dw(x_MK: Tensor, dy_MN: Tensor, offs_S: Tensor, num_groups: int, backend: str) -> Tensor:
-    """dW_s = X_sᵀ dY_s for each group of rows, [S, K, N]: the weight gradient of a grouped GEMM (the kernels
-    package's op, on the given backend)."""
-    return _grouped_gemm.grouped_mm_dw(x_MK, dy_MN, offs_S, num_groups, backend=backend)
-
-
 def swiglu_forward(x_MD: Tensor, weights, offs_S: Tensor, backend: str | None) -> tuple[Tensor, Activations]:
     """y = (silu(x W_gate) ⊙ (x W_up)) W_down per slot, as three grouped GEMMs; returns y and the activations.
     ``weights`` = (w_gate_SDF, w_up_SDF, w_down_SFD)."""
@@ -59,14 +52,13 @@ def swiglu_backward(act: Activations, dy_MD: Tensor, weights, offs_S: Tensor, ba
     grouped GEMMs over the rows given."""
     w_gate_SDF, w_up_SDF, w_down_SFD = weights
     S = w_gate_SDF.shape[0]
-    name = choose_backend(dy_MD, backend=backend).name
-    dw_down = grouped_mm_dw(act.h_MF, dy_MD, offs_S, S, name)
+    dw_down = grouped_mm_dw(act.h_MF, dy_MD, offs_S, S, backend)
     dh_MF = grouped_mm(dy_MD, w_down_SFD.transpose(1, 2), offs_S, backend=backend)
     sig_MF = torch.sigmoid(act.gate_MF)
     dup_MF = dh_MF * (act.gate_MF * sig_MF)
     dgate_MF = dh_MF * act.up_MF * sig_MF * (1 + act.gate_MF * (1 - sig_MF))  # silu' = σ(1 + x(1 − σ))
-    dw_gate = grouped_mm_dw(act.x_MD, dgate_MF, offs_S, S, name)
-    dw_up = grouped_mm_dw(act.x_MD, dup_MF, offs_S, S, name)
+    dw_gate = grouped_mm_dw(act.x_MD, dgate_MF, offs_S, S, backend)
+    dw_up = grouped_mm_dw(act.x_MD, dup_MF, offs_S, S, backend)
     dx_MD = None
     if input_grad:
         dx_MD = grouped_mm(dgate_MF, w_gate_SDF.transpose(1, 2), offs_S, backend=backend)

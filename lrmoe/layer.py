@@ -44,33 +44,11 @@ from .dist.accounting import Accountant
 from .dist.comm import all_gather_rows, all_to_all_rows
 from .dist.replica import AdamConfig, RangeGroups, ReplicaStore
 from .config import ROUTER_FAMILIES
+from .expert_compute import slot_offsets, swiglu_forward
 from .kernels.compact import CompactPlan, compact_plan, pack, unpack
 from .plan import DROP_RULES, LayerPlan
 from .reference import EXPERT_WEIGHTS, SHARED_WEIGHTS, swiglu
 from .routing import RouterOutput, route
-
-try:  # the grouped-GEMM SwiGLU of the kernels package, when it is there
-    from .kernels.grouped_gemm import swiglu_experts as _kernel_swiglu_experts
-except ImportError:  # pragma: no cover - depends on the kernels package's progress
-    _kernel_swiglu_experts = None
-
-
-# -- the expert-compute seam -----------------------------------------------------------------------------------
-def expert_forward(x_MD: torch.Tensor, w_gate_SDF: torch.Tensor, w_up_SDF: torch.Tensor, w_down_SFD: torch.Tensor,
-                   offs_S: torch.Tensor, backend: str | None = None) -> torch.Tensor:
-    """SwiGLU of each local slot on its rows (rows sorted by slot; ``offs_S`` int32 cumulative end offsets).
-
-    The one seam for expert compute: the kernels package's grouped GEMM when importable, else one plain torch
-    SwiGLU per non-empty slot."""
-    if _kernel_swiglu_experts is not None:
-        return _kernel_swiglu_experts(x_MD, w_gate_SDF, w_up_SDF, w_down_SFD, offs_S, backend=backend)
-    ends = offs_S.tolist()
-    outs, start = [], 0
-    for s, end in enumerate(ends):
-        if end > start:
-            outs.append(swiglu(x_MD[start:end], w_gate_SDF[s], w_up_SDF[s], w_down_SFD[s])[0])
-        start = end
-    return torch.cat(outs) if outs else x_MD.new_zeros((0, w_down_SFD.shape[-1]))
 
 
 # -- pure bookkeeping ------------------------------------------------------------------------------------------
@@ -191,6 +169,8 @@ class Dispatch:
     send_splits: list[int]  # rows sent to each rank (and received back in the combine)
     recv_splits: list[int]  # rows received from each rank
     recv_counts_NS: torch.Tensor  # long [N, S]: rows received per (source, local slot)
+    to_slot_R: torch.Tensor  # long [R]: x_slot = x_recv[to_slot_R] (source_to_slot_major, on the data's device)
+    from_slot_R: torch.Tensor  # long [R]: its inverse, x_recv = x_slot[from_slot_R]
 
 
 @dataclass(frozen=True)
@@ -314,30 +294,25 @@ class EPMoELayer(nn.Module):
         if self.backward_config is None:
             x_slot_RD, dispatch = self.dispatch(x_TD, routed.idx_TK, gate_TK, plan, counts_NE)
             with self._phase("expert_fwd"):
-                w_gate_SDF, w_up_SDF, w_down_SFD = self.store.slot_weights()
-                offs_S = torch.cumsum(dispatch.recv_counts_NS.sum(0), 0).to(torch.int32).to(x_TD.device)
-                y_slot_RD = expert_forward(x_slot_RD, w_gate_SDF, w_up_SDF, w_down_SFD, offs_S, self.kernel_backend)
+                offs_S = slot_offsets(dispatch.recv_counts_NS.sum(0), x_TD.device)
+                y_slot_RD, _ = swiglu_forward(x_slot_RD, self.store.slot_weights(), offs_S, self.kernel_backend)
             y_TD = self.combine(y_slot_RD, dispatch, gate_TK, pair_hook)
             R = x_slot_RD.shape[0]
             self._count("pairs_bwd", R)
             self._count("pairs_retained", R)
-            # the experts' activations (gate, up, h) live inside the seam: modelled, not counted
-            self._count("token_buffer_bytes", 3 * R * self.expert_ffn * x_TD.element_size())
         else:
             dispatch = self.make_dispatch(routed.idx_TK, gate_TK, plan, counts_NE, x_TD.device)
             record = BackwardRecord(top_k=K)
             state = ExpertExchange(self, dispatch, gate_TK, self.backward_config, self.bwd_generator, record)
             o_MD = expert_exchange(x_TD, self.store.slots_SP, state)
             R = int(dispatch.recv_counts_NS.sum())
-            with self._phase("unpermute"):
-                if pair_hook is not None:
-                    o_MD = pair_hook(o_MD, dispatch)
-                y_TD = unpack(o_MD, dispatch.compact, weight_P=gate_TK.reshape(-1).to(o_MD.dtype), per_token=True,
-                              backend=self.kernel_backend)
+            y_TD = self.unpermute(o_MD, dispatch, gate_TK, pair_hook)
         if self.shared:
             y_TD = y_TD + swiglu(x_TD, self.w_shared_gate_DF, self.w_shared_up_DF, self.w_shared_down_FD)[0]
 
         self._count("pairs_fwd", R)
+        # the experts' activations gate, up and h of the R computed rows (held until the backward)
+        self._count("token_buffer_bytes", 3 * R * self.expert_ffn * x_TD.element_size())
         self._count("pairs_dropped", int((dispatch.slot_P < 0).sum()))
         self.last_dispatch = dispatch
         return y_TD, EPMoEInfo(scores_TE=routed.scores_TE, counts_E=self.prev_counts_E, gate_TK=gate_TK,
@@ -356,9 +331,12 @@ class EPMoELayer(nn.Module):
             cplan = compact_plan((slot_P.clamp_min(0) // S).to(device), (slot_P.clamp_min(0) % S).to(device), N, S,
                                  keep_P.to(device), top_k=K)
             recv_counts_NS = fwd_NG[:, self.rank * S:(self.rank + 1) * S]
+            to_slot_R = source_to_slot_major(recv_counts_NS).to(device)
+            from_slot_R = torch.empty_like(to_slot_R).scatter_(0, to_slot_R, torch.arange(to_slot_R.numel(),
+                                                                                         device=device))
         return Dispatch(plan=plan, counts_NE=counts_NE, idx_TK=idx_TK, slot_P=slot_P, compact=cplan,
                         send_splits=cplan.send_splits(), recv_splits=recv_counts_NS.sum(1).tolist(),
-                        recv_counts_NS=recv_counts_NS)
+                        recv_counts_NS=recv_counts_NS, to_slot_R=to_slot_R, from_slot_R=from_slot_R)
 
     def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, gate_TK: torch.Tensor, plan, counts_NE: torch.Tensor):
         """Permute the local pairs by the plan, send them to their slots, and sort the received rows by local
@@ -370,7 +348,7 @@ class EPMoELayer(nn.Module):
         x_recv_RD = self._all_to_all(x_send_MD, dispatch.send_splits, dispatch.recv_splits, "dispatch_a2a",
                                      "dispatch_a2a_bwd")
         with self._phase("expert_fwd"):
-            x_slot_RD = x_recv_RD.index_select(0, self._slot_major(dispatch.recv_counts_NS, x_TD.device))
+            x_slot_RD = x_recv_RD.index_select(0, dispatch.to_slot_R)
         self._count_buffers(x_send_MD, x_recv_RD, x_slot_RD)
         return x_slot_RD, dispatch
 
@@ -379,23 +357,21 @@ class EPMoELayer(nn.Module):
         """The inverse of :meth:`dispatch`: rows back to source-major order, home by all-to-all, then
         y_t = Σ_j gate_tj · o_tj over the token's kept pairs. Differentiable in y_slot_RD and gate_TK."""
         with self._phase("expert_fwd"):
-            to_slot = self._slot_major(dispatch.recv_counts_NS, y_slot_RD.device)
-            from_slot = torch.empty_like(to_slot).scatter_(0, to_slot, torch.arange(to_slot.numel(),
-                                                                                     device=to_slot.device))
-            y_recv_RD = y_slot_RD.index_select(0, from_slot)
+            y_recv_RD = y_slot_RD.index_select(0, dispatch.from_slot_R)
         o_MD = self._all_to_all(y_recv_RD, dispatch.recv_splits, dispatch.send_splits, "combine_a2a",
                                 "combine_a2a_bwd")
-        with self._phase("unpermute"):
-            if pair_hook is not None:
-                o_MD = pair_hook(o_MD, dispatch)
-            y_TD = unpack(o_MD, dispatch.compact, weight_P=gate_TK.reshape(-1).to(o_MD.dtype), per_token=True,
-                          backend=self.kernel_backend)
+        y_TD = self.unpermute(o_MD, dispatch, gate_TK, pair_hook)
         self._count_buffers(y_slot_RD, y_recv_RD, o_MD)
         return y_TD
 
-    @staticmethod
-    def _slot_major(recv_counts_NS: torch.Tensor, device) -> torch.Tensor:
-        return source_to_slot_major(recv_counts_NS).to(device)
+    def unpermute(self, o_MD: torch.Tensor, dispatch: Dispatch, gate_TK: torch.Tensor,
+                  pair_hook: Callable[[torch.Tensor, Dispatch], torch.Tensor] | None = None) -> torch.Tensor:
+        """y_t = Σ_j gate_tj · o_tj from the per-pair outputs at home (packed order), after ``pair_hook``."""
+        with self._phase("unpermute"):
+            if pair_hook is not None:
+                o_MD = pair_hook(o_MD, dispatch)
+            return unpack(o_MD, dispatch.compact, weight_P=gate_TK.reshape(-1).to(o_MD.dtype), per_token=True,
+                          backend=self.kernel_backend)
 
     def _count(self, name: str, value: int) -> None:
         if self.accountant is not None:

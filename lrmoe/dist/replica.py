@@ -295,19 +295,18 @@ class ReplicaStore(nn.Module):
                 if peer == self.rank:
                     continue
                 plo, phi = self.bounds[peer]
-                serve = [e for e in range(self.num_experts) if int(src_NE[peer, e]) == self.rank]
+                serve = (src_NE[peer] == self.rank).nonzero().flatten().tolist()
                 if serve:
                     send[peer] = torch.cat([self._reduced[e][plo:phi] for e in serve])
-                need = [e for e in range(self.num_experts) if int(src_NE[self.rank, e]) == peer]
+                need = (src_NE[self.rank] == peer).nonzero().flatten().tolist()
                 if need:
                     recv_numel[peer] = len(need) * self.shard_numel
                     recv_experts[peer] = need
             got = exchange_rows(send, recv_numel, self.dtype, self.device)
             lo, hi = self.bounds[self.rank]
             shards_EP = torch.zeros(self.num_experts, hi - lo, dtype=torch.float32, device=self.device)
-            for e in range(self.num_experts):
-                if int(src_NE[self.rank, e]) == self.rank:
-                    shards_EP[e] = self._reduced[e][lo:hi].to(torch.float32)
+            for e in (src_NE[self.rank] == self.rank).nonzero().flatten().tolist():
+                shards_EP[e] = self._reduced[e][lo:hi].to(torch.float32)
             for peer, need in recv_experts.items():
                 shards_EP[need] = got[peer].view(len(need), hi - lo).to(torch.float32)
             shards_EP.mul_(grad_scale)
