@@ -34,21 +34,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():  # before any kernel module imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-def _import_kernels():
-    """``lrmoe.kernels``; from a plain checkout (package not installed) map it to the ``kernels/`` folder."""
-    try:
-        import lrmoe.kernels as kernels
-    except ModuleNotFoundError:
-        spec = importlib.util.spec_from_file_location("lrmoe.kernels", ROOT / "kernels" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "kernels")])
-        kernels = importlib.util.module_from_spec(spec)
-        sys.modules["lrmoe.kernels"] = kernels
-        spec.loader.exec_module(kernels)
-    return kernels
-
-
-kernels = _import_kernels()
+from lrmoe.bench import time_once_ms  # noqa: E402
 from lrmoe.config import cluster_preset, model_preset  # noqa: E402
 from lrmoe.kernels.compact import compact_plan, pack, unpack  # noqa: E402
 from lrmoe.kernels.grouped_gemm import grouped_mm, swiglu_experts  # noqa: E402
@@ -73,17 +59,7 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - t0) * 1e3)
+            times[name].append(time_once_ms(fn, cuda))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -324,11 +300,10 @@ def main(argv=None) -> list[dict]:
     repeats = args.repeats or (5 if args.quick else 11)
     gen = torch.Generator().manual_seed(args.seed)
     gpu = torch.cuda.is_available() and not args.skip_gpu
-    use_wandb = not args.no_wandb and importlib.util.find_spec("wandb") is not None
     log: list[dict] = []
     qwen, glm = model_preset("qwen3-30b-a3b"), model_preset("glm-4.5-air")
     with Tracker("bench_kernels", config=vars(args), results=args.out, overwrite=args.overwrite,
-                 resume=args.resume, seed=args.seed, wandb=use_wandb) as run:
+                 resume=args.resume, seed=args.seed, wandb=not args.no_wandb) as run:
         cpu = torch.device("cpu")
         # CPU: the torch path, float32, shapes a 2-core machine measures in seconds.
         T, D = (1024, 256) if args.quick else (2048, 512)

@@ -14,7 +14,6 @@ import argparse
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
+from lrmoe.bench import time_ms  # noqa: E402
 from lrmoe.placement import lrmoe_placement  # noqa: E402
 from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi  # noqa: E402
 from lrmoe.quotas import rank_caps, retention_quotas  # noqa: E402
@@ -57,18 +57,6 @@ def make_policy(name: str, num_experts: int, num_ranks: int, args, total_pairs: 
     raise ValueError(f"unknown policy {name!r}; known: {POLICY_NAMES}")
 
 
-def time_call(fn, repeats: int, warmup: int) -> list[float]:
-    """Wall time of fn() in milliseconds, ``repeats`` times after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-
 def layer_counts(num_ranks: int, num_experts: int, args) -> tuple[torch.Tensor, torch.Tensor]:
     """(counts_NE of the planned iteration, previous iteration's global counts_E) from a synthetic trace."""
     trace = generate_trace(2, 1, num_ranks, num_experts, args.top_k, args.tokens_per_rank, skew=args.skew,
@@ -90,7 +78,7 @@ def stage_times(counts_NE, prev_E, args) -> dict[str, float]:
         "backward": lambda: route_backward(fwd, placement, rank_caps(fwd.sum(0).view(N, -1).sum(1), args.eps)),
         "quotas": lambda: retention_quotas(fwd, placement.reshape(-1), cap, args.gamma, flows),
     }
-    return {f"{k}_ms": statistics.median(time_call(f, args.repeats, args.warmup)) for k, f in stages.items()}
+    return {f"{k}_ms": statistics.median(time_ms(f, args.repeats, args.warmup)) for k, f in stages.items()}
 
 
 def growth_exponent(frame: pd.DataFrame) -> float:
@@ -115,7 +103,7 @@ def run_benchmark(args, log=lambda record: None) -> pd.DataFrame:
             for name in args.policies:
                 policy = make_policy(name, E, N, args, total)
                 plan = policy.plan(counts_NE, prev_E).validate(counts_NE)
-                times = time_call(lambda: policy.plan(counts_NE, prev_E), args.repeats, args.warmup)
+                times = time_ms(lambda: policy.plan(counts_NE, prev_E), args.repeats, args.warmup)
                 q = statistics.quantiles(times, n=10)
                 stats = plan.stats()
                 row = {"policy": name, "E": E, "N": N, "NE": N * E, "slots_per_rank": plan.slots_per_rank,

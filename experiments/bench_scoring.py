@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -32,22 +31,12 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 import torch  # noqa: E402
 
+from lrmoe.bench import time_ms  # noqa: E402
 from lrmoe.recalibrate import pair_groups, proportional_quotas  # noqa: E402
 from lrmoe.scoring import METRICS, pair_scores, scores_from_parts  # noqa: E402
 from lrmoe.selection import MODES, select  # noqa: E402
 from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
 from lrmoe.traces import sample_topk, zipf_popularity  # noqa: E402
-
-
-def time_ms(fn, reps: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
 
 
 def make_problem(tokens: int, top_k: int, experts: int, sources: int, width: int, rho: float, zipf: float,
@@ -71,7 +60,7 @@ def bench(args) -> list[dict]:
                         args.seed)
     group_P, quota_Q, gen, K = prob["group_P"], prob["quota_Q"], prob["gen"], prob["top_k"]
     delta_norm_P = prob["delta_TD"].norm(dim=1).repeat_interleave(K)
-    token_norm = time_ms(lambda: prob["delta_TD"].norm(dim=1), args.reps)
+    token_norm = time_ms(lambda: prob["delta_TD"].norm(dim=1), args.reps, warmup=3)
     grad_o_PD = o_PD = None
     if args.hook_width:
         grad_o_PD = torch.randn(group_P.numel(), args.hook_width, generator=gen)
@@ -85,7 +74,7 @@ def bench(args) -> list[dict]:
                                            generator=gen)
                 return select(scores, group_P, quota_Q, mode, gen)
 
-            times = time_ms(run_parts, args.reps)
+            times = time_ms(run_parts, args.reps, warmup=3)
             row = {"metric": metric, "mode": mode, "pairs": group_P.numel(), "groups": quota_Q.numel(),
                    "threads": args.threads, "select_ms": statistics.median(times),
                    "select_p90_ms": sorted(times)[int(0.9 * (len(times) - 1))],
@@ -96,7 +85,7 @@ def bench(args) -> list[dict]:
                                          gate_P=prob["gate_P"], generator=gen)
                     return select(scores, group_P, quota_Q, mode, gen)
 
-                row.update(hook_ms=statistics.median(time_ms(run_hook, max(3, args.reps // 4))),
+                row.update(hook_ms=statistics.median(time_ms(run_hook, max(3, args.reps // 4), warmup=3)),
                            hook_width=args.hook_width)
             rows.append(row)
     return rows

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import math
 import statistics
@@ -25,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from lrmoe.bench import time_ms  # noqa: E402
 from lrmoe.config import cluster_preset, model_preset  # noqa: E402
+from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
@@ -62,24 +63,7 @@ def pick_grouped_mm(backend: str):
 
 def time_call(fn, repeats: int, device: torch.device) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after two warm-ups (CUDA events on a GPU)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(time_ms(fn, repeats, warmup=2, cuda=device.type == "cuda")) / 1e3
 
 
 def measure(hidden: int, ffn: int, rows: int, groups: int, grouped_mm, device: torch.device, dtype: torch.dtype,
@@ -180,9 +164,7 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--quick", action="store_true", help="a few row counts, 5 repeats")
     parser.add_argument("--cpu", action="store_true", help="run on CPU in float32 (to test the script only)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="outputs/calibrate_gpu.jsonl", help="results file (JSON lines)")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing results / data files")
-    parser.add_argument("--no-wandb", action="store_true", help="do not log to W&B")
+    add_tracking_args(parser, "outputs/calibrate_gpu.jsonl")  # --overwrite also replaces the data file
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.cpu:
         print("calibrate_gpu: no CUDA GPU is visible, so nothing was measured and no data file was written; the "
@@ -207,12 +189,9 @@ def main(argv=None) -> dict | None:
     grouped_mm = pick_grouped_mm(args.backend)
     gen = torch.Generator().manual_seed(args.seed)
 
-    from lrmoe.tracking import Tracker
-
-    use_wandb = not args.no_wandb and importlib.util.find_spec("wandb") is not None
     samples: list[dict] = []
     with Tracker("calibrate_gpu", vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
-                 wandb=use_wandb) as run:
+                 resume=args.resume, wandb=not args.no_wandb) as run:
         for name in args.models:
             model = model_preset(name)
             flops = float(model.pair_fwd_flops)

@@ -34,6 +34,7 @@ from lrmoe.model import MoETransformer  # noqa: E402
 from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi  # noqa: E402
 from lrmoe.reference import ReferenceMoE  # noqa: E402
 from lrmoe.routing import update_expert_bias  # noqa: E402
+from lrmoe.tracking import add_tracking_args  # noqa: E402
 from lrmoe.traces import Trace  # noqa: E402
 
 POLICIES = ("static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m2", "lrmoe-m2-unbiased",
@@ -286,10 +287,7 @@ def parse_args(argv=None):
     parser.add_argument("--trace-out", default=None, help="save the routing counts as a recorded trace (.npz)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="fork launcher timeout, seconds")
     parser.add_argument("--quiet", action="store_true")
-    parser.add_argument("--out", default="outputs/train.jsonl")
-    parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--no-wandb", action="store_true")
+    add_tracking_args(parser, "outputs/train.jsonl")  # --resume also continues from the latest checkpoint
     args = parser.parse_args(argv)
     for name in ("steps", "batch", "seq_len", "ranks", "eval_every", "eval_batches"):
         if getattr(args, name) <= 0:

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _scripts import load_experiment
 
 from lrmoe.config import model_preset
 from lrmoe.tracking import read_results
@@ -12,15 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ["qwen3-30b-a3b-debug", "glm-4.5-air-debug"]
 
 
-def load_script(name):
-    from _scripts import load_experiment
-
-    return load_experiment(name)
-
-
 @pytest.fixture(scope="module")
 def fidelity():
-    return load_script("metric_fidelity")
+    return load_experiment("metric_fidelity")
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +94,7 @@ def test_trained_source_records_have_the_expected_fields(fidelity, tmp_path, cor
     assert {row["metric"] for row in summary["ratio_to_random"]} == {"m2"}
     assert (tmp_path / "fid_fidelity.png").exists()
     # the main job shows the second-to-last table: it must be the ratio-to-random headline
-    headline = load_script("reproduce").markdown_tables(capsys.readouterr().out, -2)
+    headline = load_experiment("reproduce").markdown_tables(capsys.readouterr().out, -2)
     assert headline.splitlines()[0].split("|")[1:4] == [" mode     ", " metric   ", "   all "]
     assert "trained-3 / text ρ=0.5" in headline.splitlines()[0]
 

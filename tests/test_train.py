@@ -1,15 +1,12 @@
 """Expert-parallel training on gloo ranks: the loss falls, --resume is exact, the recorded trace round-trips."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from _scripts import load_experiment
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
-import train  # noqa: E402
+from lrmoe.traces import load_trace
 
-from lrmoe.traces import load_trace  # noqa: E402
+train = load_experiment("train")
 
 
 def run(tmp_path, *extra):
