@@ -19,7 +19,7 @@ from torch.autograd.function import once_differentiable
 
 from .quotas import apportion
 from .scoring import METRICS, pair_scores
-from .selection import DEFAULT_UNIFORM_MIX, MODES, Selection, select
+from .selection import DEFAULT_UNIFORM_MIX, MODES, Selection, check_groups, select
 
 
 @dataclass
@@ -47,18 +47,7 @@ class Recalibration:
             raise ValueError(f"Recalibration.metric={self.metric!r} is not one of {METRICS}")
         if self.mode not in MODES:
             raise ValueError(f"Recalibration.mode={self.mode!r} is not one of {MODES}")
-        integer = (torch.int32, torch.int64)
-        if self.group_P.dim() != 1 or self.group_P.dtype not in integer:
-            raise ValueError(f"Recalibration.group_P must be a 1-D integer tensor, got shape "
-                             f"{tuple(self.group_P.shape)} dtype {self.group_P.dtype}")
-        if self.quota_Q.dim() != 1 or self.quota_Q.dtype not in integer:
-            raise ValueError(f"Recalibration.quota_Q must be a 1-D integer tensor, got shape "
-                             f"{tuple(self.quota_Q.shape)} dtype {self.quota_Q.dtype}")
-        if self.quota_Q.numel() and int(self.quota_Q.min()) < 0:
-            raise ValueError(f"Recalibration.quota_Q must be non-negative, got minimum {int(self.quota_Q.min())}")
-        if self.group_P.numel() and not 0 <= int(self.group_P.min()) <= int(self.group_P.max()) < self.quota_Q.numel():
-            raise ValueError(f"Recalibration.group_P values must lie in [0, {self.quota_Q.numel()}) (one quota per "
-                             f"group), got range [{int(self.group_P.min())}, {int(self.group_P.max())}]")
+        check_groups(self.group_P, self.quota_Q, "Recalibration.")
         if not self.uniform_mix >= 0:
             raise ValueError(f"Recalibration.uniform_mix must be non-negative, got {self.uniform_mix}")
 
@@ -156,7 +145,7 @@ def pair_groups(idx_TK: torch.Tensor, num_experts: int, num_sources: int = 1) ->
         raise ValueError(f"idx_TK must be 2-D [tokens, k], got shape {tuple(idx_TK.shape)}")
     if num_sources <= 0:
         raise ValueError(f"num_sources must be positive, got {num_sources}")
-    T, K = idx_TK.shape
+    T = idx_TK.shape[0]
     source_T = torch.arange(T, device=idx_TK.device) * num_sources // max(T, 1)
     group_P = (source_T[:, None] * num_experts + idx_TK).reshape(-1)
     return group_P, torch.bincount(group_P, minlength=num_sources * num_experts)
@@ -178,8 +167,8 @@ def proportional_quotas(counts_Q: torch.Tensor, rho: float) -> torch.Tensor:
     if counts_Q.numel() and int(counts_Q.min()) < 0:
         raise ValueError(f"counts_Q must be non-negative, got minimum {int(counts_Q.min())}")
     counts_Q = counts_Q.to(torch.int64)
-    total = int(torch.floor(counts_Q.sum().to(torch.float64) * rho + 0.5))
     if rho == 0 or not counts_Q.numel():
         return torch.zeros_like(counts_Q)
-    quota_Q = apportion(torch.tensor([total]), counts_Q, torch.zeros_like(counts_Q)) if total else counts_Q * 0
+    total = int(torch.floor(counts_Q.sum().to(torch.float64) * rho + 0.5))
+    quota_Q = apportion(torch.tensor([total]), counts_Q, torch.zeros_like(counts_Q))  # one segment: all groups
     return torch.maximum(quota_Q, counts_Q.clamp(max=1))

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ROUTER_FAMILIES, MoEConfig
-from .routing import route
+from .routing import expert_counts, route
 
 EXPERT_WEIGHTS = ("w_router_ED", "bias_E", "w_gate_EDF", "w_up_EDF", "w_down_EFD")
 SHARED_WEIGHTS = ("w_shared_gate_DF", "w_shared_up_DF", "w_shared_down_FD")
@@ -140,13 +140,13 @@ class ReferenceMoE(nn.Module):
         idx_P = idx_TK.reshape(-1)
         order_P = torch.argsort(idx_P, stable=True)  # expert-major order
         x_sorted = x_TD[order_P // K]
-        counts = torch.bincount(idx_P, minlength=self.num_experts).tolist()
+        counts = expert_counts(idx_P, self.num_experts).tolist()  # one host sync; a loop over experts
         outs, norms = [], []
         for e, x_rows in enumerate(torch.split(x_sorted, counts)):
             o_rows, h_rows = swiglu(x_rows, self.w_gate_EDF[e], self.w_up_EDF[e], self.w_down_EFD[e])
             outs.append(o_rows)
             norms.append(h_rows.detach().norm(dim=1))
-        inverse_P = torch.empty_like(order_P).scatter_(0, order_P, torch.arange(order_P.numel()))
+        inverse_P = torch.argsort(order_P)  # the inverse permutation, back to pair order
         return torch.cat(outs)[inverse_P], torch.cat(norms)[inverse_P]
 
     def shared_output(self, x_TD: torch.Tensor) -> torch.Tensor | None:
@@ -182,7 +182,7 @@ class ReferenceMoE(nn.Module):
         o_PD, h_norm_P = self.expert_outputs(x_TD, routed.idx_TK)
         aux = MoEAux(logits_TE=logits_TE, scores_TE=routed.scores_TE, idx_TK=routed.idx_TK, gate_TK=gate_TK,
                      o_TKD=o_PD.detach().view(T, K, D), h_norm_TK=h_norm_P.view(T, K),
-                     counts_E=torch.bincount(routed.idx_TK.reshape(-1), minlength=self.num_experts))
+                     counts_E=expert_counts(routed.idx_TK, self.num_experts))
         if keep_TK is not None:
             o_PD = retain_only(o_PD, keep_TK.reshape(-1), None if scale_TK is None else scale_TK.reshape(-1))
         if pair_hook is not None:

@@ -21,7 +21,10 @@ from __future__ import annotations
 import torch
 
 METRICS = ("m1", "m2", "m3", "gate", "random")
+# the optional arguments each metric needs, in pair_scores and in scores_from_parts
 _NEEDS = {"m1": (), "m2": ("h_norm_P",), "m3": ("o_PD",), "gate": ("gate_P",), "random": ()}
+_PART_NEEDS = {"m1": ("delta_norm_P",), "m2": ("delta_norm_P", "h_norm_P"), "m3": ("delta_dot_o_P",),
+               "gate": (), "random": ()}
 
 
 def _check_metric(metric: str) -> None:
@@ -85,9 +88,7 @@ def scores_from_parts(metric: str, gate_P: torch.Tensor, *, delta_norm_P: torch.
         raise ValueError(f"gate_P must be 1-D [pairs], got shape {tuple(gate_P.shape)}")
     num_pairs = gate_P.shape[0]
     given = {"delta_norm_P": delta_norm_P, "h_norm_P": h_norm_P, "delta_dot_o_P": delta_dot_o_P}
-    needs = {"m1": ("delta_norm_P",), "m2": ("delta_norm_P", "h_norm_P"), "m3": ("delta_dot_o_P",),
-             "gate": (), "random": ()}[metric]
-    for name in needs:
+    for name in _PART_NEEDS[metric]:
         if given[name] is None:
             raise ValueError(f"metric {metric!r} needs {name}")
     for name, value in given.items():

@@ -39,28 +39,42 @@ class Selection:
     prob_P: torch.Tensor  # float [P]: inclusion probability (topk: 1 kept, 0 dropped)
 
 
+def check_groups(group_P: torch.Tensor, quota_Q: torch.Tensor, where: str = "") -> None:
+    """Refuse a grouping unless group_P is int [P] in [0, Q) and quota_Q is int [Q] >= 0 (one host sync).
+    ``where`` prefixes the names in the messages (e.g. ``"Recalibration."``)."""
+    integer = (torch.int32, torch.int64)
+    if group_P.dim() != 1 or group_P.dtype not in integer:
+        raise ValueError(f"{where}group_P must be a 1-D integer tensor, got shape {tuple(group_P.shape)} "
+                         f"dtype {group_P.dtype}")
+    if quota_Q.dim() != 1 or quota_Q.dtype not in integer:
+        raise ValueError(f"{where}quota_Q must be a 1-D integer tensor, got shape {tuple(quota_Q.shape)} "
+                         f"dtype {quota_Q.dtype}")
+    zero = quota_Q.new_zeros(())
+    q_min = quota_Q.min() if quota_Q.numel() else zero
+    lo, hi = torch.aminmax(group_P) if group_P.numel() else (zero, zero)
+    q_min, lo, hi = torch.stack([q_min.to(torch.int64), lo.to(torch.int64), hi.to(torch.int64)]).tolist()
+    if q_min < 0:
+        raise ValueError(f"{where}quota_Q must be non-negative, got minimum {q_min}")
+    if group_P.numel() and (lo < 0 or hi >= quota_Q.numel()):
+        raise ValueError(f"{where}group_P values must lie in [0, {quota_Q.numel()}) (one quota per group), "
+                         f"got range [{lo}, {hi}]")
+
+
 def _check(scores_P: torch.Tensor, group_P: torch.Tensor, quota_Q: torch.Tensor, mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {MODES}")
     if scores_P.dim() != 1 or not scores_P.is_floating_point():
         raise ValueError(f"scores_P must be a 1-D float tensor, got shape {tuple(scores_P.shape)} "
                          f"dtype {scores_P.dtype}")
-    if group_P.shape != scores_P.shape or group_P.dtype not in (torch.int32, torch.int64):
+    if group_P.shape != scores_P.shape:
         raise ValueError(f"group_P must be an integer tensor of shape {tuple(scores_P.shape)}, got shape "
                          f"{tuple(group_P.shape)} dtype {group_P.dtype}")
-    if quota_Q.dim() != 1 or quota_Q.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"quota_Q must be a 1-D integer tensor, got shape {tuple(quota_Q.shape)} "
-                         f"dtype {quota_Q.dtype}")
-    if quota_Q.numel() and int(quota_Q.min()) < 0:
-        raise ValueError(f"quota_Q must be non-negative, got minimum {int(quota_Q.min())}")
+    check_groups(group_P, quota_Q)
     if scores_P.numel():
-        lo, hi = int(group_P.min()), int(group_P.max())
-        if lo < 0 or hi >= quota_Q.numel():
-            raise ValueError(f"group_P values must lie in [0, {quota_Q.numel()}) (one quota per group), "
-                             f"got range [{lo}, {hi}]")
-        if not bool(torch.isfinite(scores_P).all()):
+        finite, low = torch.stack([torch.isfinite(scores_P).all(), scores_P.min() < 0]).tolist()
+        if not finite:
             raise ValueError("scores_P must be finite, found NaN or inf")
-        if mode == "unbiased" and float(scores_P.min()) < 0:
+        if mode == "unbiased" and low:
             raise ValueError(f"scores_P must be non-negative in the unbiased mode (p ∝ score), "
                              f"got minimum {float(scores_P.min())}")
 

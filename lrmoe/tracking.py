@@ -14,6 +14,7 @@ append to it (how a resumed experiment continues its file).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -89,9 +90,7 @@ def _jsonable(value: Any) -> Any:
         return [_jsonable(v) for v in value]
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
-    if hasattr(value, "__dataclass_fields__"):
-        import dataclasses
-
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _jsonable(dataclasses.asdict(value))
     return str(value)
 
