@@ -435,14 +435,10 @@ def report(args: argparse.Namespace, records: list[dict], world_size: int) -> pd
     config = {**vars(args), "world_size": world_size, "traces": labels}
     with Tracker("layer_bench", config, results=args.out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
-        for rec in records:
-            run.log({"table": "per_rank_step", **rec})
-        for rec in phases.to_dict("records"):
-            run.log({"table": "phase", **rec})
-        for rec in totals.to_dict("records"):
-            run.log({"table": "policy", **rec})
-        for rec in goals.to_dict("records"):
-            run.log({"table": "target", **rec})
+        run.log_table("per_rank_step", records)
+        run.log_table("phase", phases)
+        run.log_table("policy", totals)
+        run.log_table("target", goals)
         run.log_summary({f"target/{r['policy']}/{r['measured_as']}": r["measured"] for r in goals.to_dict("records")})
         sns.set_theme(style="whitegrid", context="paper")
         fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))

@@ -413,16 +413,11 @@ def main(argv=None) -> pd.DataFrame:
     config_out = {**vars(args), "bench": str(bench_path), "calibration": str(cal_path)}
     with Tracker("validate_sim", config_out, results=out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
-        for rec in consts.to_dict("records"):
-            run.log({"table": "calibration", **rec, "calibration_file": str(cal_path)})
-        for rec in mismatches.to_dict("records"):
-            run.log({"table": "replay_mismatch", **rec})
-        for rec in cells.to_dict("records"):
-            run.log({"table": "cell", **rec})
-        for rec in totals.to_dict("records"):
-            run.log({"table": "covered_total", **rec})
-        for rec in table.to_dict("records"):
-            run.log({"table": "phase", "clock": primary, **rec})
+        run.log_table("calibration", consts, calibration_file=str(cal_path))
+        run.log_table("replay_mismatch", mismatches)
+        run.log_table("cell", cells)
+        run.log_table("covered_total", totals)
+        run.log_table("phase", table, clock=primary)
         for phase, why in EXCLUDED.items():
             run.log({"table": "excluded", "phase": phase, "reason": why})
         run.log_summary({"clock": primary, "median_abs_error": med[primary],

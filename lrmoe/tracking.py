@@ -160,6 +160,11 @@ class Tracker:
             if scalars:
                 self.wandb_run.log(scalars)
 
+    def log_table(self, name: str, rows, **extra) -> None:
+        """Log every row of a table (a DataFrame or a list of dicts) as a record labelled ``table=name``."""
+        for row in rows.to_dict("records") if hasattr(rows, "to_dict") else rows:
+            self.log({"table": name, **extra, **row})
+
     def log_summary(self, summary: dict) -> None:
         self._write({"kind": "summary", "run_id": self.run_id, **summary})
         if self.wandb_run is not None:

@@ -38,10 +38,25 @@ def test_offline_run_results_file_and_no_overwrite(tmp_path, capsys):
     json.loads(results.read_text().splitlines()[0])
 
 
-def test_wandb_mode_prefers_user_setting(monkeypatch):
+def test_wandb_mode_prefers_user_setting(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert wandb_mode()[0] == "disabled"
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("HOME", os.fspath(os.getcwd()))
-    assert wandb_mode()[0] in ("offline", "online")
+    monkeypatch.setenv("HOME", os.fspath(tmp_path))  # no ~/.netrc login there
+    assert wandb_mode()[0] == "offline"
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password key\n")
+    assert wandb_mode()[0] == "online"
+    monkeypatch.setenv("WANDB_API_KEY", "key")
+    assert wandb_mode() == ("online", "WANDB_API_KEY is set")
+
+
+def test_log_table_labels_every_row(tmp_path):
+    import pandas as pd
+
+    with Tracker("t", results=tmp_path / "t.jsonl", wandb=False) as run:
+        run.log_table("phase", pd.DataFrame({"ms": [1.0, 2.0]}), clock="cpu")
+        run.log_table("other", [{"ms": 3.0, "clock": "wall"}], clock="cpu")
+    records = read_results(tmp_path / "t.jsonl")
+    assert [(r["table"], r["ms"], r["clock"]) for r in records] == [("phase", 1.0, "cpu"), ("phase", 2.0, "cpu"),
+                                                                    ("other", 3.0, "wall")]
