@@ -11,6 +11,7 @@ from lrmoe.recalibrate import (Recalibration, pair_groups, pair_hook, proportion
 from lrmoe.reference import ReferenceMoE
 from lrmoe.scoring import METRICS, pair_scores
 from lrmoe.selection import MODES
+from _scripts import load_experiment  # noqa: E402
 
 D, FFN, E, K, T, SOURCES = 8, 6, 6, 2, 24, 2
 EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
@@ -213,10 +214,7 @@ def test_bad_input_raises_value_error_naming_it(call, message):
 
 
 # --- the fidelity harness ----------------------------------------------------------------------------------------
-def load_script(name):
-    from _scripts import load_experiment
 
-    return load_experiment(name)
 
 
 def test_metric_fidelity_quick_run(tmp_path):
@@ -224,7 +222,7 @@ def test_metric_fidelity_quick_run(tmp_path):
     gradient-norm metric must beat random in the biased mode (a large, robust effect)."""
     from lrmoe.tracking import read_results
 
-    fidelity = load_script("metric_fidelity")
+    fidelity = load_experiment("metric_fidelity")
     out = tmp_path / "fidelity.jsonl"
     fidelity.main(["--quick", "--no-wandb", "--out", str(out), "--presets", "qwen3-30b-a3b-debug",
                    "--data", "heavy", "--rhos", "0.5", "1.0"])
@@ -241,7 +239,7 @@ def test_metric_fidelity_quick_run(tmp_path):
 def test_bench_scoring_quick_run(tmp_path):
     from lrmoe.tracking import read_results
 
-    bench = load_script("bench_scoring")
+    bench = load_experiment("bench_scoring")
     out = tmp_path / "bench.jsonl"
     bench.main(["--quick", "--no-wandb", "--out", str(out)])
     records = read_results(out)
