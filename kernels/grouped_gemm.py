@@ -155,10 +155,11 @@ def grouped_mm_dw(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_E: torch.Tensor,
 
 def swiglu_experts(x_MD: torch.Tensor, w_gate_EDF: torch.Tensor, w_up_EDF: torch.Tensor,
                    w_down_EFD: torch.Tensor, offs_E: torch.Tensor, backend: str | None = None,
-                   return_hidden: bool = False):
+                   return_hidden: bool = False, return_activations: bool = False):
     """The routed experts' SwiGLU on rows sorted by expert: ``y = (silu(x W_gate) * (x W_up)) W_down`` per
     expert, three grouped GEMMs -> y [M, D] (rows past ``offs[-1]`` zero). With ``return_hidden`` also the
-    hidden activations h [M, F] (the recalibration metric M2 uses ||h|| per pair)."""
+    hidden activations h [M, F] (the recalibration metric M2 uses ||h|| per pair); with ``return_activations``
+    (y, gate [M, F], up [M, F], h [M, F]), what a hand-written backward saves."""
     if w_gate_EDF.dim() != 3 or w_gate_EDF.shape != w_up_EDF.shape:
         raise ValueError(f"w_gate_EDF {tuple(w_gate_EDF.shape)} and w_up_EDF {tuple(w_up_EDF.shape)} must be "
                          f"3-D [E, D, F] and match")
@@ -170,4 +171,6 @@ def swiglu_experts(x_MD: torch.Tensor, w_gate_EDF: torch.Tensor, w_up_EDF: torch
     up_MF = grouped_mm(x_MD, w_up_EDF, offs_E, backend=backend)
     h_MF = F.silu(gate_MF) * up_MF
     y_MD = grouped_mm(h_MF, w_down_EFD, offs_E, backend=backend)
+    if return_activations:
+        return y_MD, gate_MF, up_MF, h_MF
     return (y_MD, h_MF) if return_hidden else y_MD

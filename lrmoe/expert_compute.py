@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .kernels.grouped_gemm import grouped_mm, grouped_mm_dw
+from .kernels.grouped_gemm import grouped_mm, grouped_mm_dw, swiglu_experts
 
 
 @dataclass
@@ -39,11 +38,8 @@ def slot_offsets(counts_S: Tensor, device) -> Tensor:
 def swiglu_forward(x_MD: Tensor, weights, offs_S: Tensor, backend: str | None) -> tuple[Tensor, Activations]:
     """y = (silu(x W_gate) ⊙ (x W_up)) W_down per slot, as three grouped GEMMs; returns y and the activations.
     ``weights`` = (w_gate_SDF, w_up_SDF, w_down_SFD)."""
-    w_gate_SDF, w_up_SDF, w_down_SFD = weights
-    gate_MF = grouped_mm(x_MD, w_gate_SDF, offs_S, backend=backend)
-    up_MF = grouped_mm(x_MD, w_up_SDF, offs_S, backend=backend)
-    h_MF = F.silu(gate_MF) * up_MF
-    return grouped_mm(h_MF, w_down_SFD, offs_S, backend=backend), Activations(x_MD, gate_MF, up_MF, h_MF)
+    y_MD, gate_MF, up_MF, h_MF = swiglu_experts(x_MD, *weights, offs_S, backend=backend, return_activations=True)
+    return y_MD, Activations(x_MD, gate_MF, up_MF, h_MF)
 
 
 def swiglu_backward(act: Activations, dy_MD: Tensor, weights, offs_S: Tensor, backend: str | None,
