@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .quotas import memory_cap_pairs
+
 
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -196,7 +198,7 @@ class MemoryModel:
 
     def pair_cap(self, slots_per_rank: int) -> int:
         """Retained pairs whose buffers fit beside ``slots_per_rank`` slots: Q^mem of DESIGN.md §4 step 3."""
-        return max(0, int((self.budget_bytes - slots_per_rank * self.slot_bytes) // self.pair_bytes))
+        return int(memory_cap_pairs(self.budget_bytes, slots_per_rank, self.slot_bytes, self.pair_bytes))
 
 
 def lrmoe_placement(popularity_E: Tensor, num_ranks: int, base_slots: int, extra_slots: int) -> Tensor:
