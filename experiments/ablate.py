@@ -27,23 +27,22 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+from tqdm import tqdm
 
-from lrmoe.config import ClusterConfig, MoEConfig, cluster_preset, model_preset  # noqa: E402
-from lrmoe.placement import MemoryModel, slots_that_fit  # noqa: E402
-from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi  # noqa: E402
-from lrmoe.sim.cost import CostModel  # noqa: E402
-from lrmoe.sim.simulator import System, simulate  # noqa: E402
-from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
-from lrmoe.traces import generate_trace, gini, max_over_mean  # noqa: E402
+from lrmoe.config import ClusterConfig, MoEConfig, cluster_preset, model_preset
+from lrmoe.placement import MemoryModel, slots_that_fit
+from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi
+from lrmoe.sim.cost import CostModel
+from lrmoe.sim.simulator import System, simulate
+from lrmoe.tracking import Tracker, add_tracking_args
+from lrmoe.traces import generate_trace, gini, max_over_mean
 
 MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
 # Tokens per rank per micro-batch (ours). Qwen3: one 4096-token sequence per GPU. GLM-4.5-Air: its expert

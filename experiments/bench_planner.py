@@ -13,25 +13,23 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
 
-from lrmoe.bench import time_ms  # noqa: E402
-from lrmoe.placement import lrmoe_placement  # noqa: E402
-from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi  # noqa: E402
-from lrmoe.quotas import rank_caps, retention_quotas  # noqa: E402
-from lrmoe.replica_routing import route_backward, route_forward  # noqa: E402
-from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
-from lrmoe.traces import generate_trace  # noqa: E402
+from lrmoe.harness.timing import time_ms
+from lrmoe.placement import lrmoe_placement
+from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi
+from lrmoe.quotas import rank_caps, retention_quotas
+from lrmoe.replica_routing import route_backward, route_forward
+from lrmoe.tracking import Tracker, add_tracking_args
+from lrmoe.traces import generate_trace
 
 POLICY_NAMES = ("lrmoe", "lrmoe-tight", "symi-dropless", "symi-cf1", "static-ep", "capacity-cf1")
 TARGET_MS = 1.0

@@ -18,25 +18,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+import torch
 
-from lrmoe.bench import time_ms  # noqa: E402
-from lrmoe.recalibrate import pair_groups, proportional_quotas  # noqa: E402
-from lrmoe.scoring import METRICS, pair_scores, scores_from_parts  # noqa: E402
-from lrmoe.selection import MODES, select  # noqa: E402
-from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
-from lrmoe.traces import sample_topk, zipf_popularity  # noqa: E402
+from lrmoe.harness.timing import time_ms
+from lrmoe.recalibrate import pair_groups, proportional_quotas
+from lrmoe.scoring import METRICS, pair_scores, scores_from_parts
+from lrmoe.selection import MODES, select
+from lrmoe.tracking import Tracker, add_tracking_args
+from lrmoe.traces import sample_topk, zipf_popularity
 
 
 def make_problem(tokens: int, top_k: int, experts: int, sources: int, width: int, rho: float, zipf: float,

@@ -17,16 +17,14 @@ import datetime
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from lrmoe.bench import time_ms  # noqa: E402
-from lrmoe.config import cluster_preset, model_preset  # noqa: E402
-from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
+from lrmoe.harness.timing import time_ms
+from lrmoe.config import cluster_preset, model_preset
+from lrmoe.tracking import Tracker, add_tracking_args
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]

@@ -13,22 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
 
-import train  # noqa: E402
-from lrmoe.tracking import Tracker, add_tracking_args, read_results  # noqa: E402
+from lrmoe.experiments import train
+from lrmoe.tracking import Tracker, add_tracking_args, read_results
 
 POLICIES = ["static-ep", "symi-cf1", "symi-dropless", "lrmoe-m2", "lrmoe-m2-unbiased", "lrmoe-random"]
 BASELINE = "static-ep"

@@ -21,7 +21,7 @@ optimizer step with redistribution into the next placement. Every policy runs th
 backward (``lrmoe.backward``); plans that keep every pair take its fast path, the autograd-equivalent one.
 Before each timed iteration an untimed one computes the *full* gradient at the same weights and inputs (every
 routed pair computed and kept, on the policy's placement): the reference for the gradient error. The counted
-bytes and pairs are checked against the formulas of ``lrmoe.dist.accounting`` every iteration.
+bytes and pairs are checked against the formulas of ``lrmoe.distributed.accounting`` every iteration.
 
 Memory: every policy gets the same per-rank budget, sized for the E/N home slots plus ``--spare-slots`` replica
 slots and the token buffers of a load of (1 + eps) times the mean. SYMI uses the spare slots as replicas;
@@ -34,30 +34,28 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import pandas as pd
+import torch
+import torch.distributed as dist
 
-from lrmoe.backward import BackwardConfig  # noqa: E402
-from lrmoe.config import model_preset  # noqa: E402
-from lrmoe.dist.accounting import (BACKWARD_PHASES, BYTE_PHASES, FORWARD_PHASES, PHASES, STEP_PHASES,  # noqa: E402
+from lrmoe.backward import BackwardConfig
+from lrmoe.config import model_preset
+from lrmoe.distributed.accounting import (BACKWARD_PHASES, BYTE_PHASES, FORWARD_PHASES, PHASES, STEP_PHASES,
                                    Accountant, check_counts, expected_recalibrated, expected_step)
-from lrmoe.dist.replica import RangeGroups  # noqa: E402
-from lrmoe.layer import EPMoELayer, initial_placement  # noqa: E402
-from lrmoe.placement import MemoryModel  # noqa: E402
-from lrmoe.plan import LayerPlan, no_flows  # noqa: E402
-from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi  # noqa: E402
-from lrmoe.reference import ReferenceMoE  # noqa: E402
-from lrmoe.replica_routing import route_forward  # noqa: E402
-from lrmoe.routing import RouterOutput  # noqa: E402
-from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
-from lrmoe.traces import generate_trace, load_trace  # noqa: E402
+from lrmoe.distributed.replica import RangeGroups
+from lrmoe.layer import EPMoELayer, initial_placement
+from lrmoe.placement import MemoryModel
+from lrmoe.plan import LayerPlan, no_flows
+from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi
+from lrmoe.reference import ReferenceMoE
+from lrmoe.replica_routing import route_forward
+from lrmoe.routing import RouterOutput
+from lrmoe.tracking import Tracker, add_tracking_args
+from lrmoe.traces import generate_trace, load_trace
 
 ISSUE_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1", "lrmoe-m2"]
 
@@ -174,7 +172,7 @@ class FullGradient:
 def memory_model(base: int, spare: int, tokens: int, top_k: int, hidden: int, ffn: int, elem: int,
                  buffer_load: float) -> MemoryModel:
     """The per-rank budget every policy gets: base + spare slots (weights and gradients) plus the counted buffers
-    (forward token buffers 6D + 3F and backward packets 4D per pair, see lrmoe.dist.accounting) of a load of
+    (forward token buffers 6D + 3F and backward packets 4D per pair, see lrmoe.distributed.accounting) of a load of
     ceil(buffer_load · mean) pairs."""
     slot_bytes = 2 * 3 * hidden * ffn * elem
     pair_bytes = (10 * hidden + 3 * ffn) * elem
@@ -479,7 +477,7 @@ def report(args: argparse.Namespace, records: list[dict], world_size: int) -> pd
 def main(argv=None):
     args = parse_args(argv)
     if args.torchrun:
-        from lrmoe.dist.comm import init_process_group_from_env
+        from lrmoe.distributed.comm import init_process_group_from_env
 
         info = init_process_group_from_env()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
@@ -490,7 +488,7 @@ def main(argv=None):
         dist.barrier()
         dist.destroy_process_group()
         return out
-    from lrmoe.dist.launch import launch
+    from lrmoe.distributed.launch import launch
 
     parts = launch(_fork_main, args.ranks, args, timeout_s=args.timeout)
     return report(args, [r for part in parts for r in part], args.ranks)

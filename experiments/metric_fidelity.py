@@ -43,25 +43,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+import torch
 
-from lrmoe.config import MoEConfig, model_preset  # noqa: E402
-from lrmoe.data import Corpus, get_batch, load_corpus  # noqa: E402
-from lrmoe.model import MoETransformer  # noqa: E402
-from lrmoe.recalibrate import Recalibration, pair_groups, pair_hook, proportional_quotas  # noqa: E402
-from lrmoe.reference import ReferenceMoE  # noqa: E402
-from lrmoe.routing import update_expert_bias  # noqa: E402
-from lrmoe.scoring import METRICS  # noqa: E402
-from lrmoe.selection import MODES  # noqa: E402
-from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
+from lrmoe.config import MoEConfig, model_preset
+from lrmoe.data import Corpus, get_batch, load_corpus
+from lrmoe.model import MoETransformer
+from lrmoe.recalibrate import Recalibration, pair_groups, pair_hook, proportional_quotas
+from lrmoe.reference import ReferenceMoE
+from lrmoe.routing import update_expert_bias
+from lrmoe.scoring import METRICS
+from lrmoe.selection import MODES
+from lrmoe.tracking import Tracker, add_tracking_args
 
 EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
 RANDOM_DATA = ("gaussian", "heavy")  # random-init layer, random x and δ

@@ -111,8 +111,7 @@ def main(argv=None) -> int:
         done.write_text(section)
         summary += [f"## {stage.name}", "", section, ""]
     if not args.only or "figures" in args.only:
-        sys.path.insert(0, str(ROOT / "paper_figures"))
-        import make_all
+        from lrmoe.paper_figures import make_all
 
         print("== figures", flush=True)
         made = make_all.make_all(out, out / "figures")

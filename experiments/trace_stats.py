@@ -7,23 +7,21 @@ plot it. A recorded trace (from training) can be summarised beside them with --r
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+import torch
+from tqdm import tqdm
 
-from lrmoe.config import model_preset  # noqa: E402
-from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
-from lrmoe.traces import generate_trace, load_trace  # noqa: E402
+from lrmoe.config import model_preset
+from lrmoe.tracking import Tracker, add_tracking_args
+from lrmoe.traces import generate_trace, load_trace
 
 SKEWS = [("zipf", 0.2), ("zipf", 0.4), ("zipf", 0.6), ("zipf", 0.8), ("dirichlet", 4.0), ("dirichlet", 1.0),
          ("dirichlet", 0.5)]

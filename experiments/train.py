@@ -16,26 +16,24 @@ throughput, and the per-layer routing counts, saved as a recorded trace. Checkpo
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from lrmoe.config import model_preset  # noqa: E402
-from lrmoe.backward import BackwardConfig  # noqa: E402
-from lrmoe.data import get_batch, load_corpus  # noqa: E402
-from lrmoe.dist.replica import AdamConfig, RangeGroups  # noqa: E402
-from lrmoe.layer import EPMoELayer, initial_placement  # noqa: E402
-from lrmoe.model import MoETransformer  # noqa: E402
-from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi  # noqa: E402
-from lrmoe.reference import ReferenceMoE  # noqa: E402
-from lrmoe.routing import update_expert_bias  # noqa: E402
-from lrmoe.tracking import add_tracking_args  # noqa: E402
-from lrmoe.traces import Trace  # noqa: E402
+from lrmoe.config import model_preset
+from lrmoe.backward import BackwardConfig
+from lrmoe.data import get_batch, load_corpus
+from lrmoe.distributed.replica import AdamConfig, RangeGroups
+from lrmoe.layer import EPMoELayer, initial_placement
+from lrmoe.model import MoETransformer
+from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi
+from lrmoe.reference import ReferenceMoE
+from lrmoe.routing import update_expert_bias
+from lrmoe.tracking import add_tracking_args
+from lrmoe.traces import Trace
 
 POLICIES = ("static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m2", "lrmoe-m2-unbiased",
             "lrmoe-random")
@@ -298,13 +296,13 @@ def parse_args(argv=None):
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.torchrun:
-        from lrmoe.dist.comm import init_process_group_from_env
+        from lrmoe.distributed.comm import init_process_group_from_env
 
         info = init_process_group_from_env()
         history = worker(info.rank, args)
         dist.destroy_process_group()
         return history
-    from lrmoe.dist.launch import launch
+    from lrmoe.distributed.launch import launch
 
     return launch(worker, args.ranks, args, timeout_s=args.timeout)[0]
 

@@ -5,7 +5,7 @@
     python experiments/validate_sim.py --bench outputs/layer_bench.jsonl
     python experiments/validate_sim.py --bench B.jsonl --calibration C.json   # reuse a calibration file
 
-1. *Calibrate* (:mod:`lrmoe.sim.calibrate_cpu`): on as many forked gloo ranks as the benchmark had, at its D and F,
+1. *Calibrate* (:mod:`lrmoe.harness.calibrate_cpu`): on as many forked gloo ranks as the benchmark had, at its D and F,
    time the layer's grouped-GEMM SwiGLU (forward and backward) vs rows, ``all_to_all_single`` vs bytes, and Adam;
    fit the cost model's GEMM curve, an all-to-all latency + bytes/bandwidth line and a memory bandwidth. Written
    as a JSON file with its provenance beside the results file; :func:`lrmoe.sim.cost.cpu_gloo_preset` reads it.
@@ -13,7 +13,7 @@
    seed) and fed through fresh policy objects built by ``layer_bench.make_policy``, step by step as the layer
    feeds them (``prev_counts_E`` = the previous step's global counts). The replay is checked against what the
    benchmark counted: every rank's pairs and bytes of every phase, each step, must equal the formulas of
-   :mod:`lrmoe.dist.accounting` on the replayed plan (the benchmark checked the same formulas on the plan it ran).
+   :mod:`lrmoe.distributed.accounting` on the replayed plan (the benchmark checked the same formulas on the plan it ran).
 3. *Predict and compare*: ``CostModel.cost(plan)`` per step and rank; per phase the predicted time against the
    measured one (statistics below); error = predicted / measured - 1, per (trace, policy, phase) cell, then its
    median over cells per phase and over all cells (the issue's target: median |error| <= 20 %).
@@ -42,7 +42,6 @@ median, the per-cell spread is large, and two runs of the same command differ by
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -52,18 +51,17 @@ from argparse import Namespace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
+import pandas as pd
+import torch
 
-from lrmoe.config import model_preset  # noqa: E402
-from lrmoe.dist.accounting import expected_recalibrated, expected_step  # noqa: E402
-from lrmoe.layer import planned_placement  # noqa: E402
-from lrmoe.sim.calibrate_cpu import CLOCKS, calibrate, spec_for_bench, write_calibration  # noqa: E402
-from lrmoe.sim.cost import PHASES as MODEL_PHASES  # noqa: E402
-from lrmoe.sim.cost import CostModel, cpu_gloo_preset  # noqa: E402
-from lrmoe.tracking import Tracker, add_tracking_args, read_results  # noqa: E402
+from lrmoe.config import model_preset
+from lrmoe.distributed.accounting import expected_recalibrated, expected_step
+from lrmoe.layer import planned_placement
+from lrmoe.harness.calibrate_cpu import CLOCKS, calibrate, spec_for_bench, write_calibration
+from lrmoe.sim.cost import PHASES as MODEL_PHASES
+from lrmoe.sim.cost import CostModel, cpu_gloo_preset
+from lrmoe.tracking import Tracker, add_tracking_args, read_results
 
 LOCAL = ("expert_fwd", "expert_bwd", "adam")  # measured as the slowest rank
 COLLECTIVE = ("dispatch_a2a", "combine_a2a", "combine_a2a_bwd", "dispatch_a2a_bwd", "grad_collect", "redistribute")
@@ -89,10 +87,9 @@ FULL_BENCH = ["--no-grad-error", "--policies", "static-ep", "capacity-cf1", "sym
 
 def load_layer_bench():
     """The ``experiments/layer_bench.py`` module (its policy constructors, traces and memory model)."""
-    spec = importlib.util.spec_from_file_location("layer_bench", Path(__file__).resolve().parent / "layer_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from lrmoe.experiments import layer_bench
+
+    return layer_bench
 
 
 # -- the benchmark's results --------------------------------------------------------------------------------------
@@ -150,7 +147,7 @@ def replay_plans(config: dict, bench=None) -> dict:
 
 def check_replay(raw: pd.DataFrame, replay: dict, config: dict) -> pd.DataFrame:
     """Every counted quantity of the benchmark (pairs per rank, bytes per phase and rank) against the formulas of
-    :mod:`lrmoe.dist.accounting` on the replayed plan of the same step. Returns the mismatches (empty: the replay
+    :mod:`lrmoe.distributed.accounting` on the replayed plan of the same step. Returns the mismatches (empty: the replay
     is the plan the benchmark ran, as far as anything it recorded can tell)."""
     model, n, _, elem = bench_shapes(config)
     warmup = int(config["warmup"])

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .dist.accounting import pair_matrix_NN
-from .dist.replica import unflatten_experts
+from .distributed.accounting import pair_matrix_NN
+from .distributed.replica import unflatten_experts
 from .expert_compute import Activations, slot_offsets, swiglu_backward, swiglu_forward
 from .kernels.compact import CompactPlan, compact_plan, pack, unpack
 from .plan import LayerPlan

@@ -40,9 +40,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .backward import BackwardConfig, BackwardRecord, ExpertExchange, expert_exchange
-from .dist.accounting import Accountant
-from .dist.comm import all_gather_rows, all_to_all_rows
-from .dist.replica import AdamConfig, RangeGroups, ReplicaStore
+from .distributed.accounting import Accountant
+from .distributed.comm import all_gather_rows, all_to_all_rows
+from .distributed.replica import AdamConfig, RangeGroups, ReplicaStore
 from .config import ROUTER_FAMILIES
 from .expert_compute import slot_offsets, swiglu_forward
 from .kernels.compact import CompactPlan, compact_plan, pack, unpack

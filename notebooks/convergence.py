@@ -21,18 +21,15 @@
 
 # %%
 import os
-import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import seaborn as sns
 
 ROOT = Path.cwd().resolve().parent if Path.cwd().name == "notebooks" else Path.cwd().resolve()
-sys.path.insert(0, str(ROOT / "experiments"))
-sys.path.insert(0, str(ROOT / "paper_figures"))
-import convergence  # noqa: E402
-import figures  # noqa: E402
-import style  # noqa: E402
+from lrmoe.experiments import convergence
+from lrmoe.paper_figures import figures
+from lrmoe.paper_figures import style
 
 # %matplotlib inline
 

@@ -133,7 +133,7 @@ def show(metric="m2", rho=0.7, skew=0.8, mode="topk"):
 # default view below is drawn once.
 
 # %%
-import ipywidgets as widgets  # noqa: E402
+import ipywidgets as widgets
 
 controls = dict(
     metric=widgets.Dropdown(options=["m1", "m2", "m3", "gate", "random"], value="m2", description="metric"),
@@ -157,7 +157,7 @@ print(f"kept {int(default['rec'].keep_P.sum())} of {default['rec'].keep_P.numel(
 # floor γ). Here the planner's LRMoE policy plans the same routed counts with no spare replica slot.
 
 # %%
-from lrmoe.policies import LRMoE  # noqa: E402
+from lrmoe.policies import LRMoE
 
 result = run(skew=0.8)
 counts_NE = result["counts_Q"].view(RANKS, cfg.num_experts)

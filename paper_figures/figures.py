@@ -14,10 +14,7 @@ import seaborn as sns
 
 from lrmoe.tracking import read_results
 
-try:
-    from . import style
-except ImportError:  # run as a script from this folder
-    import style
+from lrmoe.paper_figures import style
 
 
 def records(path: str | Path) -> pd.DataFrame:

@@ -14,14 +14,12 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")  # files only; notebooks importing figures keep their inline backend
-import figures  # noqa: E402
-import style  # noqa: E402
+from lrmoe.paper_figures import figures
+from lrmoe.paper_figures import style
 
 
 def make_all(results: Path, out: Path, only: list[str] | None = None) -> dict[str, list[Path]]:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lrmoe.config import ClusterConfig, MoEConfig, cluster_preset, model_preset
-from lrmoe.dist.accounting import expected_layer, expected_step
+from lrmoe.distributed.accounting import expected_layer, expected_step
 from lrmoe.placement import MemoryModel, lrmoe_placement
 from lrmoe.plan import LayerPlan, no_flows
 from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi
@@ -103,7 +103,7 @@ def _random_counts(n, e, seed, scale=20):
 @pytest.mark.parametrize("n", [2, 4])
 def test_bytes_equal_the_layers_accounting_formulas(n, seed):
     """Dropless plans on SYMI, LRMoE (scattered replicas: wide ranges) and static placements: every all-to-all
-    and every optimizer-step phase sends exactly the bytes :mod:`lrmoe.dist.accounting` derives for the layer."""
+    and every optimizer-step phase sends exactly the bytes :mod:`lrmoe.distributed.accounting` derives for the layer."""
     e = 8
     model = TINY.replace(num_experts=e, hidden=8, expert_ffn=5)
     cm = CostModel(model, TOY.replace(num_ranks=n, ranks_per_node=2 if n > 2 else 1), gemm=CURVE)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lrmoe.dist.launch import LaunchError, launch
+from lrmoe.distributed.launch import LaunchError, launch
 
 
 def _rank_info(rank, offset, scale=1):
@@ -80,7 +80,7 @@ def test_bad_arguments_name_the_problem():
 def test_a_script_whose_rank_fails_exits_non_zero(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text(textwrap.dedent("""
-        from lrmoe.dist.launch import launch
+        from lrmoe.distributed.launch import launch
 
         def work(rank):
             if rank == 1:

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lrmoe.dist.accounting import Accountant, check_counts, expected_layer, expected_step
-from lrmoe.dist.comm import all_gather_rows
-from lrmoe.dist.launch import launch
-from lrmoe.dist.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
+from lrmoe.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
+from lrmoe.distributed.comm import all_gather_rows
+from lrmoe.distributed.launch import launch
+from lrmoe.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
 from lrmoe.layer import EPMoELayer, assign_pairs, initial_placement, source_to_slot_major
 from lrmoe.plan import LayerPlan, no_flows
 from lrmoe.policies import Capacity, StaticEP, Symi

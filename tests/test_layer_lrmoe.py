@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from lrmoe.backward import BackwardConfig, flow_slots, plan_selects, receive_layout, rows_only
-from lrmoe.dist.accounting import Accountant, check_counts, expected_recalibrated
-from lrmoe.dist.comm import all_gather_rows
-from lrmoe.dist.launch import launch
-from lrmoe.dist.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
+from lrmoe.distributed.accounting import Accountant, check_counts, expected_recalibrated
+from lrmoe.distributed.comm import all_gather_rows
+from lrmoe.distributed.launch import launch
+from lrmoe.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
 from lrmoe.kernels.compact import compact_plan, pack, unpack
 from lrmoe.layer import EPMoELayer, NeedsRecalibration, initial_placement
 from lrmoe.plan import LayerPlan

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from lrmoe.backward import BackwardConfig
-from lrmoe.dist.accounting import Accountant, check_counts, expected_layer, expected_recalibrated, expected_step
-from lrmoe.dist.comm import all_gather_rows
-from lrmoe.dist.launch import launch
-from lrmoe.dist.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
+from lrmoe.distributed.accounting import Accountant, check_counts, expected_layer, expected_recalibrated, expected_step
+from lrmoe.distributed.comm import all_gather_rows
+from lrmoe.distributed.launch import launch
+from lrmoe.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
 from lrmoe.layer import EPMoELayer, initial_placement
 from lrmoe.placement import symi_placement
 from lrmoe.policies import Symi

@@ -2,15 +2,13 @@
 values are the file's."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "paper_figures"))
-import figures  # noqa: E402
-import make_all  # noqa: E402
+from lrmoe.paper_figures import figures
+import make_all
 
 
 def write_results(path: Path, rows: list[dict]) -> Path:

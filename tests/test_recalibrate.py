@@ -11,7 +11,7 @@ from lrmoe.recalibrate import (Recalibration, pair_groups, pair_hook, proportion
 from lrmoe.reference import ReferenceMoE
 from lrmoe.scoring import METRICS, pair_scores
 from lrmoe.selection import MODES
-from _scripts import load_experiment  # noqa: E402
+from _scripts import load_experiment
 
 D, FFN, E, K, T, SOURCES = 8, 6, 6, 2, 24, 2
 EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")

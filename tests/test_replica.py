@@ -7,9 +7,9 @@ unequal length with 4 ranks: 5, 5, 4, 4).
 import pytest
 import torch
 
-from lrmoe.dist.accounting import Accountant, check_counts, expected_step, symi_step_bytes
-from lrmoe.dist.launch import launch
-from lrmoe.dist.replica import (AdamConfig, RangeGroups, ReplicaStore, flatten_experts, hosted_experts,
+from lrmoe.distributed.accounting import Accountant, check_counts, expected_step, symi_step_bytes
+from lrmoe.distributed.launch import launch
+from lrmoe.distributed.replica import (AdamConfig, RangeGroups, ReplicaStore, flatten_experts, hosted_experts,
                                 ring_allreduce_bytes, shard_bounds, shard_sizes, sync_plan)
 
 E, D, F = 6, 3, 2

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from lrmoe.config import cluster_preset, model_preset
-from lrmoe.dist.launch import launch
-from lrmoe.dist.replica import RangeGroups
+from lrmoe.distributed.launch import launch
+from lrmoe.distributed.replica import RangeGroups
 from lrmoe.layer import EPMoELayer, initial_placement
 from lrmoe.placement import MemoryModel
 from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi

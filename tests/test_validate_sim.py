@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from lrmoe.sim.calibrate_cpu import (CalibrationSpec, _across_ranks, calibrate, calibration_data, fit_gemm, fit_line,
+from lrmoe.harness.calibrate_cpu import (CalibrationSpec, _across_ranks, calibrate, calibration_data, fit_gemm, fit_line,
                                      spec_for_bench, write_calibration)
 from lrmoe.sim.cost import cpu_gloo_preset
 from lrmoe.tracking import read_results

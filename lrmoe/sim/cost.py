@@ -25,7 +25,7 @@ Timing assumptions (all ours; they are what "time per phase set by the slowest r
   are multiplied as zero rows), grown where moved pairs arrive: rows per (source, slot) are
   ``max(fwd_NG, bwd_NG)`` in both backward all-to-alls and the backward GEMM. With compaction on: ``bwd_NG``.
   Moved pairs bring their input rows (the plan's ``carry_NG``) in the output-gradient all-to-all.
-* **Replica gradient sync** (the substrate of :mod:`lrmoe.dist.replica`, as the layer runs it): the local slots
+* **Replica gradient sync** (the substrate of :mod:`lrmoe.distributed.replica`, as the layer runs it): the local slots
   of an expert are summed for free, then every rank of the consecutive range spanned by the expert's hosts
   runs a ring all-reduce (each sends and receives ``2 (h - 1) / h`` of the gradient, plus ``2 (h - 1)``
   latencies) at the slowest link the range crosses. A rank in several ranges runs them one after the other.
@@ -61,7 +61,7 @@ import torch
 
 from ..config import ClusterConfig, MoEConfig, _non_negative
 
-# The layer's phase names (lrmoe.dist.accounting), in execution order, plus the shared expert (GLM). The
+# The layer's phase names (lrmoe.distributed.accounting), in execution order, plus the shared expert (GLM). The
 # backward all-to-alls are named for the forward one they invert: combine_a2a_bwd carries output gradients from
 # the home ranks to the experts, dispatch_a2a_bwd carries input gradients back.
 PHASES = ("dispatch_a2a", "expert_fwd", "shared_fwd", "combine_a2a",
@@ -149,7 +149,7 @@ def cpu_gloo_preset(calibration_json: str | Path, num_ranks: int,
     """A CPU "cluster" (one node of gloo processes) and its GEMM curve, from micro-benchmark constants.
 
     The seam for validating the model against measured CPU runs: the calibration file (written by
-    :mod:`lrmoe.sim.calibrate_cpu`) holds ``peak_flops``, ``a2a_bw``, ``a2a_latency``, ``mem_bw`` and a ``gemm``
+    :mod:`lrmoe.harness.calibrate_cpu`) holds ``peak_flops``, ``a2a_bw``, ``a2a_latency``, ``mem_bw`` and a ``gemm``
     fit (``eff_max``, ``m_half``, ``launch_s``); ``clock`` picks the constants of one clock from its ``clocks``
     entry instead of the top-level ones.
     """
@@ -404,8 +404,8 @@ class CostModel:
               bytes_NP: torch.Tensor) -> torch.Tensor:
         """Replica sync, gradient collection, Adam and redistribution, in place; returns the used slots [N].
 
-        The substrate of :mod:`lrmoe.dist.replica`, vectorised (``tests/test_cost.py`` checks its bytes against
-        the layer's formulas in :mod:`lrmoe.dist.accounting`): the ranks of the consecutive range [lo_e, hi_e]
+        The substrate of :mod:`lrmoe.distributed.replica`, vectorised (``tests/test_cost.py`` checks its bytes against
+        the layer's formulas in :mod:`lrmoe.distributed.accounting`): the ranks of the consecutive range [lo_e, hi_e]
         spanned by expert e's hosts (``sync_groups="range"``; or the hosts only, ``"hosts"``) all-reduce its
         gradient; the i-th rank outside that group takes its shard from the group's rank number i mod h_e.
         """

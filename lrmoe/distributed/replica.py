@@ -22,7 +22,7 @@ One optimizer step (:meth:`ReplicaStore.step`):
    experts and copies them into its slots (several slots of one expert on one rank cost one transfer).
 
 The pure helpers (:func:`shard_sizes`, :func:`sync_plan`, :func:`hosted_experts`) say who talks to whom; the
-accounting (:mod:`lrmoe.dist.accounting`) derives the bytes from them.
+accounting (:mod:`lrmoe.distributed.accounting`) derives the bytes from them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """CPU micro-benchmarks that calibrate the cost model's "cpu-gloo" cluster (:func:`lrmoe.sim.cost.cpu_gloo_preset`),
 so that its predictions can be checked against the layer measured on the same machine (``experiments/validate_sim.py``).
 
-Three measurements, each on ``num_ranks`` forked gloo processes (:func:`lrmoe.dist.launch.launch`, one thread
+Three measurements, each on ``num_ranks`` forked gloo processes (:func:`lrmoe.distributed.launch.launch`, one thread
 each) running *concurrently*, as the ranks of ``experiments/layer_bench.py`` do: on a machine with fewer cores
 than ranks the ranks share the cores, and the constants must describe the machine as the benchmark sees it.
 
@@ -11,13 +11,13 @@ than ranks the ranks share the cores, and the constants must describe the machin
   ``t = launch_s + Σ_{groups} flops_per_row · (m + m_half) / rate`` (flops_per_row = 6·D·F forward, 12·D·F backward,
   as :class:`~lrmoe.config.MoEConfig` counts them). Only ``eff_max · peak_flops`` is identifiable on a CPU, so the
   preset sets ``peak_flops = rate`` and ``eff_max = 1``.
-* **All-to-all**: the layer's helper :func:`lrmoe.dist.comm.all_to_all_rows` (gloo ``all_to_all_single``) with
+* **All-to-all**: the layer's helper :func:`lrmoe.distributed.comm.all_to_all_rows` (gloo ``all_to_all_single``) with
   ``b`` bytes to every other rank, fitted to ``t = latency + bytes_sent / bandwidth`` (the cost model's all-to-all
   line for one node). Each repetition follows some expert-sized compute of a random size and no barrier, so the
   ranks arrive staggered as in the layer (a staggered collective costs its last rank more than an aligned one).
-  The layer's point-to-point exchange (:func:`lrmoe.dist.comm.exchange_rows`, gradient collection and
+  The layer's point-to-point exchange (:func:`lrmoe.distributed.comm.exchange_rows`, gradient collection and
   redistribution) is timed the same way, as a diagnostic the cost model does not use.
-* **Adam**: :func:`lrmoe.dist.replica.adam_update_` on one rank's fp32 shard of every expert (E × ⌈3DF/N⌉), as an
+* **Adam**: :func:`lrmoe.distributed.replica.adam_update_` on one rank's fp32 shard of every expert (E × ⌈3DF/N⌉), as an
   effective memory bandwidth ``mem_bw = 32 bytes/parameter / seconds per parameter`` (the cost model charges Adam
   32 bytes of memory traffic per parameter).
 
@@ -253,8 +253,8 @@ def _timed(fn, spec: CalibrationSpec, between=None) -> dict[str, list[float]]:
 
 def _bench_rank(rank: int, spec: CalibrationSpec) -> dict:
     """Every measurement of the grid on this rank: lists of per-repetition seconds."""
-    from ..dist.comm import all_to_all_rows, exchange_rows
-    from ..dist.replica import AdamConfig, adam_update_
+    from ..distributed.comm import all_to_all_rows, exchange_rows
+    from ..distributed.replica import AdamConfig, adam_update_
     from ..expert_compute import slot_offsets, swiglu_backward, swiglu_forward
 
     gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank)
@@ -366,7 +366,7 @@ def summarise(spec: CalibrationSpec, per_rank: list[dict], clock: str = "cpu") -
                  "a2a": {**asdict(lfit), "model": A2A_MODEL, "ranks": coll},
                  # not used by the cost model, which charges its point-to-point phases as all-to-alls
                  "p2p": {**asdict(pfit), "model": "t = latency_s + bytes sent to other ranks / bandwidth",
-                         "ranks": coll, "note": "diagnostic: lrmoe.dist.comm.exchange_rows, one buffer per peer"},
+                         "ranks": coll, "note": "diagnostic: lrmoe.distributed.comm.exchange_rows, one buffer per peer"},
                  "adam": {"params": params, "seconds": adam_s, "traffic_bytes_per_param": ADAM_TRAFFIC_BYTES,
                           "ranks": local}},
         "measurements": {"gemm": gemm, "a2a": a2a},
@@ -386,7 +386,7 @@ def provenance(spec: CalibrationSpec) -> dict:
     prov = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)",
             "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "module": "lrmoe.sim.calibrate_cpu", "ranks": spec.num_ranks, "threads_per_rank": 1,
+            "module": "lrmoe.harness.calibrate_cpu", "ranks": spec.num_ranks, "threads_per_rank": 1,
             "protocol": "forked gloo ranks running concurrently (one thread each), allocator warmed; compute after a "
                         "barrier, transfers after random expert-sized compute (staggered arrival); each rank's median "
                         "over repetitions, then the slowest rank, except collectives by the wall clock: the fastest"}
@@ -404,7 +404,7 @@ def provenance(spec: CalibrationSpec) -> dict:
 
 def calibrate(spec: CalibrationSpec, timeout_s: float = 600.0) -> dict:
     """Run the micro-benchmarks on ``spec.num_ranks`` forked ranks; return the calibration data with provenance."""
-    from ..dist.launch import launch
+    from ..distributed.launch import launch
 
     per_rank = launch(_bench_rank, spec.num_ranks, spec, timeout_s=timeout_s)
     return {**calibration_data(spec, per_rank), "provenance": provenance(spec)}

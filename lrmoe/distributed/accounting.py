@@ -7,7 +7,7 @@ length of rank n's shard of an expert (⌈P/N⌉ or ⌊P/N⌋). From the plan: c
 the pairs rank src sends to rank dst (c[n, n] stays local); A_n = Σ_dst c[n, dst] the pairs whose home is n,
 R_n = Σ_src c[src, n] the pairs computed on n. From the placement: the hosts of expert e, their rank span
 [lo_e, hi_e] of size h_e (= the number of hosting ranks for SYMI's contiguous placements), source(n, e) as in
-:func:`lrmoe.dist.replica.sync_plan`, and X_m = the distinct experts rank m hosts in the next placement.
+:func:`lrmoe.distributed.replica.sync_plan`, and X_m = the distinct experts rank m hosts in the next placement.
 
 Bytes are those that leave (or reach) a rank: a rank's exchange with itself is a local copy and counts zero.
 Per rank n and iteration:

@@ -1,9 +1,9 @@
 """Distributed plumbing of the expert-parallel layer (kept out of the pure planning modules):
 
-* :mod:`~lrmoe.dist.comm`: the differentiable variable-size all-to-all, point-to-point exchange, torchrun setup;
-* :mod:`~lrmoe.dist.launch`: the fork + gloo launcher for tests and CPU experiments (fails fast, never hangs);
-* :mod:`~lrmoe.dist.replica`: the replica substrate: slots, replica gradient sync, sharded Adam, redistribution;
-* :mod:`~lrmoe.dist.accounting`: per-rank, per-phase counters and the formulas they must match.
+* :mod:`~lrmoe.distributed.comm`: the differentiable variable-size all-to-all, point-to-point exchange, torchrun setup;
+* :mod:`~lrmoe.distributed.launch`: the fork + gloo launcher for tests and CPU experiments (fails fast, never hangs);
+* :mod:`~lrmoe.distributed.replica`: the replica substrate: slots, replica gradient sync, sharded Adam, redistribution;
+* :mod:`~lrmoe.distributed.accounting`: per-rank, per-phase counters and the formulas they must match.
 
 The layer itself is :class:`lrmoe.layer.EPMoELayer`.
 """

@@ -1,0 +1,1 @@
+"""Measurement harness: timing helpers and the CPU calibration micro-benchmarks (kept apart from the simulator)."""
