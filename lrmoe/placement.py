@@ -20,19 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .quotas import memory_cap_pairs
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _non_negative_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return value
+from lrmoe.checks import non_negative_int, positive_int
+from lrmoe.quotas import memory_cap_pairs
 
 
 def _popularity(popularity_E: Tensor) -> Tensor:
@@ -53,8 +42,8 @@ def _popularity(popularity_E: Tensor) -> Tensor:
 
 def static_placement(num_experts: int, num_ranks: int) -> Tensor:
     """Home layout of expert parallelism: rank n hosts experts n·E/N ... (n+1)·E/N - 1, in order. [N, E/N]"""
-    _positive_int("num_experts", num_experts)
-    _positive_int("num_ranks", num_ranks)
+    positive_int("num_experts", num_experts)
+    positive_int("num_ranks", num_ranks)
     if num_experts % num_ranks:
         raise ValueError(f"num_experts={num_experts} is not divisible by num_ranks={num_ranks}")
     return torch.arange(num_experts, dtype=torch.long).view(num_ranks, num_experts // num_ranks)
@@ -121,7 +110,7 @@ def symi_replica_counts(popularity_E: Tensor, total_slots: int) -> Tensor:
     Σ r_e = total_slots and r_e >= 1. All-zero popularity is treated as uniform. Computed in float64.
     """
     pop_E = _popularity(popularity_E)
-    _positive_int("total_slots", total_slots)
+    positive_int("total_slots", total_slots)
     if total_slots < pop_E.numel():
         raise ValueError(f"total_slots={total_slots} is fewer than num_experts={pop_E.numel()}: every expert "
                          f"needs at least one slot")
@@ -135,8 +124,8 @@ def symi_placement(popularity_E: Tensor, num_ranks: int, slots_per_rank: int) ->
     LongTensor[num_ranks, slots_per_rank]; no empty slots.
     """
     pop_E = _popularity(popularity_E)
-    _positive_int("num_ranks", num_ranks)
-    _positive_int("slots_per_rank", slots_per_rank)
+    positive_int("num_ranks", num_ranks)
+    positive_int("slots_per_rank", slots_per_rank)
     if num_ranks * slots_per_rank < pop_E.numel():
         raise ValueError(f"num_ranks*slots_per_rank={num_ranks * slots_per_rank} is fewer than num_experts="
                          f"{pop_E.numel()}: every expert needs at least one slot")
@@ -159,8 +148,8 @@ def slots_that_fit(mem_budget_bytes, slot_bytes: float, pair_buffer_bytes: float
         raise ValueError(f"slot_bytes must be positive, got {slot_bytes!r}")
     if pair_buffer_bytes < 0:
         raise ValueError(f"pair_buffer_bytes must be non-negative, got {pair_buffer_bytes!r}")
-    _non_negative_int("base_slots", base_slots)
-    _non_negative_int("max_extra", max_extra)
+    non_negative_int("base_slots", base_slots)
+    non_negative_int("max_extra", max_extra)
     budget = torch.as_tensor(mem_budget_bytes, dtype=torch.float64)
     planned = torch.as_tensor(planned_pairs_per_rank, dtype=torch.float64)
     if (planned < 0).any():
@@ -217,9 +206,9 @@ def lrmoe_placement(popularity_E: Tensor, num_ranks: int, base_slots: int, extra
     """
     pop_E = _popularity(popularity_E)
     E = pop_E.numel()
-    _positive_int("num_ranks", num_ranks)
-    _positive_int("base_slots", base_slots)
-    _non_negative_int("extra_slots", extra_slots)
+    positive_int("num_ranks", num_ranks)
+    positive_int("base_slots", base_slots)
+    non_negative_int("extra_slots", extra_slots)
     if E % num_ranks or base_slots != E // num_ranks:
         raise ValueError(f"base_slots={base_slots} must equal num_experts/num_ranks for the home layout "
                          f"(num_experts={E}, num_ranks={num_ranks})")

@@ -41,6 +41,11 @@ class LayerPlan:
     bwd_cap_N      [N]    the backward cap the quotas enforced (None: no cap).
     policy         short label of the policy that made the plan.
     drop_by        "position" or "gate": which pairs of a (source, expert) group the capacity drops.
+    next_placement_NS [N, S] the placement the policy will use in the next iteration, made in the same plan call
+                   from this iteration's global counts (policies place from the previous iteration's counts), so
+                   the weights can move there at the end of this iteration without planning again. It assumes the
+                   next iteration routes as many pairs (only memory-aware placement looks at that). None (the
+                   default) means the placement stays: it is filled with placement_NS.
     """
 
     placement_NS: Tensor
@@ -52,6 +57,11 @@ class LayerPlan:
     bwd_cap_N: Tensor | None = None
     policy: str = ""
     drop_by: str = "position"
+    next_placement_NS: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.next_placement_NS is None:
+            object.__setattr__(self, "next_placement_NS", self.placement_NS)
 
     # --- shapes ----------------------------------------------------------------------------------------------
     @property
@@ -154,7 +164,7 @@ class LayerPlan:
             raise ValueError(f"placement_NS must be a non-empty 2-D tensor, got {getattr(P, 'shape', P)}")
         N, G, E = self.num_ranks, self.num_slots, self.dropped_NE.shape[-1]
         expected = {"placement_NS": P.shape, "fwd_NG": (N, G), "dropped_NE": (N, E), "keep_NG": (N, G),
-                    "floor_excess_N": (N,)}
+                    "floor_excess_N": (N,), "next_placement_NS": P.shape}
         if self.bwd_cap_N is not None:
             expected["bwd_cap_N"] = (N,)
         for name, shape in expected.items():
@@ -168,9 +178,11 @@ class LayerPlan:
                              f"{getattr(f, 'dtype', type(f))} {tuple(getattr(f, 'shape', ()))}")
         if self.drop_by not in DROP_RULES:
             raise ValueError(f"LayerPlan.drop_by={self.drop_by!r} is not one of {DROP_RULES}")
-        if int(P.min()) < -1 or int(P.max()) >= E:
-            raise ValueError(f"LayerPlan.placement_NS holds ids in [{int(P.min())}, {int(P.max())}], outside "
-                             f"[-1, {E - 1}]")
+        for name in ("placement_NS", "next_placement_NS"):
+            t = getattr(self, name)
+            if int(t.min()) < -1 or int(t.max()) >= E:
+                raise ValueError(f"LayerPlan.{name} holds ids in [{int(t.min())}, {int(t.max())}], outside "
+                                 f"[-1, {E - 1}]")
         for name in ("fwd_NG", "dropped_NE", "floor_excess_N"):
             t = getattr(self, name)
             if t.numel() and int(t.min()) < 0:

@@ -1,30 +1,43 @@
 """Policies: small objects that turn one layer's routed counts into a :class:`~lrmoe.plan.LayerPlan`.
 
-Each has a short ``name`` and ``plan(counts_NE, prev_counts_E=None) -> LayerPlan``: counts_NE [N, E] are the
-routed pairs per (source rank, expert) of this iteration, prev_counts_E [E] the previous iteration's global
-counts (SYMI and LRMoE place replicas from them; with none, popularity is uniform). Pure: no
+Each has a short ``name``, ``placement(popularity_E, num_ranks, total_pairs) -> placement_NS`` (its placement
+step alone) and ``plan(counts_NE, prev_counts_E=None) -> LayerPlan``: counts_NE [N, E] are the routed pairs per
+(source rank, expert) of this iteration, prev_counts_E [E] the previous iteration's global counts (SYMI and
+LRMoE place replicas from them; with none, popularity is uniform). ``plan`` calls ``placement`` twice: for this
+iteration (from prev_counts_E) and for the next one (from this iteration's global counts, the same total), so
+the plan carries ``next_placement_NS`` and nobody plans again to learn where the weights go. Pure: no
 ``torch.distributed``, the same counts give the same plan on every rank.
 
 * :class:`StaticEP`  expert parallelism, one replica per expert at home, dropless.
 * :class:`Capacity`  static placement with GShard/DeepSpeed capacity ceil(cf · tokens · k / E); overflow dropped.
 * :class:`Symi`      SYMI (DESIGN.md §3): Algorithm 1 placement, even split; SYMI-cf1 drops, SYMI-dropless not.
 * :class:`LRMoE`     our reconstruction (DESIGN.md §4): memory-aware placement, balanced dropless forward,
-                     then caps -> backward replica routing (move what can move) -> quotas (trim the rest).
+                     then retention quotas (``budget`` or ``cap`` mode) and, in ``cap`` mode, backward replica
+                     routing of what exceeds a cap before the quotas trim the rest.
+* :class:`Trimmed`   any policy's plan with its backward trimmed to the same budget as LRMoE's ``budget`` mode,
+                     pairs chosen by the layer's backward config (the random-trim control, e.g. SYMI-dropless
+                     trimmed at rho with ``BackwardConfig(metric="random")``).
+
+:func:`initial_placement` is the placement a policy starts from (no history).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import Tensor
 
-from lrmoe.placement import (MemoryModel, _non_negative_int, _positive_int, lrmoe_placement, replica_table,
-                             static_placement, symi_placement)
+from lrmoe.checks import check_cf, check_fraction, non_negative_int, positive_int
+from lrmoe.placement import MemoryModel, lrmoe_placement, replica_table, static_placement, symi_placement
 from lrmoe.plan import DROP_RULES, LayerPlan, no_flows
-from lrmoe.quotas import _check_fraction, rank_caps, retention_quotas
-from lrmoe.replica_routing import (_check_cf, apply_capacity, backward_on, check_counts, forward_on,
-                                   gshard_capacity, route_forward, symi_capacity)
+from lrmoe.quotas import budget_caps, check_rho, rank_caps, retention_quotas
+from lrmoe.replica_routing import (apply_capacity, backward_on, check_counts, forward_on, gshard_capacity,
+                                   route_forward, symi_capacity)
+
+QUOTA_MODES = ("budget", "cap")
+DEFAULT_EPS = 0.1  # LRMoE's balance slack when none is given
 
 
 def _check_prev(prev_counts_E: Tensor | None, num_experts: int) -> Tensor:
@@ -39,18 +52,44 @@ def _check_prev(prev_counts_E: Tensor | None, num_experts: int) -> Tensor:
     return prev
 
 
-def _forward_only(policy: str, placement_NS: Tensor, fwd_NG: Tensor, dropped_NE: Tensor,
+def _placements(policy, counts_NE: Tensor, prev_counts_E: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(this iteration's placement, the next one's): from prev_counts_E and from counts_NE's global counts."""
+    N, E = counts_NE.shape
+    total = int(counts_NE.sum())
+    return (policy.placement(_check_prev(prev_counts_E, E), N, total),
+            policy.placement(counts_NE.sum(0), N, total))
+
+
+def initial_placement(policy, num_ranks: int, num_experts: int, pairs_per_rank: int | None = None) -> Tensor:
+    """The placement ``policy`` chooses with no history (uniform popularity): the slots' first contents.
+
+    ``pairs_per_rank`` (default E) stands for the first iteration's pairs per rank (memory-aware placement sizes
+    its replica slots from the total). A policy with only ``plan`` is asked to plan evenly spread counts.
+    """
+    pairs = num_experts if pairs_per_rank is None else pairs_per_rank
+    if pairs < 0:
+        raise ValueError(f"pairs_per_rank must be non-negative, got {pairs}")
+    if hasattr(policy, "placement"):
+        return policy.placement(torch.ones(num_experts, dtype=torch.float64), num_ranks, pairs * num_ranks)
+    base, extra = divmod(pairs, num_experts)
+    counts_E = torch.full((num_experts,), base, dtype=torch.long)
+    counts_E[:extra] += 1
+    return policy.plan(counts_E.expand(num_ranks, -1).contiguous(), None).placement_NS.clone()
+
+
+def _forward_only(policy: str, placements: tuple[Tensor, Tensor], fwd_NG: Tensor, dropped_NE: Tensor,
                   drop_by: str = "position") -> LayerPlan:
     """A plan that retains every computed pair for the backward, where its forward ran (no quotas, no moves)."""
+    placement_NS, next_NS = placements
     N = placement_NS.shape[0]
     return LayerPlan(placement_NS=placement_NS, fwd_NG=fwd_NG, dropped_NE=dropped_NE, keep_NG=fwd_NG.clone(),
                      bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(N, dtype=torch.long), policy=policy,
-                     drop_by=drop_by)
+                     drop_by=drop_by, next_placement_NS=next_NS)
 
 
-def _dropless(policy: str, placement_NS: Tensor, fwd_NG: Tensor, num_experts: int) -> LayerPlan:
-    dropped_NE = torch.zeros(placement_NS.shape[0], num_experts, dtype=torch.long)
-    return _forward_only(policy, placement_NS, fwd_NG, dropped_NE)
+def _dropless(policy: str, placements: tuple[Tensor, Tensor], fwd_NG: Tensor, num_experts: int) -> LayerPlan:
+    dropped_NE = torch.zeros(fwd_NG.shape[0], num_experts, dtype=torch.long)
+    return _forward_only(policy, placements, fwd_NG, dropped_NE)
 
 
 class StaticEP:
@@ -58,11 +97,13 @@ class StaticEP:
 
     name = "static-ep"
 
+    def placement(self, popularity_E: Tensor, num_ranks: int, total_pairs: int) -> Tensor:
+        return static_placement(len(popularity_E), num_ranks)
+
     def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
         counts_NE = check_counts(counts_NE)
-        N, E = counts_NE.shape
-        placement_NS = static_placement(E, N)
-        return _dropless(self.name, placement_NS, route_forward(counts_NE, placement_NS, "even"), E)
+        placements = _placements(self, counts_NE, prev_counts_E)
+        return _dropless(self.name, placements, route_forward(counts_NE, placements[0], "even"), counts_NE.shape[1])
 
 
 class Capacity:
@@ -74,16 +115,18 @@ class Capacity:
     def __init__(self, cf: float = 1.0, drop_by: str = "position"):
         if drop_by not in DROP_RULES:
             raise ValueError(f"drop_by={drop_by!r} is not one of {DROP_RULES}")
-        self.cf, self.drop_by = _check_cf(cf), drop_by
+        self.cf, self.drop_by = check_cf(cf), drop_by
         self.name = f"capacity-cf{self.cf:g}" + ("-gate" if drop_by == "gate" else "")
+
+    def placement(self, popularity_E: Tensor, num_ranks: int, total_pairs: int) -> Tensor:
+        return static_placement(len(popularity_E), num_ranks)
 
     def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
         counts_NE = check_counts(counts_NE)
-        N, E = counts_NE.shape
-        placement_NS = static_placement(E, N)
+        placements = _placements(self, counts_NE, prev_counts_E)
         dropped_NE = apply_capacity(counts_NE, gshard_capacity(counts_NE, self.cf))
-        fwd_NG = route_forward(counts_NE - dropped_NE, placement_NS, "even")
-        return _forward_only(self.name, placement_NS, fwd_NG, dropped_NE, self.drop_by)
+        fwd_NG = route_forward(counts_NE - dropped_NE, placements[0], "even")
+        return _forward_only(self.name, placements, fwd_NG, dropped_NE, self.drop_by)
 
 
 class Symi:
@@ -94,62 +137,96 @@ class Symi:
     """
 
     def __init__(self, slots_per_rank: int, cf: float | None = None):
-        self.slots_per_rank = _positive_int("slots_per_rank", slots_per_rank)
-        self.cf = None if cf is None else _check_cf(cf)
+        self.slots_per_rank = positive_int("slots_per_rank", slots_per_rank)
+        self.cf = None if cf is None else check_cf(cf)
         self.name = "symi-dropless" if cf is None else f"symi-cf{self.cf:g}"
+
+    def placement(self, popularity_E: Tensor, num_ranks: int, total_pairs: int) -> Tensor:
+        return symi_placement(popularity_E, num_ranks, self.slots_per_rank)
 
     def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
         counts_NE = check_counts(counts_NE)
-        N, E = counts_NE.shape
-        placement_NS = symi_placement(_check_prev(prev_counts_E, E), N, self.slots_per_rank)
+        placements = _placements(self, counts_NE, prev_counts_E)
+        placement_NS = placements[0]
         if self.cf is None:
-            return _dropless(self.name, placement_NS, route_forward(counts_NE, placement_NS, "even"), E)
+            return _dropless(self.name, placements, route_forward(counts_NE, placement_NS, "even"),
+                             counts_NE.shape[1])
         dropped_NE = apply_capacity(counts_NE, symi_capacity(counts_NE, placement_NS, self.cf))
         fwd_NG = route_forward(counts_NE - dropped_NE, placement_NS, "even")
-        return _forward_only(self.name, placement_NS, fwd_NG, dropped_NE)
+        return _forward_only(self.name, placements, fwd_NG, dropped_NE)
 
 
 class LRMoE:
     """LRMoE as we reconstruct it (DESIGN.md §4); every knob is ours and documented here.
 
-    eps               balance slack: backward cap ceil((1 + eps) · mean forward load) per rank (>= 0).
+    quota_mode        how much of the backward each rank retains (:mod:`lrmoe.quotas`):
+                      "budget" (the default): every rank keeps B_n = min(L_n, ceil(rho · mean L)) pairs, a balanced
+                      level declared in advance; "cap": only ranks above ceil((1 + eps) · mean L) are trimmed, to it
+                      (the first reconstruction, inert once replicas balance the forward: an ablation).
+                      None picks "cap" when ``eps`` is given and ``rho`` is not (eps is cap mode's knob), else
+                      "budget".
+    rho               budget level in (0, 1] (budget mode only; default 1.0: trim what exceeds the mean).
+    eps               balance slack >= 0 (default 0.1): in cap mode the cap's level; in both modes the slack of
+                      the planned forward load, ceil((1 + eps) · mean L), whose buffers memory-aware placement
+                      reserves (the forward is dropless and saves every pair's activations, so trimming the
+                      backward frees no memory for replicas).
     gamma             per-expert floor: keep at least ceil(gamma · C_e) pairs of every expert (in [0, 1]).
     extra_slots       replica slots per rank beside the E/N home slots; with ``memory`` the most allowed.
     memory            a :class:`~lrmoe.placement.MemoryModel`: extra slots = as many as fit beside the buffers
-                      of the planned (cap-bounded) load, and the memory cap Q^mem = pairs whose buffers fit
-                      beside the slots. None: ``extra_slots`` as given, no memory cap from it.
+                      of the planned load, and the memory cap Q^mem = pairs whose buffers fit beside the slots.
+                      None: ``extra_slots`` as given, no memory cap from it.
     mem_cap_pairs_N   an explicit memory cap (int or [N]) on retained pairs per rank, combined by min.
     quotas            trim each rank's retained pairs to its cap (off: keep every pair).
-    backward_routing  move pairs above a rank's cap to replicas with spare room before trimming (off: trim).
+    backward_routing  move pairs above a rank's cap to replicas on ranks below theirs before trimming (off:
+                      trim). None (default): on in cap mode, off in budget mode (see below).
     forward           "balanced" (dropless, min-max) or "even" forward routing.
     balance_iters, backward_rounds: effort of the balanced forward split and of the backward routing.
 
+    Backward routing in budget mode (our choice). Every rank is capped at the same level, so the only ranks
+    with room are those whose whole forward load is below rho · mean. Moving pairs there would retain more than
+    the declared budget overall (by an amount that depends on the forward's imbalance), cost carried input rows
+    and the expert's recomputation on the receiving replica, and blur the comparison with the random-trim
+    control (:class:`Trimmed`), which moves nothing. So by default nothing moves: every rank keeps exactly
+    min(L_n, B_n) of its own pairs (plus the floor's excess, reported in ``floor_excess_N``).
+    ``backward_routing=True`` turns the moves on as an ablation (room = B_n - L_n).
+
     Order within ``plan``: placement (from prev counts) -> forward routing -> caps from the exact forward loads
-    -> backward routing of what exceeds a cap -> quotas trim what still exceeds it (floor permitting).
+    -> backward routing of what exceeds a cap (if on) -> quotas trim what still exceeds it (floor permitting).
     """
 
-    def __init__(self, eps: float = 0.1, gamma: float = 0.1, extra_slots: int = 1,
+    def __init__(self, eps: float | None = None, gamma: float = 0.1, extra_slots: int = 1,
                  memory: MemoryModel | None = None, mem_cap_pairs_N=None, quotas: bool = True,
-                 backward_routing: bool = True, forward: str = "balanced", balance_iters: int = 8,
-                 backward_rounds: int = 2):
-        self.eps = _check_fraction("eps", eps, None)
-        self.gamma = _check_fraction("gamma", gamma, 1.0)
-        _non_negative_int("extra_slots", extra_slots)
+                 backward_routing: bool | None = None, forward: str = "balanced", balance_iters: int = 8,
+                 backward_rounds: int = 2, quota_mode: str | None = None, rho: float | None = None):
+        if quota_mode is None:
+            quota_mode = "cap" if eps is not None and rho is None else "budget"
+        if quota_mode not in QUOTA_MODES:
+            raise ValueError(f"quota_mode={quota_mode!r} is not one of {QUOTA_MODES}")
+        if quota_mode == "cap" and rho is not None:
+            raise ValueError(f"rho={rho!r} sets the budget mode's level; quota_mode='cap' uses eps")
+        self.quota_mode = quota_mode
+        self.rho = check_rho(1.0 if rho is None else rho) if quota_mode == "budget" else None
+        self.eps = check_fraction("eps", DEFAULT_EPS if eps is None else eps, None)
+        self.gamma = check_fraction("gamma", gamma, 1.0)
+        non_negative_int("extra_slots", extra_slots)
         if memory is not None and not isinstance(memory, MemoryModel):
             raise ValueError(f"memory must be a MemoryModel or None, got {type(memory).__name__}")
         if forward not in ("balanced", "even"):
             raise ValueError(f"forward={forward!r} is not 'balanced' or 'even'")
         if mem_cap_pairs_N is not None and bool((torch.as_tensor(mem_cap_pairs_N) < 0).any()):
             raise ValueError(f"mem_cap_pairs_N must be non-negative, got {mem_cap_pairs_N!r}")
+        if backward_routing is None:
+            backward_routing = quota_mode == "cap"
         self.extra_slots, self.memory, self.mem_cap_pairs_N = extra_slots, memory, mem_cap_pairs_N
         self.quotas, self.backward_routing, self.forward = bool(quotas), bool(backward_routing), forward
         self.balance_iters, self.backward_rounds = int(balance_iters), int(backward_rounds)
-        self.name = "lrmoe"
+        self.name = "lrmoe" if quota_mode == "cap" else f"lrmoe-rho{self.rho:g}"
 
     def _extra_slots(self, total_pairs: int, num_ranks: int, base_slots: int) -> int:
-        """Extra slots per rank: as given, or as many as fit beside the buffers of the planned load (the balance
-        cap of this iteration's total, which is known before the placement: tokens · k). If even the planned
-        load does not fit beside the home slots, no extra slot; the memory cap then trims harder."""
+        """Extra slots per rank: as given, or as many as fit beside the buffers of the planned load (the balanced
+        forward's ceil((1 + eps) · mean) of this iteration's total, tokens · k, known before the placement). If
+        even the planned load does not fit beside the home slots, no extra slot; the memory cap then trims
+        harder."""
         if self.memory is None:
             return self.extra_slots
         m = self.memory
@@ -171,27 +248,67 @@ class LRMoE:
             return None
         return caps[0] if len(caps) == 1 else torch.minimum(caps[0], caps[1])
 
+    def caps(self, fwd_load_N: Tensor, slots_per_rank: int) -> Tensor:
+        """[N] backward cap per rank from the exact forward loads: the budget or the balance cap, and the
+        memory cap."""
+        mem = self._mem_cap(fwd_load_N.numel(), slots_per_rank)
+        if self.quota_mode == "budget":
+            return budget_caps(fwd_load_N, self.rho, mem)
+        return rank_caps(fwd_load_N, self.eps, mem)
+
+    def placement(self, popularity_E: Tensor, num_ranks: int, total_pairs: int) -> Tensor:
+        E = len(popularity_E)
+        if E % num_ranks:
+            raise ValueError(f"LRMoE keeps the static home layout: num_experts={E} must be divisible by "
+                             f"num_ranks={num_ranks}")
+        base = E // num_ranks
+        return lrmoe_placement(popularity_E, num_ranks, base, self._extra_slots(total_pairs, num_ranks, base))
+
     def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
         counts_NE = check_counts(counts_NE)
         N, E = counts_NE.shape
-        if E % N:
-            raise ValueError(f"LRMoE keeps the static home layout: num_experts={E} must be divisible by "
-                             f"num_ranks={N}")
-        base = E // N
-        extra = self._extra_slots(int(counts_NE.sum()), N, base)
-        placement_NS = lrmoe_placement(_check_prev(prev_counts_E, E), N, base, extra)
+        placements = _placements(self, counts_NE, prev_counts_E)
+        placement_NS = placements[0]
         table = replica_table(placement_NS, E)
         fwd_NG = forward_on(counts_NE, table, self.forward, self.balance_iters)
-        plan = _dropless(self.name, placement_NS, fwd_NG, E)
+        plan = _dropless(self.name, placements, fwd_NG, E)
         if not (self.quotas or self.backward_routing):
             return plan
-        fwd_load_N = fwd_NG.sum(0).view(N, -1).sum(1)
-        cap_N = rank_caps(fwd_load_N, self.eps, self._mem_cap(N, base + extra))
+        cap_N = self.caps(plan.fwd_load_N, placement_NS.shape[1])
         flows_F4 = backward_on(fwd_NG, table, cap_N, self.backward_rounds) if self.backward_routing else no_flows()
         if self.quotas:
             keep_NG, floor_excess_N = retention_quotas(fwd_NG, placement_NS.reshape(-1), cap_N, self.gamma,
                                                        flows_F4)
         else:
             keep_NG, floor_excess_N = fwd_NG.clone(), torch.zeros(N, dtype=torch.long)
-        return LayerPlan(placement_NS=placement_NS, fwd_NG=fwd_NG, dropped_NE=plan.dropped_NE, keep_NG=keep_NG,
-                         bwd_flows_F4=flows_F4, floor_excess_N=floor_excess_N, bwd_cap_N=cap_N, policy=self.name)
+        return dataclasses.replace(plan, keep_NG=keep_NG, bwd_flows_F4=flows_F4, floor_excess_N=floor_excess_N,
+                                   bwd_cap_N=cap_N)
+
+
+class Trimmed:
+    """Another policy's plan with its backward trimmed to the retention budget of LRMoE's ``budget`` mode.
+
+    Every rank keeps B_n = min(L_n, ceil(rho · mean L)) of the pairs it computed (plus the floor's excess),
+    each (source, slot) group in proportion to its pairs (:func:`~lrmoe.quotas.retention_quotas`); which pairs
+    of a group is the layer's backward config (``BackwardConfig(metric="random")``: the random-trim control that
+    separates "less work" from "the right work"). Same placement and forward as the wrapped policy, nothing
+    moves between replicas. ``gamma`` is the per-expert floor (default 0: a plain trim; LRMoE's floor is its own
+    knob). The wrapped plan must keep every computed pair where it ran.
+    """
+
+    def __init__(self, policy, rho: float, gamma: float = 0.0):
+        self.policy, self.rho, self.gamma = policy, check_rho(rho), check_fraction("gamma", gamma, 1.0)
+        self.name = f"{policy.name}-rho{self.rho:g}"
+
+    def placement(self, popularity_E: Tensor, num_ranks: int, total_pairs: int) -> Tensor:
+        return self.policy.placement(popularity_E, num_ranks, total_pairs)
+
+    def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
+        plan = self.policy.plan(counts_NE, prev_counts_E)
+        if len(plan.bwd_flows_F4) or not torch.equal(plan.keep_NG, plan.fwd_NG):
+            raise ValueError(f"Trimmed wraps plans that keep every computed pair where it ran; policy "
+                             f"{plan.policy!r} already trims or moves its backward")
+        cap_N = budget_caps(plan.fwd_load_N, self.rho)
+        keep_NG, floor_excess_N = retention_quotas(plan.fwd_NG, plan.slot_expert_G, cap_N, self.gamma)
+        return dataclasses.replace(plan, keep_NG=keep_NG, floor_excess_N=floor_excess_N, bwd_cap_N=cap_N,
+                                   policy=self.name)

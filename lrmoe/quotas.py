@@ -1,117 +1,35 @@
 """Retention quotas (DESIGN.md §4 step 3): how many forward pairs each (source rank, slot) keeps for the backward.
 
-From the exact forward loads, each rank gets a backward cap
+From the exact forward loads L_n (mean L̄ = Σ_n L_n / N), each rank gets a backward cap, in one of two modes:
 
-    cap_n = min(Q, Q^mem_n),   Q = ceil((1 + eps) · mean_n L_n),
+    budget:  cap_n = min(ceil(rho · L̄), Q^mem_n)          (:func:`budget_caps`, rho in (0, 1])
+    cap:     cap_n = min(ceil((1 + eps) · L̄), Q^mem_n)    (:func:`rank_caps`, eps >= 0)
 
-(Q^mem_n: retained pairs whose buffers fit in the rank's free memory, None = unlimited), and every expert a floor
-of ceil(gamma · C_e) retained pairs (C_e: its computed pairs), so no expert starves. :func:`retention_quotas`
-trims each over-cap rank down to its cap, in proportion to what each of its groups can give above its share of
-the floor, and reports the pairs the floor forced above a cap. Everything is integer and exact; the same
-counts give the same quotas on every rank, so no collective is needed.
+(Q^mem_n: retained pairs whose buffers fit in the rank's free memory, None = unlimited). ``budget`` is the
+demand-side reading: every rank's retained load is B_n = min(L_n, cap_n), balanced at a level declared in
+advance, and rho < 1 trims every rank, not only the hot ones. ``cap`` trims only ranks above the mean (once
+replicas balance the forward it trims next to nothing; kept as an ablation). Every expert has a floor of
+ceil(gamma · C_e) retained pairs (C_e: its computed pairs), so no expert starves. :func:`retention_quotas` trims
+each over-cap rank down to its cap, in proportion to what each of its groups can give above its share of the
+floor, and reports the pairs the floor forced above a cap: a rank's retained load is min(L_n, cap_n) plus that
+floor excess, exactly. Everything is integer and exact; the same counts give the same quotas on every rank, so
+no collective is needed.
 
-:func:`apportion` (proportional split of integer totals, exact) is the primitive the planner shares. Like the
-rest of the planner, the arithmetic runs in NumPy (a fraction of torch's per-call overhead on these small
-arrays); inputs and outputs are torch tensors.
+Like the rest of the planner, the arithmetic runs in NumPy (a fraction of torch's per-call overhead on these
+small arrays, with :func:`~lrmoe.checks.apportion` as the proportional split); inputs and outputs are torch
+tensors.
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import torch
 from torch import Tensor
 
-APPORTION_RULES = ("cumulative", "largest_remainder")
-
-
-def _zero_weight_error(what: str, total: np.ndarray, weight: np.ndarray) -> None:
-    bad = np.flatnonzero((weight == 0) & (total > 0))
-    if len(bad):
-        raise ValueError(f"apportion: {what} {bad[0]} has total {int(total[bad[0]])} but zero weight")
-
-
-def _apportion(total_S: np.ndarray, weight_K: np.ndarray, segment_K: np.ndarray,
-               rule: str = "cumulative") -> np.ndarray:
-    """NumPy core of :func:`apportion` (int64 arrays)."""
-    S, K = len(total_S), len(weight_K)
-    W_S = np.bincount(segment_K, weights=weight_K, minlength=S).astype(np.int64)
-    _zero_weight_error("segment", total_S, W_S)
-    if rule == "largest_remainder":
-        W_K = np.maximum(W_S, 1)[segment_K]
-        scaled_K = total_S[segment_K] * weight_K
-        share_K = scaled_K // W_K
-        remainder_K = scaled_K - share_K * W_K
-        leftover_S = total_S - np.bincount(segment_K, weights=share_K, minlength=S).astype(np.int64)
-        order = np.lexsort((-remainder_K, segment_K))  # by segment, largest remainder first, then index
-        size_S = np.bincount(segment_K, minlength=S)
-        position_K = np.empty_like(order)
-        position_K[order] = np.arange(K) - (np.cumsum(size_S) - size_S)[segment_K[order]]
-        return share_K + (position_K < leftover_S[segment_K])
-    order = None
-    if K > 1 and (segment_K[1:] < segment_K[:-1]).any():
-        order = np.argsort(segment_K, kind="stable")
-        segment_K, weight_K = segment_K[order], weight_K[order]
-    before_S = np.cumsum(W_S) - W_S  # weight of all earlier segments
-    upto_K = np.cumsum(weight_K) - before_S[segment_K]
-    cum_share_K = total_S[segment_K] * upto_K // np.maximum(W_S, 1)[segment_K]
-    alloc_K = cum_share_K.copy()
-    if K > 1:
-        alloc_K[1:] -= cum_share_K[:-1] * (segment_K[1:] == segment_K[:-1])
-    if order is None:
-        return alloc_K
-    out = np.empty_like(alloc_K)
-    out[order] = alloc_K
-    return out
-
-
-def _apportion_rows(total_R: np.ndarray, weight_RK: np.ndarray) -> np.ndarray:
-    """NumPy core of :func:`apportion_rows`."""
-    W_R = weight_RK.sum(1)
-    _zero_weight_error("row", total_R, W_R)
-    cum_share_RK = total_R[:, None] * np.cumsum(weight_RK, 1) // np.maximum(W_R, 1)[:, None]
-    alloc_RK = cum_share_RK.copy()
-    alloc_RK[:, 1:] -= cum_share_RK[:, :-1]
-    return alloc_RK
-
-
-def _long_numpy(t: Tensor) -> np.ndarray:
-    return t.detach().cpu().long().numpy()
-
-
-def apportion(total_S: Tensor, weight_K: Tensor, segment_K: Tensor, rule: str = "cumulative") -> Tensor:
-    """Split each integer total_S[s] over the items k with segment_K[k] = s, in proportion to weight_K.
-
-    Exact integer arithmetic; sums are exact, every item gets the floor or the ceiling of its share
-    T·w_k / W, zero weights get nothing, and when T <= W no item gets more than its weight. Two rules for
-    where the rounding units fall:
-
-    * "cumulative" (default, no sort when segments are contiguous and in order): in item order, item k gets
-      floor(T·W_{<=k} / W) - floor(T·W_{<k} / W), W_{<=k} the segment's weights up to and including k;
-    * "largest_remainder": floor(T·w_k / W) each, the leftover units one each to the largest remainders,
-      ties to the lower item index (one sort of K items).
-
-    Raises ``ValueError`` when a segment with a positive total has zero weight. LongTensor[K] on
-    weight_K's device.
-    """
-    if rule not in APPORTION_RULES:
-        raise ValueError(f"apportion: rule={rule!r} is not one of {APPORTION_RULES}")
-    out = _apportion(_long_numpy(total_S), _long_numpy(weight_K), _long_numpy(segment_K), rule)
-    return torch.from_numpy(out).to(weight_K.device)
-
-
-def apportion_rows(total_R: Tensor, weight_RK: Tensor) -> Tensor:
-    """:func:`apportion` with rule "cumulative" where segment r is row r of a dense [R, K] weight matrix."""
-    return torch.from_numpy(_apportion_rows(_long_numpy(total_R), _long_numpy(weight_RK))).to(weight_RK.device)
-
-
-def _check_fraction(name: str, value: float, upper: float | None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value < 0 or (upper is not None and value > upper):
-        raise ValueError(f"{name} must be in [0, {upper if upper is not None else 'inf'}), got {value!r}")
-    return float(value)
+from lrmoe.checks import apportion_array, apportion_rows_array, check_fraction, long_array
 
 
 def memory_cap_pairs(mem_budget_bytes, slots_per_rank: int, slot_bytes: float, pair_buffer_bytes: float) -> Tensor:
@@ -124,24 +42,52 @@ def memory_cap_pairs(mem_budget_bytes, slots_per_rank: int, slot_bytes: float, p
     return torch.floor(free.clamp(min=0) / pair_buffer_bytes).long()
 
 
+def _with_memory_cap(cap: int, num_ranks: int, mem_cap_pairs_N) -> Tensor:
+    cap_N = torch.full((num_ranks,), max(cap, 0), dtype=torch.long)
+    if mem_cap_pairs_N is None:
+        return cap_N
+    mem_N = torch.as_tensor(mem_cap_pairs_N, dtype=torch.long).expand(num_ranks)
+    if (mem_N < 0).any():
+        raise ValueError(f"mem_cap_pairs_N must be non-negative, got {mem_cap_pairs_N!r}")
+    return torch.minimum(cap_N, mem_N)
+
+
 def rank_caps(fwd_load_N: Tensor, eps: float, mem_cap_pairs_N=None) -> Tensor:
-    """Backward cap per rank: min(ceil((1 + eps) · mean load), Q^mem_n). LongTensor[N].
+    """``cap`` mode: backward cap per rank min(ceil((1 + eps) · mean load), Q^mem_n). LongTensor[N].
 
     ``eps`` >= 0 is the balance slack (eps = 0 lets a perfectly balanced load keep everything, the ceiling
     keeps it so when the mean is fractional). ``mem_cap_pairs_N``: None (no memory cap), an int, or [N].
     """
-    eps = _check_fraction("eps", eps, None)
+    eps = check_fraction("eps", eps, None)
     N = fwd_load_N.numel()
     total = int(fwd_load_N.sum())
     # exact ceil((1 + eps) * total / N) up to float rounding of eps; the 1e-9 keeps 1.1 * 10 at 11, not 12
-    cap = math.ceil((1.0 + eps) * total / N - 1e-9)
-    cap_N = torch.full((N,), max(cap, 0), dtype=torch.long)
-    if mem_cap_pairs_N is not None:
-        mem_N = torch.as_tensor(mem_cap_pairs_N, dtype=torch.long).expand(N)
-        if (mem_N < 0).any():
-            raise ValueError(f"mem_cap_pairs_N must be non-negative, got {mem_cap_pairs_N!r}")
-        cap_N = torch.minimum(cap_N, mem_N)
-    return cap_N
+    return _with_memory_cap(math.ceil((1.0 + eps) * total / N - 1e-9), N, mem_cap_pairs_N)
+
+
+def check_rho(rho: float) -> float:
+    """The retention budget's level: a number in (0, 1]."""
+    rho = check_fraction("rho", rho, 1.0)
+    if rho == 0:
+        raise ValueError("rho must be in (0, 1], got 0 (a budget of nothing)")
+    return rho
+
+
+def budget_level(total: int, num_ranks: int, rho: float) -> int:
+    """ceil(rho · total / num_ranks), exact: rho is read as the decimal it prints as (0.6 is 3/5, not the
+    binary float just below it), so the budget never depends on float rounding."""
+    return math.ceil(Fraction(repr(check_rho(rho))) * total / num_ranks)
+
+
+def budget_caps(fwd_load_N: Tensor, rho: float, mem_cap_pairs_N=None) -> Tensor:
+    """``budget`` mode: backward cap per rank min(ceil(rho · mean load), Q^mem_n). LongTensor[N].
+
+    ``rho`` in (0, 1] is the retained share of the mean forward load that every rank may keep: with the quotas
+    of :func:`retention_quotas`, rank n keeps B_n = min(L_n, cap_n) pairs (plus any floor excess).
+    ``mem_cap_pairs_N``: None (no memory cap), an int, or [N].
+    """
+    N = fwd_load_N.numel()
+    return _with_memory_cap(budget_level(int(fwd_load_N.sum()), N, rho), N, mem_cap_pairs_N)
 
 
 def _expert_floor(fwd_E: np.ndarray, gamma: float) -> np.ndarray:
@@ -150,8 +96,8 @@ def _expert_floor(fwd_E: np.ndarray, gamma: float) -> np.ndarray:
 
 def expert_floor(fwd_E: Tensor, gamma: float) -> Tensor:
     """ceil(gamma · C_e): pairs of each expert the quotas must keep. gamma in [0, 1]."""
-    gamma = _check_fraction("gamma", gamma, 1.0)
-    return torch.from_numpy(_expert_floor(_long_numpy(fwd_E), gamma))
+    gamma = check_fraction("gamma", gamma, 1.0)
+    return torch.from_numpy(_expert_floor(long_array(fwd_E), gamma))
 
 
 def retention_quotas(fwd_NG: Tensor, expert_G: Tensor, cap_N: Tensor, gamma: float,
@@ -181,9 +127,9 @@ def retention_quotas(fwd_NG: Tensor, expert_G: Tensor, cap_N: Tensor, gamma: flo
         raise ValueError(f"cap_N has shape {tuple(cap_N.shape)}, expected ({N},)")
     if expert_G.shape != (G,):
         raise ValueError(f"expert_G has shape {tuple(expert_G.shape)}, expected ({G},)")
-    gamma = _check_fraction("gamma", gamma, 1.0)
-    flows = None if bwd_flows_F4 is None or not len(bwd_flows_F4) else _long_numpy(bwd_flows_F4)
-    keep, excess = _retention_quotas(_long_numpy(fwd_NG), _long_numpy(expert_G), _long_numpy(cap_N), gamma, flows)
+    gamma = check_fraction("gamma", gamma, 1.0)
+    flows = None if bwd_flows_F4 is None or not len(bwd_flows_F4) else long_array(bwd_flows_F4)
+    keep, excess = _retention_quotas(long_array(fwd_NG), long_array(expert_G), long_array(cap_N), gamma, flows)
     return torch.from_numpy(keep), torch.from_numpy(excess)
 
 
@@ -222,17 +168,17 @@ def _retention_quotas(fwd_NG: np.ndarray, expert_G: np.ndarray, cap_N: np.ndarra
     floor_E = _expert_floor(fwd_E, gamma)
     # first try: trim each over-cap rank in proportion to its groups' staying pairs
     cut_R = np.minimum(excess_N[over], stay_RK.sum(1))
-    cut_RK = _apportion_rows(cut_R, stay_RK)
+    cut_RK = apportion_rows_array(cut_R, stay_RK)
     kept_X = stay_X - cut_RK.reshape(-1, N).sum(1)
     if (sure_E + np.bincount(e_X[hosted_X], weights=kept_X[hosted_X], minlength=E) < floor_E).any():
         # an expert fell below its floor: reserve what each expert needs beyond its sure pairs and trim only
         # what its groups hold above their reservation
         reserve_E = np.maximum(floor_E - sure_E, 0)
         reserve_X = np.zeros_like(stay_X)
-        reserve_X[hosted_X] = _apportion(reserve_E, stay_X[hosted_X], e_X[hosted_X])
-        spare_RK = stay_RK - _apportion_rows(reserve_X, stay_XN).reshape(stay_RK.shape)
+        reserve_X[hosted_X] = apportion_array(reserve_E, stay_X[hosted_X], e_X[hosted_X])
+        spare_RK = stay_RK - apportion_rows_array(reserve_X, stay_XN).reshape(stay_RK.shape)
         cut_R = np.minimum(excess_N[over], spare_RK.sum(1))
-        cut_RK = _apportion_rows(cut_R, spare_RK)
+        cut_RK = apportion_rows_array(cut_R, spare_RK)
     keep_GN = fwd_NG.T.copy()
     keep_GN[slots_X] -= cut_RK.reshape(-1, N)
     floor_excess_N = excess_N.copy()

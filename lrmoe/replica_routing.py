@@ -14,7 +14,7 @@ Forward (:func:`route_forward`) turns C[src, e] into fwd_NG[src, g], counts per 
 
 Capacity (:func:`apply_capacity`): per-expert capacities (:func:`gshard_capacity`, :func:`symi_capacity`) with the
 overflow dropped; each source keeps a share of the capacity in proportion to its demand (integer split by
-cumulative rounding in rank order, :func:`~lrmoe.quotas.apportion`). That cross-source rule is ours; within a
+cumulative rounding in rank order, :func:`~lrmoe.checks.apportion`). That cross-source rule is ours; within a
 (source, expert) group the layer drops the last pairs by position or the lowest-gate ones, as the plan says.
 
 Backward (:func:`route_backward`): pairs above a rank's backward cap move to a replica of the same expert on a
@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lrmoe.checks import apportion_array, apportion_rows_array, check_cf
 from lrmoe.placement import ReplicaTable, replica_table
-from lrmoe.quotas import _apportion, _apportion_rows
 
 FORWARD_MODES = ("even", "balanced")
 
@@ -266,15 +266,9 @@ def _fill_local_first(counts_NE: np.ndarray, table: ReplicaTable, room_R: np.nda
 
 # --- capacity -------------------------------------------------------------------------------------------------
 
-def _check_cf(cf: float) -> float:
-    if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf) or cf <= 0:
-        raise ValueError(f"cf must be a positive finite number, got {cf!r}")
-    return float(cf)
-
-
 def gshard_capacity(counts_NE: Tensor, cf: float) -> Tensor:
     """GShard / DeepSpeed capacity per expert, ceil(cf · tokens · k / E) with tokens · k = Σ counts. [E]"""
-    cf = _check_cf(cf)
+    cf = check_cf(cf)
     counts_NE = check_counts(counts_NE)
     E = counts_NE.shape[1]
     return torch.full((E,), math.ceil(cf * int(counts_NE.sum()) / E - 1e-9), dtype=torch.long)
@@ -285,7 +279,7 @@ def symi_capacity(counts_NE: Tensor, placement_NS: Tensor, cf: float) -> Tensor:
 
     (SYMI is top-1, where tokens = pairs; for top-k we count pairs, so cf = 1 still means a balanced load fits.)
     """
-    cf = _check_cf(cf)
+    cf = check_cf(cf)
     counts_NE = check_counts(counts_NE, placement_NS.shape[0])
     table = replica_table(placement_NS, counts_NE.shape[1])
     slot_capacity = math.ceil(cf * int(counts_NE.sum()) / placement_NS.numel() - 1e-9)
@@ -296,7 +290,7 @@ def apply_capacity(counts_NE: Tensor, capacity_E: Tensor) -> Tensor:
     """Pairs dropped per (source, expert) when expert e accepts at most capacity_E[e] pairs. LongTensor[N, E].
 
     Expert e keeps min(C_e, capacity_e) pairs, shared by the sources in proportion to their pairs of e
-    (exact integer split, :func:`~lrmoe.quotas.apportion`): which source loses pairs depends on counts alone.
+    (exact integer split, :func:`~lrmoe.checks.apportion`): which source loses pairs depends on counts alone.
     """
     counts_NE = check_counts(counts_NE)
     N, E = counts_NE.shape
@@ -306,7 +300,7 @@ def apply_capacity(counts_NE: Tensor, capacity_E: Tensor) -> Tensor:
         raise ValueError(f"capacity_E must be non-negative, got min {int(capacity_E.min())}")
     counts = counts_NE.numpy()
     kept_E = np.minimum(counts.sum(0), capacity_E.detach().cpu().long().numpy())
-    kept_EN = _apportion_rows(kept_E, np.ascontiguousarray(counts.T))
+    kept_EN = apportion_rows_array(kept_E, np.ascontiguousarray(counts.T))
     return torch.from_numpy(counts - kept_EN.T)
 
 
@@ -395,7 +389,7 @@ def _route_backward(fwd_NG: np.ndarray, table: ReplicaTable, excess_N: np.ndarra
             break
         weight_K = spare_N[to_K] * live_K
         live_G = _sum_into(g_K, weight_K, G) > 0
-        want_K = _apportion(np.minimum(left_G * live_G, excess_N[rank_G]), weight_K, g_K)
+        want_K = apportion_array(np.minimum(left_G * live_G, excess_N[rank_G]), weight_K, g_K)
         step_K = _capped_moves(want_K, from_K, to_K, excess_N, spare_N)
         moved_K += step_K
         excess_N = excess_N - _sum_into(from_K, step_K, N)

@@ -1,73 +1,11 @@
-"""Quotas: exact integer apportionment, caps, per-expert floor, and retention quotas with their excess report."""
+"""Quotas: caps (budget and cap modes), per-expert floor, and retention quotas with their excess report."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lrmoe.quotas import (apportion, apportion_rows, expert_floor, memory_cap_pairs, rank_caps,
-                          retention_quotas)
-
-# --- apportion ------------------------------------------------------------------------------------------------
-
-
-def test_apportion_hand_cases():
-    # segment 0: 5 over weights 1,1,1 (5/3 each); segment 1: 3 over weights 2,2,(item 6) 4 (.75, .75, 1.5)
-    total = torch.tensor([5, 3, 0])
-    weight = torch.tensor([1, 1, 1, 2, 2, 0, 4])
-    segment = torch.tensor([0, 0, 0, 1, 1, 2, 1])
-    # cumulative: floor(5·1/3)=1, floor(5·2/3)=3 (+2), 5 (+2); segment 1 in item order 3, 4, 6: 0, 1 (+1), 3 (+2)
-    assert apportion(total, weight, segment).tolist() == [1, 2, 2, 0, 1, 0, 2]
-    # largest remainder: floors 1,1,1 + the 2 leftovers to the first ties; segment 1: floors 0,0,1, leftovers to
-    # the remainders .75, .75
-    assert apportion(total, weight, segment, "largest_remainder").tolist() == [2, 2, 1, 1, 1, 0, 1]
-
-
-@st.composite
-def apportion_inputs(draw):
-    S = draw(st.integers(1, 5))
-    K = draw(st.integers(1, 25))
-    segment = draw(st.lists(st.integers(0, S - 1), min_size=K, max_size=K))
-    weight = draw(st.lists(st.integers(0, 50), min_size=K, max_size=K))
-    W = [sum(w for w, s in zip(weight, segment) if s == t) for t in range(S)]
-    total = [draw(st.integers(0, 2 * W[t] + 3)) if W[t] else 0 for t in range(S)]
-    return torch.tensor(total), torch.tensor(weight), torch.tensor(segment)
-
-
-@settings(max_examples=200, deadline=None)
-@given(apportion_inputs(), st.sampled_from(["cumulative", "largest_remainder"]))
-def test_apportion_properties(inputs, rule):
-    total, weight, segment = inputs
-    alloc = apportion(total, weight, segment, rule)
-    S = len(total)
-    assert torch.equal(torch.zeros(S, dtype=torch.long).index_add_(0, segment, alloc), total)  # exact sums
-    W = torch.zeros(S, dtype=torch.long).index_add_(0, segment, weight)
-    share = total[segment].double() * weight / W[segment].clamp(min=1)
-    assert bool((alloc >= torch.floor(share - 1e-9)).all()) and bool((alloc <= torch.ceil(share + 1e-9)).all())
-    assert bool((alloc[weight == 0] == 0).all())
-    fits = total[segment] <= W[segment]
-    assert bool((alloc[fits] <= weight[fits]).all())
-    # the same items given sorted by segment get the same numbers (cumulative rounds in item order)
-    order = torch.argsort(segment, stable=True)
-    assert torch.equal(apportion(total, weight[order], segment[order], rule), alloc[order])
-
-
-def test_apportion_rows_matches_apportion():
-    weight_RK = torch.tensor([[3, 0, 5, 2], [1, 1, 1, 1], [0, 0, 0, 0]])
-    total_R = torch.tensor([7, 3, 0])
-    rows = apportion_rows(total_R, weight_RK)
-    assert torch.equal(rows.flatten(), apportion(total_R, weight_RK.flatten(), torch.arange(3).repeat_interleave(4)))
-    assert rows.sum(1).tolist() == [7, 3, 0]
-
-
-def test_apportion_rejects():
-    with pytest.raises(ValueError, match="segment 1 has total 2 but zero weight"):
-        apportion(torch.tensor([1, 2]), torch.tensor([1, 0]), torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="rule"):
-        apportion(torch.tensor([1]), torch.tensor([1]), torch.tensor([0]), "random")
-    with pytest.raises(ValueError, match="row 0"):
-        apportion_rows(torch.tensor([1]), torch.tensor([[0, 0]]))
-
+from lrmoe.quotas import budget_caps, budget_level, expert_floor, memory_cap_pairs, rank_caps, retention_quotas
 
 # --- caps and floor -------------------------------------------------------------------------------------------
 
@@ -80,6 +18,17 @@ def test_rank_caps_hand_cases():
     # eps = 0 with a fractional mean (1.5) rounds up, so a balanced load keeps everything; 1.1 · 10 stays 11
     assert rank_caps(torch.tensor([1, 2]), 0.0).tolist() == [2, 2]
     assert rank_caps(torch.tensor([10, 10]), 0.1).tolist() == [11, 11]
+
+
+def test_budget_caps_hand_cases():
+    # mean 25: rho 0.75 -> ceil(18.75) = 19, rho 0.6 -> 15 exactly (0.6 read as 3/5, not the float below it)
+    loads = torch.tensor([10, 20, 30, 40])
+    assert budget_caps(loads, 0.75).tolist() == [19, 19, 19, 19]
+    assert budget_caps(loads, 0.6).tolist() == [15, 15, 15, 15]
+    assert budget_caps(loads, 1.0, torch.tensor([100, 12, 100, 100])).tolist() == [25, 12, 25, 25]
+    # 0.6 · 50 is 30.000000000000004 in floats; the budget is 30. 0.1 · 30 stays 3
+    assert budget_level(50, 1, 0.6) == 30 and budget_level(30, 1, 0.1) == 3
+    assert budget_level(7, 2, 0.5) == 2 and budget_level(0, 4, 0.5) == 0
 
 
 def test_expert_floor():
@@ -98,6 +47,9 @@ def test_memory_cap_pairs():
     (lambda: rank_caps(torch.tensor([1, 2]), -0.1), "eps"),
     (lambda: rank_caps(torch.tensor([1, 2]), float("inf")), "eps"),
     (lambda: rank_caps(torch.tensor([1, 2]), 0.1, torch.tensor([-1, 3])), "mem_cap_pairs_N"),
+    (lambda: budget_caps(torch.tensor([1, 2]), 0.0), "rho"),
+    (lambda: budget_caps(torch.tensor([1, 2]), 1.2), "rho"),
+    (lambda: budget_caps(torch.tensor([1, 2]), 0.5, -3), "mem_cap_pairs_N"),
     (lambda: expert_floor(torch.tensor([1]), 1.5), "gamma"),
     (lambda: expert_floor(torch.tensor([1]), -0.5), "gamma"),
     (lambda: memory_cap_pairs(100, 1, 10, 0), "pair_buffer_bytes"),
