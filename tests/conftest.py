@@ -30,8 +30,8 @@ for _var, _sub in [("WANDB_DIR", "wandb"), ("WANDB_CACHE_DIR", "wandb-cache"), (
     os.environ[_var] = os.path.join(_SANDBOX, _sub)
     os.makedirs(os.environ[_var], exist_ok=True)
 
-import pytest
-import torch
+import pytest  # noqa: E402  (after the environment above)
+import torch  # noqa: E402
 
 # Bitwise run-to-run determinism on CPU needs one intra-op thread: with two, the BLAS splits the layers' small
 # per-expert GEMMs between threads differently from run to run (last-bit differences). The launcher's ranks and

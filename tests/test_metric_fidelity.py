@@ -112,7 +112,10 @@ def test_trained_weights_are_cached_and_reused(fidelity, tmp_path, corpus_dir, m
         second, _ = run_text(fidelity, tmp_path, corpus_dir, "second.jsonl")
     assert read_results(second, kind="summary")[0]["training"][PRESETS[1]]["cached"] is True
     keys = ("layer", "mode", "metric", "rho", "rel_w_all", "rel_x", "train_loss", "batch_loss")
-    strip = (lambda recs: [{k: r[k] for k in keys} for r in recs])
+
+    def strip(recs):
+        return [{k: r[k] for k in keys} for r in recs]
+
     assert strip(read_results(first)) == strip(read_results(second))  # the cached model is the trained one
 
     # another training spec is another cache entry

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from lrmoe.paper_figures import figures, make_all
+
 ROOT = Path(__file__).resolve().parent.parent
-from lrmoe.paper_figures import figures
-import make_all
 
 
 def write_results(path: Path, rows: list[dict]) -> Path:
@@ -27,8 +27,8 @@ SAMPLES = {
                      "time_s": 0.001 * s} for p in ("static-ep", "lrmoe-m2") for s in (1, 2, 3)],
     "trace_stats": [{"trace": "zipf 0.4", "gini_mean": 0.22, "max_over_mean_mean": 3.9, "source": "synthetic"},
                     {"trace": "recorded", "gini_mean": 0.35, "max_over_mean_mean": 2.5, "source": "recorded"}],
-    "layer_bench_constrained": [{"table": "per_rank_step", "trace": "synthetic zipf 0.8", "policy": policy, "rank": rank,
-                     "pairs_fwd": 100.0 + 10 * rank + i, "pairs_bwd": 90.0 + rank + i}
+    "layer_bench_constrained": [{"table": "per_rank_step", "trace": "synthetic zipf 0.8", "policy": policy,
+                                 "rank": rank, "pairs_fwd": 100.0 + 10 * rank + i, "pairs_bwd": 90.0 + rank + i}
                     for i, policy in enumerate(["symi-dropless", "lrmoe-m2"]) for rank in range(4)],
     "ablate": [{"model": "qwen3-30b-a3b", "ranks": 8, "mem_gb": 40.0, "skew": skew, "system": system, "fits": True,
                 "forward_ms_per_layer": 10.0 + i, "backward_ms_per_layer": 20.0 + i + skew,
