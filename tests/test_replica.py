@@ -1,7 +1,8 @@
-"""The replica substrate: shard plans, replica gradient sync and collection, sharded Adam, redistribution.
+"""The replica substrate: shard plans, replica gradient sync and collection in both replica-gradient modes
+("range", "shard"), sharded Adam, redistribution.
 
 Distributed cases run on gloo with 2 and 4 forked ranks and tiny experts (D=3, F=2: P=18 parameters, so shards of
-unequal length with 4 ranks: 5, 5, 4, 4).
+unequal length with 4 ranks: 5, 5, 4, 4). The byte model itself is tested in test_sync_model.py.
 """
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 from lrmoe.distributed.accounting import Accountant, check_counts, expected_step, symi_step_bytes
 from lrmoe.distributed.launch import launch
 from lrmoe.distributed.replica import (AdamConfig, RangeGroups, ReplicaStore, flatten_experts, hosted_experts,
-                                ring_allreduce_bytes, shard_bounds, shard_sizes, sync_plan)
+                                       ring_allreduce_bytes, shard_bounds, shard_sizes, sync_plan,
+                                       unflatten_experts)
 
 E, D, F = 6, 3, 2
 P = 3 * D * F
@@ -19,6 +21,10 @@ P = 3 * D * F
 CONTIGUOUS_4 = [[0, 0, 1], [1, 1, 2], [3, 4, 5], [5, 5, 5]]  # SYMI-like: 1 spans ranks 0-1, 5 spans 2-3
 SCATTERED_4 = [[0, 1, 2], [3, 4, -1], [5, 0, 1], [2, 3, 4]]  # hosts not consecutive: 0 on ranks 0 and 2
 MOVED_4 = [[5, 4, 3], [2, 2, -1], [1, 0, 0], [0, 1, 5]]
+# three hosts of 0 (ranks 0, 1, 3; two slots on rank 3) so the summation order matters; 1 on ranks 0 and 2, two
+# slots each, rank 1 inside its range hosting none; 2 hosted nowhere
+SPREAD_4 = [[0, 1, 1], [0, 3, 4], [1, 1, 5], [0, 5, 0]]
+SAME_2 = [[0, 0, 1], [1, 2, 0]]  # two slots of 0 on rank 0, one on rank 1; 3-5 hosted nowhere
 PAIR_2 = [[0, 1, 2], [2, 3, 4]]  # 5 hosted nowhere: its gradient is zero
 PAIR_2_NEXT = [[5, 5, 0], [1, 2, 3]]
 
@@ -115,12 +121,13 @@ def _slot_grads(world_size, slots, dtype):
     return torch.randn(world_size, slots, P, generator=g, dtype=torch.float64).to(dtype)
 
 
-def _sync_and_collect(rank, placement, next_placement, dtype, scale):
+def _sync_and_collect(rank, placement, next_placement, dtype, scale, mode="range"):
     placement, next_placement = torch.tensor(placement), torch.tensor(next_placement)
     N, S = placement.shape
     acc = Accountant()
     wg, wu, wd = _weights(dtype=dtype)
-    store = ReplicaStore(wg, wu, wd, placement, RangeGroups(), adam=AdamConfig(lr=0.1), accountant=acc)
+    groups = RangeGroups() if mode == "range" else None  # shard mode needs no range groups
+    store = ReplicaStore(wg, wu, wd, placement, groups, adam=AdamConfig(lr=0.1), accountant=acc, replica_grad=mode)
     # the initial slots hold their experts' weights
     flat = flatten_experts(wg, wu, wd)
     for j, e in enumerate(placement[rank].tolist()):
@@ -135,17 +142,18 @@ def _sync_and_collect(rank, placement, next_placement, dtype, scale):
     master = store.full_master()
     slots = store.slots_SP.detach().clone()
     elem = torch.tensor([], dtype=dtype).element_size()
-    expected = expected_step(placement, next_placement, E, D, F, param_bytes=elem)
-    check_counts(acc.record(), expected, rank)
+    expected = expected_step(placement, next_placement, E, D, F, param_bytes=elem, replica_grad=mode)
+    check_counts(acc.record(), expected, rank)  # counted bytes = the byte model, in either mode
     return full_grad, master, slots, store.slots_SP.grad
 
 
 @pytest.mark.parametrize("world_size,placement,next_placement", [
     (2, PAIR_2, PAIR_2_NEXT), (4, CONTIGUOUS_4, MOVED_4), (4, SCATTERED_4, CONTIGUOUS_4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gradient_sync_adam_and_redistribution(world_size, placement, next_placement, dtype):
+@pytest.mark.parametrize("mode", ["range", "shard"])
+def test_gradient_sync_adam_and_redistribution(world_size, placement, next_placement, dtype, mode):
     scale = 0.25  # a placement-independent constant (e.g. 1 / data-parallel ranks)
-    out = launch(_sync_and_collect, world_size, placement, next_placement, dtype, scale)
+    out = launch(_sync_and_collect, world_size, placement, next_placement, dtype, scale, mode)
     place, nxt = torch.tensor(placement), torch.tensor(next_placement)
     grads_NSP = _slot_grads(world_size, place.shape[1], dtype).float()
     # each expert's gradient = scale x the sum of the gradients of all its slots, on every rank
@@ -170,6 +178,81 @@ def test_gradient_sync_adam_and_redistribution(world_size, placement, next_place
     hosted = sorted({e for row in placement for e in row if e >= 0})
     moved = (master[hosted] - initial[hosted]).abs()
     assert moved.min() > 0.05 or dtype == torch.bfloat16
+
+
+def _folded_gradient(placement, dtype):
+    """Each expert's gradient as both modes define it: every host sums its slots (fp32, in slot order) and sends
+    the sum in the slots' dtype; the sums are added in fp32 in ascending host rank. [E, P] fp32."""
+    place = torch.tensor(placement)
+    grads_NSP = _slot_grads(place.shape[0], place.shape[1], dtype)
+    full = torch.zeros(E, P)
+    for e in range(E):
+        acc = None
+        for n in range(place.shape[0]):
+            slots = (place[n] == e).nonzero().flatten().tolist()
+            if slots:
+                part = grads_NSP[n, slots].to(torch.float32).sum(0).to(dtype).to(torch.float32)
+                acc = part.clone() if acc is None else acc + part
+        if acc is not None:
+            full[e] = acc
+    return full
+
+
+@pytest.mark.parametrize("world_size,placement,next_placement", [
+    (2, SAME_2, PAIR_2), (2, PAIR_2, PAIR_2_NEXT), (4, SPREAD_4, MOVED_4), (4, SCATTERED_4, SPREAD_4)])
+def test_shard_mode_is_bit_identical_to_range_mode_and_to_torch_adam(world_size, placement, next_placement):
+    """fp32: after a step the gradient shards, master weights and redistributed slots of the two modes are equal
+    bit for bit (one summation order), and equal torch.optim.Adam (single-tensor) on the full gradient."""
+    scale = 0.25
+    out = {mode: launch(_sync_and_collect, world_size, placement, next_placement, torch.float32, scale, mode)
+           for mode in ("range", "shard")}
+    for (g_r, m_r, s_r, _), (g_s, m_s, s_s, _) in zip(out["range"], out["shard"]):
+        assert torch.equal(g_r, g_s) and torch.equal(m_r, m_s) and torch.equal(s_r, s_s)
+    full = _folded_gradient(placement, torch.float32) * scale
+    assert torch.equal(out["shard"][0][0], full)
+    params = [torch.nn.Parameter(w.clone()) for w in _weights()]
+    for p_, g_ in zip(params, unflatten_experts(full, D, F)):
+        p_.grad = g_.contiguous()
+    torch.optim.Adam(params, lr=0.1, foreach=False).step()
+    assert torch.equal(out["shard"][0][1], flatten_experts(*[p_.detach() for p_ in params]))
+
+
+@pytest.mark.parametrize("world_size,placement", [(2, SAME_2), (4, SPREAD_4)])
+def test_shard_mode_in_bf16_differs_from_range_mode_by_one_rounding(world_size, placement):
+    """bf16 slots: the range all-gather rounds the reduced gradient to bf16, the shard owner keeps the fp32 sum."""
+    out = {mode: launch(_sync_and_collect, world_size, placement, placement, torch.bfloat16, 1.0, mode)
+           for mode in ("range", "shard")}
+    full = _folded_gradient(placement, torch.bfloat16)
+    torch.testing.assert_close(out["shard"][0][0], full, rtol=0, atol=0)
+    torch.testing.assert_close(out["range"][0][0], full.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_store_checks_the_mode_and_its_groups():
+    def body(rank):
+        wg, wu, wd = _weights()
+        place = torch.tensor(PAIR_2)
+        with pytest.raises(ValueError, match="replica_grad"):
+            ReplicaStore(wg, wu, wd, place, None, replica_grad="ring")
+        with pytest.raises(ValueError, match="RangeGroups"):
+            ReplicaStore(wg, wu, wd, place, None)
+        store = ReplicaStore(wg, wu, wd, place, None, replica_grad="shard")
+        store.sync_replica_grads()  # no backward ran: every gradient is zero
+        return store.collect_grad_shards()
+
+    for shards in launch(body, 2):
+        assert shards.shape == (E, 9) and not shards.any()
+
+
+@pytest.mark.slow
+def test_shard_mode_syncs_scattered_replicas_faster_on_cpu():
+    """4 gloo ranks, LRMoE's scattered placement: one exchange for all experts beats per-expert collectives over
+    the ranges (replica sync + gradient collection, median of the slowest rank)."""
+    from lrmoe.harness.replica_sync_timing import VARIANTS, example_placements, time_replica_grad
+
+    placement = example_placements(4, 16, extra_slots=2)["lrmoe"]
+    res = time_replica_grad(placement, 16, 64, 32, repeats=15)
+    assert set(res) == set(VARIANTS) and all(r["median_ms"] > 0 for r in res.values())
+    assert res["shard"]["median_ms"] < res["range"]["median_ms"]
 
 
 def test_range_groups_are_all_consecutive_ranges():

@@ -6,23 +6,34 @@ expert's parameters are handled as one flat vector of P = 3·D·F numbers, laid 
 down (F·D)]``, and split into N contiguous shards (the first P mod N shards one element longer); rank n owns shard
 n of every expert: its fp32 master weights and Adam moments, for the whole run, whatever the placement.
 
-One optimizer step (:meth:`ReplicaStore.step`):
+One optimizer step (:meth:`ReplicaStore.step`), with the replica-gradient path chosen by ``replica_grad``
+(DESIGN.md §3.4; both modes give bit-identical fp32 results):
 
-1. **replica sync**: each rank sums the gradients of its local slots of an expert; the ranks of the consecutive
-   range spanned by the expert's hosts then all-reduce that sum, in the range's process group (all N(N-1)/2 range
-   groups are created once, by :class:`RangeGroups`; a single-rank range needs no collective). A placement whose
-   hosts of an expert are not consecutive still works: the ranks in between join with zeros (correct, costs
-   bytes; SYMI's contiguous placements never need it);
-2. **gradient collection**: rank n takes shard n of every expert's reduced gradient from a rank that holds it:
-   itself when it can, else the holders in round-robin (the i-th rank needing it asks holder i mod h). The shard is
-   multiplied by a placement-independent ``grad_scale`` (never by the replica count);
+1. **replica sync**: each rank sums the gradients of its local slots of an expert (in fp32, sent in the slots'
+   dtype). Then, in ``"range"`` mode (SYMI's), the ranks of the consecutive range spanned by the expert's hosts
+   all-reduce that sum in the range's process group (all N(N-1)/2 range groups are created once, by
+   :class:`RangeGroups`; a single-rank range needs no collective), one expert after the other. Ranks inside the
+   range that host nothing join with zeros (correct, costs bytes; SYMI's contiguous placements never need it).
+   In ``"shard"`` mode (ours) each host sends shard q of each of its sums straight to rank q, the shard's
+   optimizer owner, for all hosted experts in one variable all-to-all; no groups;
+2. **gradient collection**: rank n ends with shard n of every expert's summed gradient. ``"range"``: it takes it
+   from a rank that holds the reduced gradient: itself when it can, else the holders in round-robin (the i-th
+   rank needing it asks holder i mod h). ``"shard"``: it adds what the hosts sent. The shard is multiplied by a
+   placement-independent ``grad_scale`` (never by the replica count);
 3. **Adam** on the fp32 shards, element for element the update of ``torch.optim.Adam`` over the full parameters;
 4. **redistribution**: rank n sends its updated shard (in the slots' dtype) of each expert to every other rank
    that hosts the expert in the *next* placement, one message per pair of ranks; each rank assembles the full
    experts and copies them into its slots (several slots of one expert on one rank cost one transfer).
 
-The pure helpers (:func:`shard_sizes`, :func:`sync_plan`, :func:`hosted_experts`) say who talks to whom; the
-accounting (:mod:`lrmoe.distributed.accounting`) derives the bytes from them.
+**One summation order.** Every expert's gradient is the fp32 left fold of its hosts' local sums in ascending rank
+order (``((g_h0 + g_h1) + g_h2) + ...``, each g cast to the slots' dtype as sent). The range all-reduce is
+therefore a direct reduce-scatter (member i sums chunk i of every member's vector in that order) and an
+all-gather, not the backend's all-reduce, whose order is its own; the shard owner folds in the same order. So the
+two modes agree bit for bit in fp32. (In a lower slot dtype the range mode rounds the reduced gradient to it for
+the all-gather, the shard mode keeps the fp32 sum: they differ by that one rounding.)
+
+The pure helpers (who talks to whom, and how many bytes) live in :mod:`lrmoe.sync_model` and are re-exported here;
+the accounting (:mod:`lrmoe.distributed.accounting`) and the cost model take their bytes from there.
 """
 
 from __future__ import annotations
@@ -35,85 +46,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import exchange_rows
+from ..sync_model import (SyncPlan, check_placement, check_replica_grad, hosted_experts, hosts_mask,
+                          ring_allreduce_bytes, shard_bounds, shard_sizes, sync_plan)
+from .comm import all_to_all_rows, exchange_rows
 
-
-# -- pure planning ---------------------------------------------------------------------------------------------
-def shard_sizes(numel: int, num_ranks: int) -> list[int]:
-    """Sizes of the N contiguous shards of a flat vector of ``numel`` elements (as ``torch.tensor_split``)."""
-    if numel < 0 or num_ranks < 1:
-        raise ValueError(f"shard_sizes: need numel >= 0 and num_ranks >= 1, got {numel}, {num_ranks}")
-    base, extra = divmod(numel, num_ranks)
-    return [base + (1 if r < extra else 0) for r in range(num_ranks)]
-
-
-def shard_bounds(numel: int, num_ranks: int) -> list[tuple[int, int]]:
-    """``(start, end)`` of each rank's shard."""
-    sizes = shard_sizes(numel, num_ranks)
-    starts = [sum(sizes[:r]) for r in range(num_ranks)]
-    return [(s, s + n) for s, n in zip(starts, sizes)]
-
-
-def check_placement(placement_NS: torch.Tensor, num_ranks: int, num_experts: int, name: str = "placement_NS"):
-    """Raise ``ValueError`` unless ``placement_NS`` is a long [N, S] tensor of experts in [-1, E)."""
-    if not isinstance(placement_NS, torch.Tensor) or placement_NS.dim() != 2:
-        raise ValueError(f"{name} must be a 2-D tensor [ranks, slots], got {placement_NS!r}")
-    if placement_NS.shape[0] != num_ranks:
-        raise ValueError(f"{name} has {placement_NS.shape[0]} rows, expected one per rank ({num_ranks})")
-    if placement_NS.dtype != torch.long:
-        raise ValueError(f"{name} must be a long tensor, got {placement_NS.dtype}")
-    if placement_NS.numel() and (int(placement_NS.min()) < -1 or int(placement_NS.max()) >= num_experts):
-        raise ValueError(f"{name} holds experts outside [-1, {num_experts}): "
-                         f"min {int(placement_NS.min())}, max {int(placement_NS.max())}")
-
-
-def hosted_experts(placement_NS: torch.Tensor, rank: int) -> list[int]:
-    """The distinct experts hosted by ``rank``, ascending."""
-    return sorted(int(e) for e in placement_NS[rank].unique().tolist() if e >= 0)
-
-
-@dataclass(frozen=True)
-class SyncPlan:
-    """Who all-reduces and who serves each expert's gradient, for one placement.
-
-    span_E2[e] = (lo, hi): the consecutive rank range spanned by e's hosts (-1, -1 if e is hosted nowhere); every
-    rank in it holds e's reduced gradient after the sync. source_NE[n, e]: the rank rank n takes shard n of e's
-    gradient from (n itself when it holds it; -1 when e is hosted nowhere: its gradient is zero).
-    """
-
-    span_E2: torch.Tensor  # long [E, 2]
-    source_NE: torch.Tensor  # long [N, E]
-
-    def span_size(self, e: int) -> int:
-        lo, hi = self.span_E2[e].tolist()
-        return 0 if lo < 0 else hi - lo + 1
-
-
-def sync_plan(placement_NS: torch.Tensor, num_experts: int) -> SyncPlan:
-    """The :class:`SyncPlan` of a placement (pure; identical on every rank)."""
-    N = placement_NS.shape[0]
-    check_placement(placement_NS, N, num_experts)
-    span_E2 = torch.full((num_experts, 2), -1, dtype=torch.long)
-    source_NE = torch.full((N, num_experts), -1, dtype=torch.long)
-    for e in range(num_experts):
-        hosts = (placement_NS == e).any(dim=1).nonzero().flatten().tolist()
-        if not hosts:
-            continue
-        lo, hi = hosts[0], hosts[-1]
-        span_E2[e] = torch.tensor([lo, hi])
-        holders = list(range(lo, hi + 1))
-        others = [n for n in range(N) if n not in holders]
-        for n in holders:
-            source_NE[n, e] = n
-        for i, n in enumerate(others):  # round-robin over the holders
-            source_NE[n, e] = holders[i % len(holders)]
-    return SyncPlan(span_E2=span_E2, source_NE=source_NE)
-
-
-def ring_allreduce_bytes(payload_bytes: int, group_size: int) -> int:
-    """Bytes each rank sends (and receives) in a ring all-reduce of ``payload_bytes`` over ``group_size`` ranks:
-    2·(h-1)/h of the payload (reduce-scatter then all-gather). The accounting's model of an all-reduce."""
-    return 0 if group_size <= 1 else 2 * (group_size - 1) * payload_bytes // group_size
+__all__ = ["AdamConfig", "RangeGroups", "ReplicaStore", "SyncPlan", "adam_update_", "check_placement",
+           "flatten_experts", "hosted_experts", "ring_allreduce_bytes", "shard_bounds", "shard_sizes", "sync_plan",
+           "unflatten_experts"]
 
 
 # -- Adam ------------------------------------------------------------------------------------------------------
@@ -194,12 +133,14 @@ def unflatten_experts(flat_XP: torch.Tensor, hidden: int, ffn: int):
 class ReplicaStore(nn.Module):
     """One rank's part of the replica substrate of one MoE layer: its S slots (a parameter [S, P] in the compute
     dtype, whose gradient the layer's backward fills) and its fp32 shard of every expert's master weights and Adam
-    moments. Construction is collective only through the shared :class:`RangeGroups`.
+    moments. ``replica_grad`` picks the replica-gradient path (``"range"``: needs the shared :class:`RangeGroups`;
+    ``"shard"``: ``groups`` may be None). Construction is collective only through the shared groups.
     """
 
     def __init__(self, w_gate_EDF: torch.Tensor, w_up_EDF: torch.Tensor, w_down_EFD: torch.Tensor,
-                 placement_NS: torch.Tensor, groups: RangeGroups, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, adam: AdamConfig = AdamConfig(), accountant=None):
+                 placement_NS: torch.Tensor, groups: RangeGroups | None, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, adam: AdamConfig = AdamConfig(), accountant=None,
+                 replica_grad: str = "range"):
         super().__init__()
         if w_gate_EDF.dim() != 3 or w_up_EDF.shape != w_gate_EDF.shape:
             raise ValueError(f"w_gate_EDF and w_up_EDF must both be [E, D, F], got {tuple(w_gate_EDF.shape)} and "
@@ -207,6 +148,9 @@ class ReplicaStore(nn.Module):
         E, D, F = w_gate_EDF.shape
         if tuple(w_down_EFD.shape) != (E, F, D):
             raise ValueError(f"w_down_EFD must be [{E}, {F}, {D}], got {tuple(w_down_EFD.shape)}")
+        self.replica_grad = check_replica_grad(replica_grad)
+        if replica_grad == "range" and groups is None:
+            raise ValueError("replica_grad='range' all-reduces in the range groups: pass the shared RangeGroups")
         self.rank, self.num_ranks = dist.get_rank(), dist.get_world_size()
         check_placement(placement_NS, self.num_ranks, E)
         self.num_experts, self.hidden, self.ffn = E, D, F
@@ -230,7 +174,8 @@ class ReplicaStore(nn.Module):
                     self.slots_SP[j].copy_(flat_EP[e].to(self.dtype))
         self.adam_steps = 0
         self.grad_shards_EP: torch.Tensor | None = None  # the last collected gradient shards (fp32, scaled)
-        self._reduced: dict[int, torch.Tensor] = {}
+        self._reduced: dict[int, torch.Tensor] = {}  # range mode: e -> reduced gradient, between sync and collect
+        self._received: list[tuple[list[int], torch.Tensor]] | None = None  # shard mode: per host, its parts
 
     # -- views -------------------------------------------------------------------------------------------------
     @property
@@ -256,64 +201,130 @@ class ReplicaStore(nn.Module):
         if self.accountant is not None:
             self.accountant.add_bytes(name, sent, recv)
 
+    def _exchange(self, phase: str, x: torch.Tensor, in_splits: list[int], out_splits: list[int],
+                  group=None) -> torch.Tensor:
+        """A variable all-to-all of flat ``x`` (not differentiable), counting the bytes that leave and reach this
+        rank (its own split is a copy)."""
+        me = dist.get_rank(group)
+        with torch.no_grad():
+            out = all_to_all_rows(x, in_splits, out_splits, group)
+        elem = x.element_size()
+        self._bytes(phase, (sum(in_splits) - in_splits[me]) * elem, (sum(out_splits) - out_splits[me]) * elem)
+        return out
+
+    def _local_sum(self, e: int) -> torch.Tensor:
+        """The sum of this rank's slots of ``e`` (in at least fp32, in slot order), in the slots' dtype: the
+        contribution this rank sends. Zeros if it hosts none or no backward ran."""
+        slots = (self.placement_NS[self.rank] == e).nonzero().flatten().tolist()
+        grad_SP = self.slots_SP.grad
+        if not slots or grad_SP is None:
+            return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        return grad_SP[slots].to(torch.promote_types(self.dtype, torch.float32)).sum(0).to(self.dtype)
+
     # -- 1. replica gradient sync ------------------------------------------------------------------------------
     def sync_replica_grads(self) -> None:
-        """Sum the local replicas of each expert, then all-reduce over the rank range its hosts span. Afterwards
-        every rank of e's span holds e's full gradient (unscaled, in the slot dtype)."""
+        """Sum the local replicas of each expert, then ``"range"``: all-reduce over the rank range its hosts span
+        (afterwards every rank of e's span holds e's full gradient, unscaled, in the slot dtype); ``"shard"``:
+        send shard q of every local sum to rank q in one all-to-all (kept for :meth:`collect_grad_shards`)."""
+        with self._phase("replica_sync"), torch.no_grad():
+            if self.replica_grad == "range":
+                self._sync_range()
+            else:
+                self._sync_shard()
+
+    def _sync_range(self) -> None:
         plan = sync_plan(self.placement_NS, self.num_experts)
-        grad_SP = self.slots_SP.grad
-        mine = self.placement_NS[self.rank]
+        hosts_NE = hosts_mask(self.placement_NS, self.num_experts)
         self._reduced = {}
-        with self._phase("replica_sync"):
-            for e in range(self.num_experts):  # the same order on every rank: collectives never cross
-                lo, hi = plan.span_E2[e].tolist()
-                if not lo <= self.rank <= hi:
-                    continue
-                slots = (mine == e).nonzero().flatten().tolist()
-                if slots and grad_SP is not None:  # summed in at least fp32, sent in the slots' dtype
-                    buf = grad_SP[slots].to(torch.promote_types(self.dtype, torch.float32)).sum(0).to(self.dtype)
-                else:  # a rank inside the span that does not host e, or no backward ran
-                    buf = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-                if hi > lo:
-                    dist.all_reduce(buf, group=self.groups.get(lo, hi))
-                    moved = ring_allreduce_bytes(buf.numel() * buf.element_size(), hi - lo + 1)
-                    self._bytes("replica_sync", moved, moved)
-                self._reduced[e] = buf
+        for e in range(self.num_experts):  # the same order on every rank: collectives never cross
+            lo, hi = plan.span_E2[e].tolist()
+            if not lo <= self.rank <= hi:
+                continue
+            buf = self._local_sum(e)
+            if hi > lo:
+                buf = self._allreduce_in_order(buf, lo, hi, hosts_NE[lo:hi + 1, e].nonzero().flatten().tolist())
+            self._reduced[e] = buf
+
+    def _allreduce_in_order(self, buf: torch.Tensor, lo: int, hi: int, hosting: list[int]) -> torch.Tensor:
+        """All-reduce ``buf`` over the range [lo, hi] as a direct reduce-scatter then an all-gather, member i
+        folding chunk i of the ``hosting`` members (group indices, ascending) left to right in fp32: the
+        summation order of the shard mode. Members that host nothing send zeros that are not added."""
+        h, me = hi - lo + 1, self.rank - lo
+        group = self.groups.get(lo, hi)
+        chunks = shard_sizes(self.numel, h)
+        parts = self._exchange("replica_sync", buf, chunks, [chunks[me]] * h, group).view(h, chunks[me])
+        acc = parts[hosting[0]].to(torch.float32, copy=True)
+        for k in hosting[1:]:
+            acc += parts[k].to(torch.float32)
+        mine = acc.to(self.dtype)
+        return self._exchange("replica_sync", mine.repeat(h), [chunks[me]] * h, chunks, group)
+
+    def _sync_shard(self) -> None:
+        hosted = [hosted_experts(self.placement_NS, n) for n in range(self.num_ranks)]
+        mine = hosted[self.rank]
+        sums_HP = (torch.stack([self._local_sum(e) for e in mine]) if mine
+                   else torch.zeros(0, self.numel, dtype=self.dtype, device=self.device))
+        send = torch.cat([sums_HP[:, lo:hi].reshape(-1) for lo, hi in self.bounds])  # owner-major
+        c = self.shard_numel
+        got = self._exchange("replica_sync", send, [len(mine) * (hi - lo) for lo, hi in self.bounds],
+                             [len(es) * c for es in hosted])
+        self._received = list(zip(hosted, got.split([len(es) * c for es in hosted])))
 
     # -- 2. gradient collection --------------------------------------------------------------------------------
     def collect_grad_shards(self, grad_scale: float = 1.0) -> torch.Tensor:
-        """Fetch shard ``rank`` of every expert's reduced gradient (round-robin over holders), scale it by the
-        constant ``grad_scale`` and return it as fp32 [E, P_n] (also kept as ``grad_shards_EP``)."""
+        """Shard ``rank`` of every expert's summed gradient, scaled by the constant ``grad_scale``, as fp32
+        [E, P_n] (also kept as ``grad_shards_EP``). ``"range"``: fetched from a holder of the reduced gradient
+        (round-robin over holders); ``"shard"``: the hosts' parts added in ascending host rank."""
         if not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be finite, got {grad_scale}")
-        plan = sync_plan(self.placement_NS, self.num_experts)
-        src_NE = plan.source_NE
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        with self._phase("grad_collect"):
-            send, recv_numel, recv_experts = {}, {}, {}
-            for peer in range(self.num_ranks):
-                if peer == self.rank:
-                    continue
-                plo, phi = self.bounds[peer]
-                serve = (src_NE[peer] == self.rank).nonzero().flatten().tolist()
-                if serve:
-                    send[peer] = torch.cat([self._reduced[e][plo:phi] for e in serve])
-                need = (src_NE[self.rank] == peer).nonzero().flatten().tolist()
-                if need:
-                    recv_numel[peer] = len(need) * self.shard_numel
-                    recv_experts[peer] = need
-            got = exchange_rows(send, recv_numel, self.dtype, self.device)
-            lo, hi = self.bounds[self.rank]
-            shards_EP = torch.zeros(self.num_experts, hi - lo, dtype=torch.float32, device=self.device)
-            for e in (src_NE[self.rank] == self.rank).nonzero().flatten().tolist():
-                shards_EP[e] = self._reduced[e][lo:hi].to(torch.float32)
-            for peer, need in recv_experts.items():
-                shards_EP[need] = got[peer].view(len(need), hi - lo).to(torch.float32)
+        with self._phase("grad_collect"), torch.no_grad():
+            shards_EP = self._collect_range() if self.replica_grad == "range" else self._collect_shard()
             shards_EP.mul_(grad_scale)
-            self._bytes("grad_collect", sum(b.numel() for b in send.values()) * elem,
-                        sum(recv_numel.values()) * elem)
         self.grad_shards_EP = shards_EP
-        self._reduced = {}
+        self._reduced, self._received = {}, None
+        return shards_EP
+
+    def _collect_range(self) -> torch.Tensor:
+        src_NE = sync_plan(self.placement_NS, self.num_experts).source_NE
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        send, recv_numel, recv_experts = {}, {}, {}
+        for peer in range(self.num_ranks):
+            if peer == self.rank:
+                continue
+            plo, phi = self.bounds[peer]
+            serve = (src_NE[peer] == self.rank).nonzero().flatten().tolist()
+            if serve:
+                send[peer] = torch.cat([self._reduced[e][plo:phi] for e in serve])
+            need = (src_NE[self.rank] == peer).nonzero().flatten().tolist()
+            if need:
+                recv_numel[peer] = len(need) * self.shard_numel
+                recv_experts[peer] = need
+        got = exchange_rows(send, recv_numel, self.dtype, self.device)
+        lo, hi = self.bounds[self.rank]
+        shards_EP = torch.zeros(self.num_experts, hi - lo, dtype=torch.float32, device=self.device)
+        for e in (src_NE[self.rank] == self.rank).nonzero().flatten().tolist():
+            shards_EP[e] = self._reduced[e][lo:hi].to(torch.float32)
+        for peer, need in recv_experts.items():
+            shards_EP[need] = got[peer].view(len(need), hi - lo).to(torch.float32)
+        self._bytes("grad_collect", sum(b.numel() for b in send.values()) * elem, sum(recv_numel.values()) * elem)
+        return shards_EP
+
+    def _collect_shard(self) -> torch.Tensor:
+        if self._received is None:
+            raise ValueError("collect_grad_shards in shard mode needs sync_replica_grads first")
+        c = self.shard_numel
+        shards_EP = torch.zeros(self.num_experts, c, dtype=torch.float32, device=self.device)
+        started_E = torch.zeros(self.num_experts, dtype=torch.bool)
+        for experts, part in self._received:  # hosts in ascending rank: the fold order of the range mode
+            if not experts:
+                continue
+            idx = torch.tensor(experts)
+            part_HC = part.view(len(experts), c).to(torch.float32)
+            first = ~started_E[idx]
+            shards_EP[idx[first]] = part_HC[first]  # a copy, not 0 + x: the fold starts at the first host
+            shards_EP[idx[~first]] += part_HC[~first]
+            started_E[idx] = True
+        self._bytes("grad_collect", 0, 0)
         return shards_EP
 
     # -- 3. Adam -----------------------------------------------------------------------------------------------

@@ -1,0 +1,219 @@
+"""The byte model of the replica substrate's optimizer step (DESIGN.md §3.4-3.5): who sends how many bytes to
+whom in the replica-gradient sync, the gradient collection and the weight redistribution, for both
+replica-gradient modes.
+
+Pure: placements in, integer byte matrices out; no ``torch.distributed``. The same functions serve the layer's
+accounting (:func:`lrmoe.distributed.accounting.expected_step`, checked against the counted bytes every
+iteration) and the cost model (:meth:`lrmoe.sim.cost.CostModel._sync`, which only turns them into time).
+
+Notation: N ranks, E experts, P parameters per expert, split into N contiguous optimizer shards (``shard_q``
+elements owned by rank q, the first P mod N one longer); b_g bytes per gradient element, b_w per weight element
+(both the slots' dtype in the layer). H_n: the distinct experts rank n hosts, X_m: those rank m hosts in the
+*next* placement. Bytes are those that leave (or reach) a rank: its exchange with itself is a copy and costs zero.
+
+Replica-gradient modes (one switch, ``replica_grad``, for every system):
+
+* ``"range"`` (SYMI's): every rank of e's all-reduce group (``groups="range"``: the consecutive rank range
+  [lo_e, hi_e] its hosts span, as the layer runs it; ``"hosts"``: only the hosts, a variant the cost model
+  offers) all-reduces the sum of its local slots of e. The all-reduce is a direct reduce-scatter (member i gets
+  chunk i of every member's vector, chunks as :func:`shard_sizes` of P over the h_e members) and an all-gather of
+  the reduced chunks, so member i sends and receives (P + (h_e − 2)·c_i)·b_g: 2·(h_e − 1)/h_e of the gradient when
+  h_e divides P, the ring all-reduce's figure. Then rank q takes shard q of e from a group member (itself if it is
+  one, else the members in round-robin: the i-th rank outside the group asks member i mod h_e).
+* ``"shard"`` (ours): host n sends shard q of its local sum of e straight to owner q ≠ n, for all of H_n at once:
+  n → q carries |H_n|·shard_q·b_g. No groups, no collection: per host and hosted class (N − 1)/N of the gradient,
+  wherever the other replicas sit.
+
+Redistribution (both modes): owner q sends its updated shard of each expert to every other rank hosting it next,
+q → m carries shard_q·|X_m|·b_w.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+REPLICA_GRAD_MODES = ("range", "shard")
+SYNC_GROUPS = ("range", "hosts")
+
+
+def check_replica_grad(mode: str) -> str:
+    """``mode`` if it is a replica-gradient mode, else ``ValueError``."""
+    if mode not in REPLICA_GRAD_MODES:
+        raise ValueError(f"replica_grad={mode!r} is not one of {REPLICA_GRAD_MODES}")
+    return mode
+
+
+# -- shards and placements -------------------------------------------------------------------------------------
+def shard_sizes(numel: int, num_ranks: int) -> list[int]:
+    """Sizes of the N contiguous shards of a flat vector of ``numel`` elements (as ``torch.tensor_split``)."""
+    if numel < 0 or num_ranks < 1:
+        raise ValueError(f"shard_sizes: need numel >= 0 and num_ranks >= 1, got {numel}, {num_ranks}")
+    base, extra = divmod(numel, num_ranks)
+    return [base + (1 if r < extra else 0) for r in range(num_ranks)]
+
+
+def shard_bounds(numel: int, num_ranks: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of each rank's shard."""
+    sizes = shard_sizes(numel, num_ranks)
+    starts = [sum(sizes[:r]) for r in range(num_ranks)]
+    return [(s, s + n) for s, n in zip(starts, sizes)]
+
+
+def check_placement(placement_NS: torch.Tensor, num_ranks: int, num_experts: int, name: str = "placement_NS"):
+    """Raise ``ValueError`` unless ``placement_NS`` is a long [N, S] tensor of experts in [-1, E)."""
+    if not isinstance(placement_NS, torch.Tensor) or placement_NS.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor [ranks, slots], got {placement_NS!r}")
+    if placement_NS.shape[0] != num_ranks:
+        raise ValueError(f"{name} has {placement_NS.shape[0]} rows, expected one per rank ({num_ranks})")
+    if placement_NS.dtype != torch.long:
+        raise ValueError(f"{name} must be a long tensor, got {placement_NS.dtype}")
+    if placement_NS.numel() and (int(placement_NS.min()) < -1 or int(placement_NS.max()) >= num_experts):
+        raise ValueError(f"{name} holds experts outside [-1, {num_experts}): "
+                         f"min {int(placement_NS.min())}, max {int(placement_NS.max())}")
+
+
+def hosted_experts(placement_NS: torch.Tensor, rank: int) -> list[int]:
+    """The distinct experts hosted by ``rank``, ascending."""
+    return sorted(int(e) for e in placement_NS[rank].unique().tolist() if e >= 0)
+
+
+def hosts_mask(placement_NS: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """bool [N, E]: rank n hosts at least one slot of expert e."""
+    n = placement_NS.shape[0]
+    hosts_NE = torch.zeros(n, num_experts + 1, dtype=torch.bool)
+    hosts_NE.scatter_(1, torch.where(placement_NS >= 0, placement_NS, num_experts).cpu(), True)
+    return hosts_NE[:, :num_experts]
+
+
+# -- range mode: groups and sources ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SyncPlan:
+    """Who all-reduces and who serves each expert's gradient in ``range`` mode, for one placement.
+
+    span_E2[e] = (lo, hi): the consecutive rank range spanned by e's hosts (-1, -1 if e is hosted nowhere).
+    group_NE[n, e]: rank n is a member of e's all-reduce group (holds e's reduced gradient afterwards; a
+    one-member group runs no collective). source_NE[n, e]: the rank rank n takes shard n of e's gradient from
+    (n itself when it is a member; -1 when e is hosted nowhere: its gradient is zero).
+    """
+
+    span_E2: torch.Tensor  # long [E, 2]
+    source_NE: torch.Tensor  # long [N, E]
+    group_NE: torch.Tensor  # bool [N, E]
+
+    def span_size(self, e: int) -> int:
+        lo, hi = self.span_E2[e].tolist()
+        return 0 if lo < 0 else hi - lo + 1
+
+
+def sync_plan(placement_NS: torch.Tensor, num_experts: int, groups: str = "range") -> SyncPlan:
+    """The :class:`SyncPlan` of a placement (pure; identical on every rank). ``groups="range"``: e's group is
+    the range [lo_e, hi_e] (what the layer runs); ``"hosts"``: only e's hosts."""
+    if groups not in SYNC_GROUPS:
+        raise ValueError(f"groups={groups!r} is not one of {SYNC_GROUPS}")
+    n = placement_NS.shape[0]
+    check_placement(placement_NS, n, num_experts)
+    e = num_experts
+    hosts_NE = hosts_mask(placement_NS, e)
+    rank_N = torch.arange(n)
+    hosted_E = hosts_NE.any(0)
+    lo_E = torch.where(hosts_NE, rank_N[:, None], n).min(0).values
+    hi_E = torch.where(hosts_NE, rank_N[:, None], -1).max(0).values
+    span_E2 = torch.where(hosted_E[:, None], torch.stack([lo_E, hi_E], 1), -1)
+    if groups == "range":
+        group_NE = (rank_N[:, None] >= lo_E) & (rank_N[:, None] <= hi_E) & hosted_E
+    else:
+        group_NE = hosts_NE
+    h_E = group_NE.sum(0)
+    members_NE = torch.where(group_NE, rank_N[:, None], n).sort(dim=0).values  # member i of e: row i
+    outside_NE = ~group_NE & hosted_E
+    idx_NE = ((~group_NE).long().cumsum(0) - 1).clamp(min=0)  # index of each outside rank among the outside ranks
+    src_NE = members_NE.gather(0, idx_NE % h_E.clamp(min=1))
+    source_NE = torch.where(group_NE, rank_N[:, None], torch.where(outside_NE, src_NE, -1))
+    return SyncPlan(span_E2=span_E2, source_NE=source_NE, group_NE=group_NE)
+
+
+def ring_allreduce_bytes(payload_bytes: int, group_size: int) -> int:
+    """Bytes each rank sends (and receives) in a ring all-reduce of ``payload_bytes`` over ``group_size`` ranks:
+    2·(h-1)/h of the payload (reduce-scatter then all-gather). The textbook figure; :func:`allreduce_bytes` is
+    the exact count of the layer's all-reduce, equal to it when h divides the vector."""
+    return 0 if group_size <= 1 else 2 * (group_size - 1) * payload_bytes // group_size
+
+
+def allreduce_bytes(numel: int, group_size: int, index: int, elem_bytes: int) -> int:
+    """Bytes member ``index`` sends (and receives) in the layer's all-reduce of ``numel`` elements over
+    ``group_size`` members: a direct reduce-scatter (it sends every other member its chunk, receives its own
+    chunk from each) then an all-gather of the reduced chunks: (numel + (h − 2)·c_index)·b."""
+    if group_size <= 1:
+        return 0
+    return (numel + (group_size - 2) * shard_sizes(numel, group_size)[index]) * elem_bytes
+
+
+# -- the bytes of one step -------------------------------------------------------------------------------------
+def _off_diagonal(x_NN: torch.Tensor) -> torch.Tensor:
+    return x_NN - torch.diag(torch.diag(x_NN))
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """Bytes of one optimizer step, per rank pair (long; diagonals zero). ``allreduce_NE[n, e]``: bytes rank n
+    sends and receives in e's group all-reduce (``range`` mode; its members ``group_NE``, groups of one member
+    left out). ``sync_NM[n, m]``: bytes n sends m in the ``shard`` mode exchange. ``collect_NM``: gradient
+    collection (``range`` mode). ``redistribute_NM``: weight redistribution (both modes)."""
+
+    replica_grad: str
+    allreduce_NE: torch.Tensor  # long [N, E]
+    group_NE: torch.Tensor  # bool [N, E]
+    sync_NM: torch.Tensor  # long [N, N]
+    collect_NM: torch.Tensor  # long [N, N]
+    redistribute_NM: torch.Tensor  # long [N, N]
+
+    def per_rank(self) -> dict[str, torch.Tensor]:
+        """``<phase>.sent_bytes`` / ``.recv_bytes`` ([N] each) of ``replica_sync``, ``grad_collect`` and
+        ``redistribute``: the accounting's keys."""
+        ring_N = self.allreduce_NE.sum(1)
+        return {"replica_sync.sent_bytes": ring_N + self.sync_NM.sum(1),
+                "replica_sync.recv_bytes": ring_N + self.sync_NM.sum(0),
+                "grad_collect.sent_bytes": self.collect_NM.sum(1),
+                "grad_collect.recv_bytes": self.collect_NM.sum(0),
+                "redistribute.sent_bytes": self.redistribute_NM.sum(1),
+                "redistribute.recv_bytes": self.redistribute_NM.sum(0)}
+
+
+def step_bytes(placement_NS: torch.Tensor, next_placement_NS: torch.Tensor, num_experts: int,
+               params_per_expert: int, grad_bytes: int, weight_bytes: int | None = None,
+               replica_grad: str = "range", groups: str = "range") -> StepBytes:
+    """The :class:`StepBytes` of one optimizer step from ``placement_NS`` (whose slots hold the gradients) into
+    ``next_placement_NS``. ``weight_bytes`` defaults to ``grad_bytes``; ``groups`` applies to ``range`` mode."""
+    check_replica_grad(replica_grad)
+    n = placement_NS.shape[0]
+    e, p = num_experts, int(params_per_expert)
+    check_placement(next_placement_NS, n, e, "next_placement_NS")
+    weight_bytes = grad_bytes if weight_bytes is None else weight_bytes
+    shard_N = torch.tensor(shard_sizes(p, n), dtype=torch.long)
+    hosts_NE = hosts_mask(placement_NS, e)
+    zeros_NN = torch.zeros(n, n, dtype=torch.long)
+    if replica_grad == "range":
+        plan = sync_plan(placement_NS, e, groups)
+        group_NE = plan.group_NE & (plan.group_NE.sum(0) > 1)  # a one-member group runs no collective
+        h_NE = group_NE.sum(0).expand(n, e)
+        index_NE = group_NE.long().cumsum(0) - 1  # position among the members
+        hc_NE = h_NE.clamp(min=1)
+        chunk_NE = p // hc_NE + (index_NE < p % hc_NE).long()  # member i's chunk: shard_sizes(P, h)[i]
+        allreduce_NE = torch.where(group_NE, (p + (h_NE - 2) * chunk_NE) * grad_bytes, 0)
+        src_NE = plan.source_NE
+        remote_NE = (src_NE >= 0) & (src_NE != torch.arange(n)[:, None])  # rank q fetches e's shard elsewhere
+        dst_NE = torch.arange(n)[:, None].expand(n, e)
+        collect_NM = torch.zeros(n * n, dtype=torch.long).index_add_(
+            0, (src_NE * n + dst_NE)[remote_NE], (shard_N[:, None] * grad_bytes).expand(n, e)[remote_NE]).view(n, n)
+        sync_NM = zeros_NN
+    else:
+        group_NE = torch.zeros(n, e, dtype=torch.bool)
+        allreduce_NE = torch.zeros(n, e, dtype=torch.long)
+        sync_NM = _off_diagonal(hosts_NE.sum(1)[:, None] * shard_N[None, :] * grad_bytes)
+        collect_NM = zeros_NN
+    distinct_next_N = hosts_mask(next_placement_NS, e).sum(1)
+    redistribute_NM = _off_diagonal(shard_N[:, None] * distinct_next_N[None, :] * weight_bytes)
+    return StepBytes(replica_grad=replica_grad, allreduce_NE=allreduce_NE, group_NE=group_NE, sync_NM=sync_NM,
+                     collect_NM=collect_NM, redistribute_NM=redistribute_NM)
