@@ -1,6 +1,6 @@
 """The expert-parallel MoE layer, policy against policy, on the same skewed routing traces: per-rank forward and
 backward time (wall and CPU), the slowest rank, bytes per phase, buffer bytes, pairs per rank, drops, and the
-gradient error against the full gradient. Ends with the issue's three LRMoE targets, measured.
+gradient error against the full gradient. Ends with the three LRMoE targets of DESIGN.md §5.8 (item 5), measured.
 
     python experiments/layer_bench.py                               # 4 forked gloo ranks (CPU), a few minutes
     python experiments/layer_bench.py --quick                       # about a minute
@@ -12,9 +12,9 @@ counts fix how many pairs each rank routes to each expert per step, tokens are r
 random. Every policy sees the same tokens at every step, and the policies take turns inside each step, in an
 order that rotates from step to step, so drifts of the machine hit them alike.
 
-Policies by name (``--policies``): the issue's six by default, and the LRMoE ablations that switch one component
-off each (lrmoe-random, lrmoe-padded, lrmoe-no-quotas, lrmoe-no-bwd-routing, lrmoe-no-placement), lrmoe-m3,
-lrmoe-m1-unbiased and capacity-cf1-gate.
+Policies by name (``--policies``, any system of ``lrmoe.systems``): the six of DESIGN.md §5.8 by default, and e.g. the
+LRMoE ablations that switch one component off each (lrmoe-random, lrmoe-padded, lrmoe-no-quotas, lrmoe-no-bwd-routing,
+lrmoe-no-placement), lrmoe-m3, lrmoe-m1-unbiased and capacity-cf1-gate.
 
 One iteration = forward, backward of a random linear loss, data-parallel sync of the router, the experts'
 optimizer step with redistribution into the next placement. Every policy runs the layer's recalibrated
@@ -42,54 +42,38 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from lrmoe.backward import BackwardConfig
 from lrmoe.config import model_preset
-from lrmoe.distributed.accounting import (BACKWARD_PHASES, BYTE_PHASES, FORWARD_PHASES, PHASES, STEP_PHASES,
-                                   Accountant, check_counts, expected_recalibrated, expected_step)
+from lrmoe.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
+from lrmoe.layout import BACKWARD_PHASES, BYTE_PHASES, FORWARD_PHASES, PHASES, STEP_PHASES
 from lrmoe.distributed.replica import RangeGroups
 from lrmoe.layer import EPMoELayer, initial_placement
 from lrmoe.placement import MemoryModel
 from lrmoe.plan import LayerPlan, no_flows
-from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi
 from lrmoe.reference import ReferenceMoE
 from lrmoe.replica_routing import route_forward
 from lrmoe.routing import RouterOutput
+from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
 from lrmoe.tracking import Tracker, add_tracking_args
 from lrmoe.traces import generate_trace, load_trace
 
-ISSUE_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1", "lrmoe-m2"]
+ISSUE_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1", "lrmoe"]
 
 
-def make_policy(name: str, base: int, spare: int, memory: MemoryModel, eps: float, gamma: float):
-    """(policy, backward config) of a policy name. ``base`` = E/N home slots, ``spare`` replica slots per rank.
-    The lrmoe-* ablations switch one component off each: random metric, padded packets, no quotas, no backward
-    routing, no replica placement."""
-    lrmoe = dict(eps=eps, gamma=gamma, extra_slots=spare, memory=memory)
-    table = {
-        "static-ep": (lambda: StaticEP(), BackwardConfig()),
-        "capacity-cf1": (lambda: Capacity(cf=1.0), BackwardConfig()),
-        "capacity-cf1-gate": (lambda: Capacity(cf=1.0, drop_by="gate"), BackwardConfig()),
-        "symi-dropless": (lambda: Symi(slots_per_rank=base + spare, cf=None), BackwardConfig()),
-        "symi-cf1": (lambda: Symi(slots_per_rank=base + spare, cf=1.0), BackwardConfig()),
-        "lrmoe-m1": (lambda: LRMoE(**lrmoe), BackwardConfig(metric="m1")),
-        "lrmoe-m2": (lambda: LRMoE(**lrmoe), BackwardConfig(metric="m2")),
-        "lrmoe-m3": (lambda: LRMoE(**lrmoe), BackwardConfig(metric="m3")),
-        "lrmoe-m1-unbiased": (lambda: LRMoE(**lrmoe), BackwardConfig(metric="m1", mode="unbiased")),
-        "lrmoe-random": (lambda: LRMoE(**lrmoe), BackwardConfig(metric="random")),
-        "lrmoe-padded": (lambda: LRMoE(**lrmoe), BackwardConfig(metric="m1", compact=False)),
-        "lrmoe-no-quotas": (lambda: LRMoE(**{**lrmoe, "quotas": False}), BackwardConfig()),
-        "lrmoe-no-bwd-routing": (lambda: LRMoE(**{**lrmoe, "backward_routing": False}), BackwardConfig()),
-        "lrmoe-no-placement": (lambda: LRMoE(**{**lrmoe, "extra_slots": 0, "memory": None}), BackwardConfig()),
-    }
-    if name not in table:
-        raise ValueError(f"unknown policy {name!r}; known: {sorted(table)}")
-    factory, backward = table[name]
-    return factory(), backward
+def system_context(args, num_ranks: int, num_experts: int, memory: MemoryModel, tokens: int,
+                   top_k: int) -> SystemContext:
+    """What every system is built from: ``--spare-slots`` replica slots per rank beyond E/N (SYMI uses them,
+    LRMoE derives its replica slots and memory cap from ``memory``), LRMoE's eps and gamma."""
+    return SystemContext(num_experts=num_experts, num_ranks=num_ranks, spare_slots=args.spare_slots, eps=args.eps,
+                         gamma=args.gamma, memory=memory, pairs_per_rank=tokens * top_k)
 
 
-POLICY_NAMES = ["static-ep", "capacity-cf1", "capacity-cf1-gate", "symi-dropless", "symi-cf1", "lrmoe-m1",
-                "lrmoe-m2", "lrmoe-m3", "lrmoe-m1-unbiased", "lrmoe-random", "lrmoe-padded", "lrmoe-no-quotas",
-                "lrmoe-no-bwd-routing", "lrmoe-no-placement"]  # what make_policy knows
+def make_policy(name: str, ctx: SystemContext):
+    """(policy, backward config) of a system of :mod:`lrmoe.systems`, as this benchmark runs it: every system
+    through the layer's hand-written backward (plans that keep every pair take its autograd-equivalent path)."""
+    system = get_system(name)
+    return system.make_policy(ctx), system.layer_backward(always=True)
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 QUICK = {"tokens_per_rank": 128, "steps": 4, "warmup": 1, "hidden": 256, "ffn": 128}
 
@@ -98,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=4, help="ranks of the fork launcher (ignored with --torchrun)")
     p.add_argument("--torchrun", action="store_true", help="run under torchrun (one process per rank)")
-    p.add_argument("--policies", nargs="+", default=ISSUE_POLICIES, choices=POLICY_NAMES)
+    p.add_argument("--policies", nargs="+", default=ISSUE_POLICIES, type=system_arg, help=system_names_help())
     p.add_argument("--model", default="qwen3-30b-a3b-debug", help="model preset giving E, k and the router")
     p.add_argument("--hidden", type=int, default=512, help="hidden width D (0: the preset's)")
     p.add_argument("--ffn", type=int, default=256, help="expert width F (0: the preset's)")
@@ -165,8 +149,9 @@ class FullGradient:
         fwd_NG = plan.fwd_NG if not bool(plan.dropped_NE.any()) else route_forward(counts_NE, plan.placement_NS)
         N = counts_NE.shape[0]
         return LayerPlan(placement_NS=plan.placement_NS, fwd_NG=fwd_NG, dropped_NE=torch.zeros_like(plan.dropped_NE),
-                         keep_NG=fwd_NG.clone(), bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(N, dtype=torch.long),
-                         policy=self.name)
+                         keep_NG=fwd_NG.clone(), bwd_flows_F4=no_flows(),
+                         floor_excess_N=torch.zeros(N, dtype=torch.long), policy=self.name,
+                         next_placement_NS=plan.next_placement_NS)
 
 
 def memory_model(base: int, spare: int, tokens: int, top_k: int, hidden: int, ffn: int, elem: int,
@@ -179,6 +164,11 @@ def memory_model(base: int, spare: int, tokens: int, top_k: int, hidden: int, ff
     planned = math.ceil(buffer_load * tokens * top_k - 1e-9)
     return MemoryModel(budget_bytes=(base + spare) * slot_bytes + planned * pair_bytes, slot_bytes=slot_bytes,
                        pair_bytes=pair_bytes)
+
+
+def buffer_load(args) -> float:
+    """The memory budget's token buffers hold this many times the mean load."""
+    return 1.0 + args.eps if args.buffer_load is None else args.buffer_load
 
 
 def make_traces(args, num_ranks: int, num_experts: int, top_k: int, model: str):
@@ -259,11 +249,11 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     records = []
     for label, counts_SNE, T in make_traces(args, N, E, K, cfg.name):
-        buffer_load = 1.0 + args.eps if args.buffer_load is None else args.buffer_load
-        memory = memory_model(base, args.spare_slots, T, K, D, F, elem, buffer_load)
+        memory = memory_model(base, args.spare_slots, T, K, D, F, elem, buffer_load(args))
+        ctx = system_context(args, N, E, memory, T, K)
         layers = {}
         for name in args.policies:
-            policy, backward = make_policy(name, base, args.spare_slots, memory, args.eps, args.gamma)
+            policy, backward = make_policy(name, ctx)
             acc = Accountant(sync=sync)
             layer = EPMoELayer(ref.export_weights(), K, cfg.router, policy, initial_placement(policy, N, E, T * K),
                                groups, routed_scaling=cfg.routed_scaling, dtype=dtype, device=device,
@@ -289,7 +279,7 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
                 before = layer.placement_NS.clone()
                 after = layer.expert_step(grad_scale=1.0 / N)
                 plan = info.dispatch.plan
-                want = expected_recalibrated(plan, D, F, elem, backward.metric, backward.compact)
+                want = expected_layer(plan, D, F, elem, backward.metric, backward.compact)
                 want.update(expected_step(before, after, E, D, F, elem))
                 record = acc.record()
                 check_counts(record, want, rank)  # raises if any counted byte or pair differs from the formula
@@ -378,7 +368,7 @@ def summarise(raw: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     return phases, pd.DataFrame(totals)
 
 
-TARGETS = [  # (name, the issue's words, how it is measured, bound)
+TARGETS = [  # (name, DESIGN.md §5.8's words, how it is measured, bound)
     ("bwd_balance", "slowest rank carries <= 1.1 x the mean backward pairs", "bwd_pairs_max / bwd_pairs_mean", 1.1),
     ("bwd_bytes", "backward all-to-all bytes <= 0.7 x SYMI-dropless's", "bwd_a2a_KiB / symi-dropless's", 0.7),
     ("cpu_time", "slowest-rank layer CPU time <= 0.75 x SYMI-dropless's", "slowest_cpu_ms / symi-dropless's",
@@ -387,7 +377,7 @@ TARGETS = [  # (name, the issue's words, how it is measured, bound)
 
 
 def targets(totals: pd.DataFrame, trace: str) -> pd.DataFrame:
-    """The issue's LRMoE targets on ``trace``, for every LRMoE variant that ran (with SYMI-dropless present)."""
+    """The LRMoE targets of DESIGN.md §5.8 on ``trace``, for every LRMoE variant that ran (SYMI-dropless present)."""
     df = totals[totals["trace"] == trace].set_index("policy")
     rows = []
     for policy in [p for p in df.index if p.startswith("lrmoe")]:
@@ -474,8 +464,28 @@ def report(args: argparse.Namespace, records: list[dict], world_size: int) -> pd
     return phases
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """What every rank would otherwise find out on its own, checked once before any rank starts: the model preset,
+    the world size against its experts, the skews and the recorded trace, every system in that world and
+    memory. SystemExit with one message."""
+    N = int(os.environ.get("WORLD_SIZE", "1")) if args.torchrun else args.ranks
+    try:
+        cfg = model_preset(args.model)
+        E, K = cfg.num_experts, cfg.top_k
+        if E % N:
+            raise ValueError(f"num_experts={E} of --model {args.model} is not divisible by {N} ranks")
+        elem = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
+        D, F = args.hidden or cfg.hidden, args.ffn or cfg.expert_ffn
+        for _, _, T in make_traces(args, N, E, K, cfg.name):
+            memory = memory_model(E // N, args.spare_slots, T, K, D, F, elem, buffer_load(args))
+            check_systems(args.policies, system_context(args, N, E, memory, T, K))
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"layer_bench.py: error: {exc}") from None
+
+
 def main(argv=None):
     args = parse_args(argv)
+    check_args(args)
     if args.torchrun:
         from lrmoe.distributed.comm import init_process_group_from_env
 

@@ -1,8 +1,9 @@
 """The recalibrated expert exchange of the EP layer: one autograd op from the tokens at home to the per-pair
 expert outputs back at home, with a hand-written backward that moves and computes only the retained pairs.
 
-Forward (no autograd inside): pack the pairs by (destination rank, local slot) → all-to-all → SwiGLU of every
-local slot as grouped GEMMs, *saving* its activations (input, gate and up pre-activations, h) → all-to-all back.
+Forward (no autograd inside): the dispatcher's one data path (:class:`lrmoe.dispatch.TokenDispatcher`: pack →
+all-to-all → slot-major), the SwiGLU of every local slot as grouped GEMMs, *saving* its activations (input, gate and
+up pre-activations, h), and the dispatcher's combine back home.
 The op returns o_MD, one row per computed pair in the forward's packed order; the layer's weighted un-permute
 (``y_t = Σ_j g_tj · o_tj``) stays outside, so the router gradient, which only needs ⟨δ, o⟩ at home, is exact for
 every pair, whatever this backward keeps.
@@ -26,9 +27,12 @@ Backward, on every rank (DESIGN.md §4 steps 4–8):
    (dX, dW), weight gradients into the slots.
 4. *Input gradients home.* Only retained rows travel back; they are scatter-added into token order.
 
-The ablations of DESIGN.md §4 map onto :class:`BackwardConfig` (metric → ``"random"``, compaction → padded) and
-onto the policy (placement, quotas, backward routing). What the backward chose is written to the forward's
-:class:`BackwardRecord`.
+A plan that keeps every computed pair and moves none is the plain backward: the forward layout, every row, no
+selection (bitwise what autograd through the forward would give). The byte layout of every packet is
+:mod:`lrmoe.layout`'s. The ablations of DESIGN.md §4 map onto :class:`BackwardConfig` (metric → ``"random"``,
+compaction → padded) and onto the policy (placement, quotas, backward routing). What the backward chose is written
+to the forward's :class:`BackwardRecord`. The exchange receives the dispatcher and its :class:`~lrmoe.dispatch.Comm`,
+never the layer.
 """
 
 from __future__ import annotations
@@ -39,17 +43,12 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .distributed.accounting import pair_matrix_NN
-from .distributed.replica import unflatten_experts
-from .expert_compute import Activations, slot_offsets, swiglu_backward, swiglu_forward
+from .dispatch import Dispatch, TokenDispatcher
+from .expert_compute import Activations, SwiGLUExperts, slot_offsets
 from .kernels.compact import CompactPlan, compact_plan, pack, unpack
-from .plan import LayerPlan
-from .recalibrate import Recalibration, score_and_select
-from .scoring import METRICS
-from .selection import DEFAULT_UNIFORM_MIX, MODES, group_order
-
-# kinds of the rows an expert rank receives in the backward
-STAY, MOVED, CARRY = 0, 1, 2
+from .layout import CARRY, MOVED, STAY, backward_counts, pair_matrix_NN, plan_selects, receive_layout
+from .scoring import METRICS, PairParts, get_metric
+from .selection import DEFAULT_UNIFORM_MIX, MODES, group_order, select
 
 
 @dataclass(frozen=True)
@@ -122,14 +121,8 @@ class BackwardRecord:
 
 
 # -- pure bookkeeping ------------------------------------------------------------------------------------------
-def plan_selects(plan: LayerPlan) -> bool:
-    """Whether the plan's backward needs scores: it keeps fewer pairs than it computes, or moves some."""
-    return bool(plan.bwd_flows_F4.numel()) or not torch.equal(plan.keep_NG, plan.fwd_NG)
 
 
-def stay_NG(plan: LayerPlan) -> Tensor:
-    """[N, G] retained pairs of source n whose backward runs on their forward slot g."""
-    return plan.keep_NG - plan.moved_out_NG
 
 
 def flow_slots(slot_M: Tensor, keep_M: Tensor, scores_M: Tensor, flows_F3: Tensor) -> Tensor:
@@ -179,41 +172,8 @@ def rows_only(plan: CompactPlan, dest_P: Tensor) -> CompactPlan:
                    carry_counts_NE=torch.zeros_like(plan.carry_counts_NE))
 
 
-def backward_counts(plan: LayerPlan, compact: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Rows per (source n, global slot g) of the backward exchange: (sent to g's rank, returned from it, index
-    entries sent). Compact: the retained rows plus the moved pairs' input rows; padded: every forward row plus
-    the moved rows twice (gradient and input). The fast path of plans that select nothing is the padded one."""
-    moved = plan.moved_NG
-    if compact and plan_selects(plan):
-        return plan.bwd_NG + moved, plan.bwd_NG, stay_NG(plan)
-    return plan.fwd_NG + 2 * moved, plan.fwd_NG + moved, torch.zeros_like(plan.fwd_NG)
 
 
-def receive_layout(plan: LayerPlan, rank: int, compact: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Kind (STAY, MOVED, CARRY), local slot and source rank of every row this rank receives in the backward.
-
-    Per source, in rank order. Compact: for each local slot its moved rows then its staying rows (the
-    compaction puts carried pairs first in a group), then the carried input rows slot by slot. Padded: the
-    forward rows slot by slot (all "staying"; zeros where nothing was retained), the moved rows, their inputs.
-    """
-    N, S = plan.num_ranks, plan.slots_per_rank
-    mine = slice(rank * S, (rank + 1) * S)
-    moved_NS = plan.moved_NG[:, mine]
-    if compact and plan_selects(plan):
-        counts = torch.stack([moved_NS, stay_NG(plan)[:, mine]], 2).reshape(N, 2 * S)
-        kinds = torch.tensor([MOVED, STAY]).repeat(S)
-        slots = torch.arange(S).repeat_interleave(2)
-    else:
-        counts = torch.cat([plan.fwd_NG[:, mine], moved_NS], 1)
-        kinds = torch.tensor([STAY, MOVED]).repeat_interleave(S)
-        slots = torch.arange(S).repeat(2)
-    counts = torch.cat([counts, moved_NS], 1)  # [N, L] segments per source
-    kinds = torch.cat([kinds, torch.full((S,), CARRY)])
-    slots = torch.cat([slots, torch.arange(S)])
-    L = kinds.numel()
-    flat = counts.reshape(-1)
-    return (kinds.repeat(N).repeat_interleave(flat), slots.repeat(N).repeat_interleave(flat),
-            torch.arange(N).repeat_interleave(L).repeat_interleave(flat))
 
 
 # -- the exchange ----------------------------------------------------------------------------------------------
@@ -231,51 +191,45 @@ class Saved:
 class ExpertExchange:
     """One forward of the recalibrated exchange on one rank: built by the layer, run by :func:`expert_exchange`.
 
-    ``layer`` gives the communication helpers, the accountant and the kernel backend; ``dispatch`` the plan and
-    this rank's forward bookkeeping (:class:`lrmoe.layer.Dispatch`); ``record`` receives what the backward kept.
+    ``dispatcher`` moves the rows (and its ``comm`` times, counts and exchanges); ``dispatch`` is the plan and this
+    rank's forward bookkeeping; ``experts`` computes the local slots (:class:`~lrmoe.expert_compute.SwiGLUExperts`
+    or anything with its two calls); ``record`` receives what the backward kept.
     """
 
-    def __init__(self, layer, dispatch, gate_TK: Tensor, config: BackwardConfig, generator: torch.Generator,
-                 record: BackwardRecord):
-        self.layer, self.dispatch, self.config, self.generator = layer, dispatch, config, generator
-        self.record = record
+    def __init__(self, dispatcher: TokenDispatcher, dispatch: Dispatch, gate_TK: Tensor, config: BackwardConfig,
+                 generator: torch.Generator, record: BackwardRecord, experts: SwiGLUExperts):
+        self.dispatcher, self.comm, self.dispatch = dispatcher, dispatcher.comm, dispatch
+        self.config, self.generator, self.record, self.experts = config, generator, record, experts
+        self.backend = dispatcher.kernel_backend
         self.gate_P = gate_TK.detach().reshape(-1)
         self.plan = dispatch.plan
         self.selects = plan_selects(self.plan)
+        self.metric = get_metric(config.metric)
         self.compact = config.compact and self.selects  # plans that keep everything use the forward layout
-        self.h_norm_cols = int(self.selects and config.metric == "m2")  # ‖h‖ rides home on the combine
-
-    def weights(self, slots_SP: Tensor):
-        """(w_gate_SDF, w_up_SDF, w_down_SFD) views of the flat slot weights."""
-        return unflatten_experts(slots_SP, self.layer.hidden, self.layer.expert_ffn)
+        self.extra_cols = self.metric.combine_cols if self.selects else 0  # e.g. ‖h‖ rides home on the combine
 
     # -- forward -----------------------------------------------------------------------------------------------
     def forward(self, x_TD: Tensor, slots_SP: Tensor) -> tuple[Tensor, Saved]:
-        layer, d = self.layer, self.dispatch
-        with layer._phase("permute"):
-            x_send_MD = pack(x_TD, d.compact, backend=layer.kernel_backend)
-        x_recv_RD = layer._exchange(x_send_MD, d.send_splits, d.recv_splits, "dispatch_a2a")
-        with layer._phase("expert_fwd"):
-            x_slot_RD = x_recv_RD.index_select(0, d.to_slot_R)
-            offs_S = slot_offsets(d.recv_counts_NS.sum(0), x_TD.device)
-            y_slot_RD, act = swiglu_forward(x_slot_RD, self.weights(slots_SP), offs_S, layer.kernel_backend)
-            y_recv_RD = y_slot_RD.index_select(0, d.from_slot_R)
-            if self.h_norm_cols:
-                h_norm_R = torch.linalg.vector_norm(act.h_MF, dim=1).index_select(0, d.from_slot_R)
-                y_recv_RD = torch.cat([y_recv_RD, h_norm_R[:, None].to(y_recv_RD.dtype)], 1)
-        o_recv_MD = layer._exchange(y_recv_RD, d.recv_splits, d.send_splits, "combine_a2a")
-        o_MD, h_norm_M = o_recv_MD, None
-        if self.h_norm_cols:
-            o_MD, h_norm_M = o_recv_MD[:, :-1].contiguous(), o_recv_MD[:, -1].contiguous()
-        layer._count_buffers(x_send_MD, x_recv_RD, x_slot_RD, y_slot_RD, y_recv_RD, o_recv_MD)
-        keep_o = self.selects and self.config.metric == "m3"
+        d, comm = self.dispatch, self.comm
+        x_slot_RD, held = self.dispatcher.dispatch(x_TD, d)
+        with comm.phase("expert_fwd"):
+            offs_S = slot_offsets(d.rows_per_slot_S, x_TD.device)
+            y_slot_RD, act = self.experts.forward(x_slot_RD, slots_SP, offs_S)
+            extra_RC = None
+            if self.extra_cols:  # the metric's per-pair scalars from the expert side (‖h‖)
+                extra_RC = torch.linalg.vector_norm(act.h_MF, dim=1)[:, None]
+        o_MD, extra_MC, held_back = self.dispatcher.combine(y_slot_RD, d, extra_RC)
+        comm.count_bytes("token_buffer_bytes", *held, *held_back)
+        keep_o = self.selects and self.metric.save_output
+        h_norm_M = extra_MC[:, 0] if extra_MC is not None else None
         return o_MD, Saved(x_TD, slots_SP, act, h_norm_M, o_MD if keep_o else None)
 
     # -- backward, at home: the selection ----------------------------------------------------------------------
     def select(self, grad_o_MD: Tensor, saved: Saved) -> tuple[Tensor, Tensor | None, Tensor]:
         """keep_M, scale_M (None: all ones) and the backward slot of every forward row (-1: not kept), in the
-        forward's packed order; the same per local pair into the record."""
-        d, plan, cfg, rank, rec = self.dispatch, self.plan, self.config, self.layer.rank, self.record
+        forward's packed order; the same per local pair into the record. The metric scores on the data's device;
+        only the [M] scores go to the host, where the selection's integer work runs."""
+        d, plan, cfg, rank, rec = self.dispatch, self.plan, self.config, self.comm.rank, self.record
         pair_M = d.compact.pair_M
         device = grad_o_MD.device
         slot_M = d.slot_P.to(device)[pair_M]
@@ -284,15 +238,15 @@ class ExpertExchange:
             rec.keep_P, rec.scale_P = d.slot_P >= 0, (d.slot_P >= 0).to(grad_o_MD.dtype)
             rec.scores_P, rec.bwd_slot_P, rec.selected = torch.full((P,), float("nan")), d.slot_P.clone(), False
             return torch.ones_like(slot_M, dtype=torch.bool), None, slot_M
-        cpu = lambda t: None if t is None else t.cpu()  # noqa: E731 - the selection is integer work on the host
-        group_M = slot_M.cpu()
-        chooser = Recalibration(cfg.metric, cfg.mode, group_M, plan.keep_NG[rank].clone(), self.generator,
-                                cfg.uniform_mix)
-        scores_M, selection = score_and_select(chooser, grad_o_MD.cpu(), cpu(saved.o_MD),
-                                               self.gate_P.index_select(0, pair_M).cpu(), cpu(saved.h_norm_M))
+        parts = PairParts(grad_o_MD, o_MD=saved.o_MD, h_norm_M=saved.h_norm_M,
+                          gate_M=self.gate_P.index_select(0, pair_M))
+        scores_M = self.metric.score(parts, self.generator, cfg.mode).cpu()
+        at = pair_M.cpu()
+        group_M = d.slot_P[at]
+        selection = select(scores_M, group_M, plan.keep_NG[rank].clone(), cfg.mode, self.generator,
+                           uniform_mix=cfg.uniform_mix)
         flows = plan.bwd_flows_F4
         bwd_M = flow_slots(group_M, selection.keep_P, scores_M, flows[flows[:, 0] == rank][:, 1:])
-        at = pair_M.cpu()
         rec.keep_P = torch.zeros(P, dtype=torch.bool).index_copy_(0, at, selection.keep_P)
         rec.scale_P = torch.zeros(P, dtype=grad_o_MD.dtype).index_copy_(0, at, selection.scale_P.to(grad_o_MD.dtype))
         rec.scores_P = torch.full((P,), float("nan"), dtype=scores_M.dtype).index_copy_(0, at, scores_M)
@@ -304,9 +258,9 @@ class ExpertExchange:
     # -- backward ----------------------------------------------------------------------------------------------
     def backward(self, grad_o_MD: Tensor, saved: Saved, input_grad: bool) -> tuple[Tensor | None, Tensor]:
         """(dx_TD or None, the slots' weight gradient [S, P]); collective, like the forward."""
-        layer, d, plan = self.layer, self.dispatch, self.plan
-        rank, S = layer.rank, layer.slots_per_rank
-        with layer._phase("recalibrate"):
+        comm, d, plan = self.comm, self.dispatch, self.plan
+        rank, S = comm.rank, plan.slots_per_rank
+        with comm.phase("recalibrate"):
             keep_M, scale_M, bwd_M = self.select(grad_o_MD, saved)
             moved_M = keep_M & (bwd_M != d.slot_P.to(grad_o_MD.device)[d.compact.pair_M])
             send_NN, ret_NN, index_NN = (pair_matrix_NN(x, S) for x in backward_counts(plan, self.compact))
@@ -317,21 +271,21 @@ class ExpertExchange:
             if payload.shape[0] != int(send_NN[rank].sum()):
                 raise RuntimeError(f"rank {rank}: the backward packet has {payload.shape[0]} rows, the plan says "
                                    f"{int(send_NN[rank].sum())}: the selection disagrees with keep_NG / bwd_flows_F4")
-        recv = layer._exchange(payload, send_NN[rank].tolist(), send_NN[:, rank].tolist(), "combine_a2a_bwd")
+        recv = comm.exchange(payload, send_NN[rank].tolist(), send_NN[:, rank].tolist(), "combine_a2a_bwd")
         index_recv = None
         if self.compact:
-            index_recv = layer._exchange(index_send, index_NN[rank].tolist(), index_NN[:, rank].tolist(),
-                                         "bwd_index_a2a")
-        with layer._phase("expert_bwd"):
+            index_recv = comm.exchange(index_send, index_NN[rank].tolist(), index_NN[:, rank].tolist(),
+                                       "bwd_index_a2a")
+        with comm.phase("expert_bwd"):
             dx_rows, d_slots = self._expert_backward(recv, index_recv, saved, input_grad)
-        layer._count("pairs_retained", int(pair_matrix_NN(plan.bwd_NG, S)[:, rank].sum()))
-        layer._count("pairs_recomputed", int(pair_matrix_NN(plan.moved_NG, S)[:, rank].sum()))
-        layer._count_bwd_buffers(payload, recv, dx_rows)
+        comm.count("pairs_retained", int(pair_matrix_NN(plan.bwd_NG, S)[:, rank].sum()))
+        comm.count("pairs_recomputed", int(pair_matrix_NN(plan.moved_NG, S)[:, rank].sum()))
+        comm.count_bytes("bwd_buffer_bytes", payload, recv, dx_rows)
         dx_TD = None
         if input_grad:  # rank as expert → each home, then home ← each expert
-            back = layer._exchange(dx_rows, ret_NN[:, rank].tolist(), ret_NN[rank].tolist(), "dispatch_a2a_bwd")
-            layer._count_bwd_buffers(back)
-            with layer._phase("unpermute_bwd"):
+            back = comm.exchange(dx_rows, ret_NN[:, rank].tolist(), ret_NN[rank].tolist(), "dispatch_a2a_bwd")
+            comm.count_bytes("bwd_buffer_bytes", back)
+            with comm.phase("unpermute_bwd"):
                 dx_TD = self._unpack_home(back, ret_plan, ret_NN[rank].tolist())
         self.record.num_backward += 1
         return dx_TD, d_slots
@@ -353,14 +307,14 @@ class ExpertExchange:
     def _pack_compact(self, grad_o_MD, saved, keep_M, scale_M, bwd_M, moved_M):
         """Retained rows (and moved pairs' inputs) packed by (destination, slot), plus the index of each staying
         row among its forward group's rows, for the expert rank to find its saved activations."""
-        d, layer = self.dispatch, self.layer
-        S = layer.slots_per_rank
+        d, plan = self.dispatch, self.plan
+        S = plan.slots_per_rank
         keep_P, moved_P = self._per_pair(keep_M, False), self._per_pair(moved_M, False)
         bwd_P = self._per_pair(bwd_M.clamp_min(0), 0)
         dest_P = bwd_P // S
-        bplan = compact_plan(dest_P, bwd_P % S, layer.num_ranks, S, keep_P, moved_P, top_k=layer.top_k)
+        bplan = compact_plan(dest_P, bwd_P % S, plan.num_ranks, S, keep_P, moved_P, top_k=self.record.top_k)
         payload = pack(self._pair_rows(grad_o_MD, scale_M), bplan,
-                       carry_YD=saved.x_TD if bplan.num_carried else None, backend=layer.kernel_backend)
+                       carry_YD=saved.x_TD if bplan.num_carried else None, backend=self.backend)
         # index of each pair within its forward group (home, forward slot): the order the expert saved it in
         fwd_counts = d.compact.counts_NE.reshape(-1)
         group_start = torch.cumsum(fwd_counts, 0) - fwd_counts
@@ -372,8 +326,8 @@ class ExpertExchange:
     def _pack_forward_layout(self, grad_o_MD, saved, keep_M, scale_M, bwd_M, moved_M):
         """Per destination: the forward's rows (zero unless retained and staying), then the moved pairs' block
         (gradient rows, then input rows)."""
-        d, layer = self.dispatch, self.layer
-        S = layer.slots_per_rank
+        d, plan = self.dispatch, self.plan
+        S = plan.slots_per_rank
         stay_M = keep_M & ~moved_M
         if scale_M is None and bool(stay_M.all()):
             stay_rows = grad_o_MD  # the fast path: the forward's own layout, every row
@@ -384,9 +338,8 @@ class ExpertExchange:
             return stay_rows.contiguous(), None
         moved_P = self._per_pair(moved_M, False)
         bwd_P = self._per_pair(bwd_M.clamp_min(0), 0)
-        mplan = compact_plan(bwd_P // S, bwd_P % S, layer.num_ranks, S, moved_P, moved_P, top_k=layer.top_k)
-        moved_rows = pack(self._pair_rows(grad_o_MD, scale_M), mplan, carry_YD=saved.x_TD,
-                          backend=layer.kernel_backend)
+        mplan = compact_plan(bwd_P // S, bwd_P % S, plan.num_ranks, S, moved_P, moved_P, top_k=self.record.top_k)
+        moved_rows = pack(self._pair_rows(grad_o_MD, scale_M), mplan, carry_YD=saved.x_TD, backend=self.backend)
         parts = []
         for a, b in zip(torch.split(stay_rows, d.send_splits), torch.split(moved_rows, mplan.send_splits())):
             parts += [a, b]
@@ -398,15 +351,14 @@ class ExpertExchange:
         The batch: the received gradient rows sorted by slot. Staying rows take their saved activations
         (their row in the slot-major saved arrays: the (slot, source) segment's start plus the index that came
         with them, or their position in the forward layout); moved rows recompute from their carried input."""
-        layer, d, plan = self.layer, self.dispatch, self.plan
-        N, S, device = layer.num_ranks, layer.slots_per_rank, recv.device
-        kind_Q, slot_Q, src_Q = (t.to(device) for t in receive_layout(plan, layer.rank, self.compact))
+        d, plan = self.dispatch, self.plan
+        N, S, device = plan.num_ranks, plan.slots_per_rank, recv.device
+        kind_Q, slot_Q, src_Q = (t.to(device) for t in receive_layout(plan, self.comm.rank, self.compact))
         grad_pos = (kind_Q != CARRY).nonzero().squeeze(1)
         order = torch.argsort(slot_Q[grad_pos], stable=True)
         at_B = grad_pos[order]  # receive position of each batch row
         kind_B, slot_B = kind_Q[at_B], slot_Q[at_B]
         B = at_B.numel()
-        weights = self.weights(saved.slots_SP)
         act_saved = saved.act
         stay_Q = kind_Q == STAY
         within_Q = torch.zeros_like(kind_Q)
@@ -432,21 +384,19 @@ class ExpertExchange:
                 carry_Q = (kind_Q == CARRY).nonzero().squeeze(1)
                 x_mv = recv.index_select(0, carry_Q[moved_rank_Q[at_B[mv]]])
                 offs_mv = slot_offsets(torch.bincount(slot_B[mv], minlength=S), device)
-                _, redo = swiglu_forward(x_mv, weights, offs_mv, layer.kernel_backend)
+                _, redo = self.experts.forward(x_mv, saved.slots_SP, offs_mv)
                 for dst, src in zip(parts, redo):
                     dst.index_copy_(0, mv, src)
             act = Activations(*parts)
         offs_S = slot_offsets(torch.bincount(slot_B, minlength=S), device)
-        dx_B, dw_gate, dw_up, dw_down = swiglu_backward(act, recv.index_select(0, at_B), weights, offs_S,
-                                                        layer.kernel_backend, input_grad)
-        layer._count("pairs_bwd", B)
-        d_slots = torch.cat([dw_gate.reshape(S, -1), dw_up.reshape(S, -1), dw_down.reshape(S, -1)], 1)
+        dx_B, d_slots = self.experts.backward(act, recv.index_select(0, at_B), saved.slots_SP, offs_S, input_grad)
+        self.comm.count("pairs_bwd", B)
         dx_rows = torch.empty_like(dx_B).index_copy_(0, order, dx_B) if input_grad else None  # receive order
-        return dx_rows, d_slots.to(saved.slots_SP.dtype)
+        return dx_rows, d_slots
 
     def _unpack_home(self, back: Tensor, ret_plan, ret_splits: list[int]) -> Tensor:
         """Scatter-add the returned input-gradient rows into token order."""
-        d, backend = self.dispatch, self.layer.kernel_backend
+        d, backend = self.dispatch, self.backend
         if self.compact:
             return unpack(back, ret_plan, per_token=True, backend=backend)
         if ret_plan is None:  # the forward layout alone

@@ -9,25 +9,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from lrmoe.checks import non_negative_fields, positive_fields
+
 ROUTER_FAMILIES = ("softmax_topk", "sigmoid_bias")  # Qwen3 family, GLM-4.5 family
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 GB = 1e9  # decimal gigabytes, as GPU datasheets quote memory and bandwidth
 GiB = 2**30
-
-
-def _positive(obj, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not value > 0:
-            raise ValueError(f"{type(obj).__name__}.{name} must be positive, got {value!r}")
-
-
-def _non_negative(obj, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value < 0:
-            raise ValueError(f"{type(obj).__name__}.{name} must be non-negative, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -54,9 +42,9 @@ class MoEConfig:
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        _positive(self, "hidden", "expert_ffn", "num_experts", "top_k", "num_layers", "num_heads",
+        positive_fields(self, "hidden", "expert_ffn", "num_experts", "top_k", "num_layers", "num_heads",
                   "num_kv_heads", "vocab_size", "seq_len", "routed_scaling")
-        _non_negative(self, "first_dense_layers", "num_shared_experts", "shared_ffn", "dense_ffn", "head_dim")
+        non_negative_fields(self, "first_dense_layers", "num_shared_experts", "shared_ffn", "dense_ffn", "head_dim")
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if self.router not in ROUTER_FAMILIES:
@@ -134,8 +122,8 @@ class ClusterConfig:
     source: str = ""  # where the numbers come from
 
     def __post_init__(self) -> None:
-        _positive(self, "num_ranks", "ranks_per_node", "mem_budget_bytes", "intra_bw", "inter_bw", "peak_flops")
-        _non_negative(self, "intra_latency", "inter_latency", "hbm_bw")
+        positive_fields(self, "num_ranks", "ranks_per_node", "mem_budget_bytes", "intra_bw", "inter_bw", "peak_flops")
+        non_negative_fields(self, "intra_latency", "inter_latency", "hbm_bw")
         if self.num_ranks % self.ranks_per_node:
             raise ValueError(f"ClusterConfig.num_ranks={self.num_ranks} is not a multiple of "
                              f"ranks_per_node={self.ranks_per_node}")

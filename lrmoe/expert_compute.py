@@ -60,3 +60,33 @@ def swiglu_backward(act: Activations, dy_MD: Tensor, weights, offs_S: Tensor, ba
         dx_MD = grouped_mm(dgate_MF, w_gate_SDF.transpose(1, 2), offs_S, backend=backend)
         dx_MD = dx_MD + grouped_mm(dup_MF, w_up_SDF.transpose(1, 2), offs_S, backend=backend)
     return dx_MD, dw_gate, dw_up, dw_down
+
+
+class SwiGLUExperts:
+    """The expert computation seam of the exchange: the local slots' SwiGLU experts on slot-sorted rows.
+
+    ``forward(x_MD, slots_SP, offs_S) -> (y_MD, activations)`` and ``backward(act, dy_MD, slots_SP, offs_S,
+    input_grad) -> (dx_MD or None, d_slots_SP)``, with the slots' weights flat [S, 3·D·F] as the replica store holds
+    them. Another expert type (or a test's identity expert) is another object with these two calls.
+    """
+
+    def __init__(self, hidden: int, ffn: int, backend: str | None = None):
+        self.hidden, self.ffn, self.backend = hidden, ffn, backend
+
+    def weights(self, slots_SP: Tensor):
+        """(w_gate_SDF, w_up_SDF, w_down_SFD) views of the flat slot weights."""
+        DF = self.hidden * self.ffn
+        S = slots_SP.shape[0]
+        return (slots_SP[:, :DF].view(S, self.hidden, self.ffn), slots_SP[:, DF:2 * DF].view(S, self.hidden, self.ffn),
+                slots_SP[:, 2 * DF:].view(S, self.ffn, self.hidden))
+
+    def forward(self, x_MD: Tensor, slots_SP: Tensor, offs_S: Tensor) -> tuple[Tensor, Activations]:
+        return swiglu_forward(x_MD, self.weights(slots_SP), offs_S, self.backend)
+
+    def backward(self, act: Activations, dy_MD: Tensor, slots_SP: Tensor, offs_S: Tensor,
+                 input_grad: bool = True) -> tuple[Tensor | None, Tensor]:
+        dx_MD, dw_gate, dw_up, dw_down = swiglu_backward(act, dy_MD, self.weights(slots_SP), offs_S, self.backend,
+                                                         input_grad)
+        S = slots_SP.shape[0]
+        d_slots_SP = torch.cat([dw_gate.reshape(S, -1), dw_up.reshape(S, -1), dw_down.reshape(S, -1)], 1)
+        return dx_MD, d_slots_SP.to(slots_SP.dtype)

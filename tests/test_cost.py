@@ -114,7 +114,7 @@ def test_bytes_equal_the_layers_accounting_formulas(n, seed):
     for placement_NS in placements:
         plan = dropless(placement_NS, route_forward(counts, placement_NS, "even"), e)
         t = cm.cost(plan)
-        want = expected_layer(plan.fwd_NG, plan.slots_per_rank, model.hidden, model.expert_ffn, 4)
+        want = expected_layer(plan, model.hidden, model.expert_ffn, 4)
         want.update(expected_step(placement_NS, placement_NS, e, model.hidden, model.expert_ffn, 4))
         for key, value in want.items():
             phase, _, what = key.partition(".")
@@ -133,6 +133,65 @@ def test_sync_groups_hosts_only_never_costs_more_than_ranges():
     i = PHASES.index("replica_sync")
     assert (hosts.bytes_NP[:, i] <= rng.bytes_NP[:, i]).all() and hosts.bytes_P[i] < rng.bytes_P[i]
     assert hosts.phase_s("replica_sync") < rng.phase_s("replica_sync")
+
+
+@pytest.mark.parametrize("mode", ["range", "shard"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_step_bytes_equal_the_layers_accounting_in_both_modes(n, mode):
+    """The optimizer step's bytes in the cost model are the layer's closed form (one byte model), for SYMI's
+    contiguous, LRMoE's scattered and static placements, in both replica-gradient modes."""
+    e = 8
+    model = TINY.replace(num_experts=e, hidden=8, expert_ffn=5)
+    cm = CostModel(model, TOY.replace(num_ranks=n, ranks_per_node=2 if n > 2 else 1), gemm=CURVE, replica_grad=mode)
+    for seed in range(3):
+        counts = _random_counts(n, e, seed)
+        pop = counts.sum(0)
+        for placement_NS in [Symi(4).plan(counts, pop).placement_NS, lrmoe_placement(pop, n, e // n, 2),
+                             StaticEP().plan(counts).placement_NS]:
+            t = cm.cost(dropless(placement_NS, route_forward(counts, placement_NS, "even"), e))
+            want = expected_step(placement_NS, placement_NS, e, model.hidden, model.expert_ffn, 4, replica_grad=mode)
+            for phase in ("replica_sync", "grad_collect", "redistribute"):
+                got = t.bytes_NP[:, PHASES.index(phase)].tolist()
+                assert got == want[f"{phase}.sent_bytes"].double().tolist(), (mode, phase, placement_NS)
+
+
+def test_sync_modes_hand_computed():
+    """TINY (24 fp32 parameters per expert: 96 B, shards of 48 B) on TOY (100 B/s, 0.5 s latency between the
+    two ranks). Both experts on both ranks: range all-reduces each expert (96 B per rank: 0.96 s + 2 x 1 hop x
+    0.5 s, twice); shard sends the other rank its shard of both experts at once (96 B: 0.96 s + 0.5 s)."""
+    both = dropless(torch.tensor([[0, 1], [0, 1]]), torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1]]), 2)
+    i, j = PHASES.index("replica_sync"), PHASES.index("grad_collect")
+    rng = CostModel(TINY, TOY, gemm=CURVE).cost(both)
+    shd = CostModel(TINY, TOY, gemm=CURVE, replica_grad="shard").cost(both)
+    assert rng.time_NP[:, i].tolist() == pytest.approx([3.92, 3.92]) and rng.time_NP[:, j].tolist() == [0, 0]
+    assert shd.time_NP[:, i].tolist() == pytest.approx([1.46, 1.46]) and shd.time_NP[:, j].tolist() == [0, 0]
+    assert rng.bytes_NP[:, i].tolist() == [192, 192] and shd.bytes_NP[:, i].tolist() == [96, 96]
+    # one host per expert: range has nothing to all-reduce and each owner fetches the other's shard (48 B);
+    # shard sends the same 48 B unasked, in the sync phase instead of the collection
+    r1, s1 = (CostModel(TINY, TOY, gemm=CURVE, replica_grad=mode).cost(HAND_PLAN) for mode in ("range", "shard"))
+    assert r1.time_NP[:, i].tolist() == [0, 0] and r1.time_NP[:, j].tolist() == pytest.approx([0.98, 0.98])
+    assert s1.time_NP[:, i].tolist() == pytest.approx([0.98, 0.98]) and s1.time_NP[:, j].tolist() == [0, 0]
+    assert r1.phase_s("redistribute") == s1.phase_s("redistribute")
+
+
+def test_shard_mode_is_cheaper_for_scattered_replicas():
+    """LRMoE's scattered replicas on two 8-rank nodes: ranges cross nodes and span non-hosts; sending shards
+    straight to the owners moves fewer bytes and takes less time for the sync phases together."""
+    model = model_preset("qwen3-30b-a3b")
+    cluster = cluster_preset("a100-40gb-x8", 2)
+    counts = _random_counts(16, 128, 0, scale=200)
+    plan = LRMoE(extra_slots=2, quotas=False, backward_routing=False).plan(counts, counts.sum(0))
+    rng = CostModel(model, cluster).cost(plan)
+    shd = CostModel(model, cluster, replica_grad="shard").cost(plan)
+    sync = [PHASES.index(p) for p in ("replica_sync", "grad_collect")]
+    assert shd.bytes_P[sync].sum() < rng.bytes_P[sync].sum()
+    assert shd.phase_s("replica_sync") + shd.phase_s("grad_collect") < \
+        rng.phase_s("replica_sync") + rng.phase_s("grad_collect")
+    # static EP keeps optimizer state with the one host: no shard owners, so both modes price the same
+    static = StaticEP().plan(counts)
+    a, b = (CostModel(model, cluster, sharded_optimizer=False, replica_grad=mode).cost(static)
+            for mode in ("range", "shard"))
+    assert torch.equal(a.time_NP, b.time_NP)
 
 
 # -- monotonicity -----------------------------------------------------------------------------------------------
@@ -327,6 +386,8 @@ def test_errors_name_the_problem():
         GemmCurve(eff_max=0.5, m_half=-1.0)
     with pytest.raises(ValueError, match="sync_groups"):
         CostModel(TINY, TOY, gemm=CURVE, sync_groups="tree")
+    with pytest.raises(ValueError, match="replica_grad"):
+        CostModel(TINY, TOY, gemm=CURVE, replica_grad="ring")
     with pytest.raises(ValueError, match="recompute_fraction"):
         CostModel(TINY, TOY, gemm=CURVE, recompute_fraction=-1.0)
     with pytest.raises(ValueError, match="num_ranks=4"):

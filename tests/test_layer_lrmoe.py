@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lrmoe.backward import BackwardConfig, flow_slots, plan_selects, receive_layout, rows_only
-from lrmoe.distributed.accounting import Accountant, check_counts, expected_recalibrated
+from lrmoe.backward import BackwardConfig, flow_slots, rows_only
+from lrmoe.layout import plan_selects, receive_layout
+from lrmoe.distributed.accounting import Accountant, check_counts, expected_layer
 from lrmoe.distributed.comm import all_gather_rows
 from lrmoe.distributed.launch import launch
 from lrmoe.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
@@ -160,10 +161,10 @@ def run_case(rank, groups, policy, cfg, *, family="softmax_topk", shared=False, 
             assert float(rec.scores_P[out].max()) <= float(rec.scores_P[stay].min())
     assert int(moved.sum()) == int(plan.moved_out_NG[rank].sum())
 
-    # counted = the formulas, and the statements about them
+    # counted = the formulas, and the byte rules of DESIGN.md §5.1 / lrmoe.layout
     elem = torch.tensor([], dtype=torch.float64).element_size()
     record = acc.record()
-    check_counts(record, expected_recalibrated(plan, D, F, elem, cfg.metric, cfg.compact, input_grad), rank)
+    check_counts(record, expected_layer(plan, D, F, elem, cfg.metric, cfg.compact, input_grad), rank)
     S = plan.slots_per_rank
     away_G = torch.arange(G) // S != rank
     if cfg.compact and plan_selects(plan):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lrmoe.backward import BackwardConfig
-from lrmoe.distributed.accounting import Accountant, check_counts, expected_layer, expected_recalibrated, expected_step
+from lrmoe.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
 from lrmoe.distributed.comm import all_gather_rows
 from lrmoe.distributed.launch import launch
 from lrmoe.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
@@ -126,8 +126,7 @@ def _symi_steps(rank, cf, backward):
         elem = torch.tensor([], dtype=torch.float64).element_size()
         before = layer.placement_NS.clone()
         after = layer.expert_step()
-        expected = (expected_layer(plan.fwd_NG, S, D, F, elem, plan.dropped_NE.sum(1)) if backward is None else
-                    expected_recalibrated(plan, D, F, elem, backward.metric, backward.compact))
+        expected = expected_layer(plan, D, F, elem, *((backward.metric, backward.compact) if backward else ()))
         expected.update(expected_step(before, after, E, D, F, elem))
         record = acc.record()
         for key in ("replica_sync.sent_bytes", "grad_collect.sent_bytes"):  # the test's own sync/collect above

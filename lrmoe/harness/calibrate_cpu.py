@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import _positive
+from ..checks import positive_fields
 
 GEMM_MODEL = "t = launch_s + sum over non-empty groups of flops_per_row * (rows + m_half) / peak_flops"
 A2A_MODEL = "t = a2a_latency + bytes sent to other ranks / a2a_bw"
@@ -178,7 +178,7 @@ class CalibrationSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _positive(self, "num_ranks", "hidden", "ffn", "num_experts", "repeats", "max_gemm_rows")
+        positive_fields(self, "num_ranks", "hidden", "ffn", "num_experts", "repeats", "max_gemm_rows")
         if self.num_ranks < 2:
             raise ValueError(f"CalibrationSpec.num_ranks must be at least 2 (an all-to-all), got {self.num_ranks}")
         if self.warmup < 0:
@@ -366,7 +366,8 @@ def summarise(spec: CalibrationSpec, per_rank: list[dict], clock: str = "cpu") -
                  "a2a": {**asdict(lfit), "model": A2A_MODEL, "ranks": coll},
                  # not used by the cost model, which charges its point-to-point phases as all-to-alls
                  "p2p": {**asdict(pfit), "model": "t = latency_s + bytes sent to other ranks / bandwidth",
-                         "ranks": coll, "note": "diagnostic: lrmoe.distributed.comm.exchange_rows, one buffer per peer"},
+                         "ranks": coll,
+                         "note": "diagnostic: lrmoe.distributed.comm.exchange_rows, one buffer per peer"},
                  "adam": {"params": params, "seconds": adam_s, "traffic_bytes_per_param": ADAM_TRAFFIC_BYTES,
                           "ranks": local}},
         "measurements": {"gemm": gemm, "a2a": a2a},

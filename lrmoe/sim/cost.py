@@ -21,23 +21,29 @@ Timing assumptions (all ours; they are what "time per phase set by the slowest r
   fixed ``launch_s`` per grouped-GEMM call on a rank with any rows. The backward (input and weight gradients)
   costs ``pair_bwd_flops`` per row (about 2x the forward) on the same curve. A pair whose backward was moved to
   another replica recomputes its gate and up projections there (2/3 of the forward FLOPs).
-* **Compaction off** (``compaction=False``): backward packets keep their forward sizes (dropped pairs travel and
-  are multiplied as zero rows), grown where moved pairs arrive: rows per (source, slot) are
-  ``max(fwd_NG, bwd_NG)`` in both backward all-to-alls and the backward GEMM. With compaction on: ``bwd_NG``.
-  Moved pairs bring their input rows (the plan's ``carry_NG``) in the output-gradient all-to-all.
-* **Replica gradient sync** (the substrate of :mod:`lrmoe.distributed.replica`, as the layer runs it): the local slots
-  of an expert are summed for free, then every rank of the consecutive range spanned by the expert's hosts
-  runs a ring all-reduce (each sends and receives ``2 (h - 1) / h`` of the gradient, plus ``2 (h - 1)``
-  latencies) at the slowest link the range crosses. A rank in several ranges runs them one after the other.
-  SYMI's contiguous placements make the range exactly the hosts; LRMoE's scattered replicas widen it.
+* **Packets** are the layer's own, from the plan's byte model (:mod:`lrmoe.layout`, shared with the layer's
+  accounting, so modelled bytes = counted bytes): compact backward (``compaction=True``, where the plan trims or
+  moves pairs) sends the retained gradient rows plus the moved pairs' input rows and a 4-byte index per staying row,
+  and multiplies the retained rows; the forward layout (``compaction=False``, or a plan that keeps everything)
+  sends every forward row (zeros where not retained) plus moved gradient and input rows, and multiplies fwd + moved
+  rows. ``combine_cols`` extra elements ride on each combine row when the plan selects (metric m2's ‖h‖).
+* **Replica gradient sync** (the substrate of :mod:`lrmoe.distributed.replica`, as the layer runs it; bytes from
+  the shared byte model :mod:`lrmoe.sync_model`): the local slots of an expert are summed for free, then
+  ``replica_grad="range"`` (SYMI's): every rank of the consecutive range spanned by the expert's hosts
+  all-reduces, priced as a ring (each sends and receives about ``2 (h - 1) / h`` of the gradient, plus
+  ``2 (h - 1)`` latencies) at the slowest link the range crosses; a rank in several ranges runs them one after
+  the other. SYMI's contiguous placements make the range exactly the hosts; LRMoE's scattered replicas widen it.
   ``sync_groups="hosts"`` models groups of the hosting ranks only (a design the layer does not run: it would
   need a process group per host set, which SYMI avoids by creating only the N(N-1)/2 range groups).
-* **Gradient collection / Adam / redistribution** (statically sharded optimizer, SYMI §4): every rank fetches
-  its 1/N shard of every expert's reduced gradient (from itself inside the range, else from the range's ranks
-  in round-robin order), runs Adam on E/N experts' worth of parameters at HBM bandwidth, then sends each
-  updated shard to every other rank hosting the expert (once per rank; the placement of this plan stands in for
-  the next one). A conventional static expert-parallel system (``sharded_optimizer=False``) keeps each
-  expert's optimizer state on its one host: no collection, no redistribution.
+  ``replica_grad="shard"`` (ours): every host sends shard q of its sum to rank q, all experts in one
+  all-to-all (priced as the other all-to-alls), and there is no gradient collection.
+* **Gradient collection / Adam / redistribution** (statically sharded optimizer, SYMI §4): in range mode every
+  rank fetches its 1/N shard of every expert's reduced gradient (from itself inside the range, else from the
+  range's ranks in round-robin order); every rank runs Adam on E/N experts' worth of parameters at HBM
+  bandwidth, then sends each updated shard to every other rank hosting the expert (once per rank; the placement
+  of this plan stands in for the next one). A conventional static expert-parallel system
+  (``sharded_optimizer=False``) keeps each expert's optimizer state on its one host: no collection, no
+  redistribution, and no shard owners for ``replica_grad="shard"`` (it is priced as ``"range"``).
 
 Memory per rank (one layer): expert slots (weights + gradients per hosted replica), the optimizer shard, the
 activations saved for the backward on the rank that computed a pair's forward (input row, gate and up
@@ -59,19 +65,23 @@ from pathlib import Path
 
 import torch
 
-from ..config import ClusterConfig, MoEConfig, _non_negative
+from ..checks import non_negative_fields
+from ..config import ClusterConfig, MoEConfig
+from ..layout import A2A_PHASES, STEP_PHASES, backward_counts, layer_traffic
+from ..layout import PHASES as LAYOUT_PHASES
+from ..sync_model import check_replica_grad, hosts_mask, shard_sizes, step_bytes
 
-# The layer's phase names (lrmoe.distributed.accounting), in execution order, plus the shared expert (GLM). The
+# The modelled phases, named as the layer names them (one vocabulary: lrmoe.layout.PHASES), in execution order. The
 # backward all-to-alls are named for the forward one they invert: combine_a2a_bwd carries output gradients from
 # the home ranks to the experts, dispatch_a2a_bwd carries input gradients back.
-PHASES = ("dispatch_a2a", "expert_fwd", "shared_fwd", "combine_a2a",
-          "combine_a2a_bwd", "expert_bwd", "shared_bwd", "dispatch_a2a_bwd",
-          "replica_sync", "grad_collect", "adam", "redistribute")
+PHASES = tuple(p for p in LAYOUT_PHASES if p in (
+    "dispatch_a2a", "expert_fwd", "shared_fwd", "combine_a2a", "combine_a2a_bwd", "bwd_index_a2a", "expert_bwd",
+    "shared_bwd", "dispatch_a2a_bwd", "replica_sync", "grad_collect", "adam", "redistribute"))
 CATEGORIES = {
     "forward": ("expert_fwd", "shared_fwd"),
     "backward": ("expert_bwd", "shared_bwd"),
-    "communication": ("dispatch_a2a", "combine_a2a", "combine_a2a_bwd", "dispatch_a2a_bwd"),
-    "sync": ("replica_sync", "grad_collect", "adam", "redistribute"),
+    "communication": A2A_PHASES,
+    "sync": STEP_PHASES,
 }
 _P = {name: i for i, name in enumerate(PHASES)}
 
@@ -92,7 +102,7 @@ class GemmCurve:
     def __post_init__(self) -> None:
         if not 0 < self.eff_max <= 1:
             raise ValueError(f"GemmCurve.eff_max must be in (0, 1], got {self.eff_max!r}")
-        _non_negative(self, "m_half", "launch_s")
+        non_negative_fields(self, "m_half", "launch_s")
 
     def seconds(self, rows: torch.Tensor, flops_per_row: float, peak_flops: float) -> torch.Tensor:
         """Seconds for groups of ``rows`` rows each (elementwise; an empty group costs nothing)."""
@@ -258,6 +268,7 @@ class CostModel:
     cluster: ClusterConfig
     gemm: GemmCurve | None = None  # None: gemm_preset(cluster.name, model.name)
     compaction: bool = True  # False: backward packets padded to forward sizes
+    combine_cols: int = 0  # the recalibration metric's extra combine columns (m2: 1), when a plan selects
     sharded_optimizer: bool = True  # False: static EP, optimizer state stays with the one host of each expert
     grad_bytes: int | None = None  # bytes per gradient element of a replica; None: the model dtype (ours)
     state_bytes_per_param: float = 12.0  # fp32 master weights + two fp32 Adam moments
@@ -266,6 +277,7 @@ class CostModel:
     mem_budget_bytes: float | None = None  # one layer's share of a rank's memory; None: cluster's / MoE layers
     optimizer_in_budget: bool = False  # count the optimizer shard against the budget (ours: no, see below)
     sync_groups: str = "range"  # "range": the layer's consecutive-range groups; "hosts": only the hosting ranks
+    replica_grad: str = "range"  # "range": SYMI's group all-reduce + collection; "shard": straight to the owners
 
     def __post_init__(self) -> None:
         if self.gemm is None:
@@ -277,8 +289,9 @@ class CostModel:
                                float(self.cluster.mem_budget_bytes) / self.model.num_moe_layers)
         if self.sync_groups not in ("range", "hosts"):
             raise ValueError(f"CostModel.sync_groups={self.sync_groups!r} is not 'range' or 'hosts'")
-        _non_negative(self, "grad_bytes", "state_bytes_per_param", "optimizer_traffic_per_param",
-                      "recompute_fraction", "mem_budget_bytes")
+        check_replica_grad(self.replica_grad)
+        non_negative_fields(self, "grad_bytes", "state_bytes_per_param", "optimizer_traffic_per_param",
+                            "recompute_fraction", "mem_budget_bytes")
 
     # -- memory per slot and per pair (what LRMoE's placement MemoryModel should be given) ------------------------
     @property
@@ -329,32 +342,20 @@ class CostModel:
         e = plan.dropped_NE.shape[1]
         if e != m.num_experts:
             raise ValueError(f"plan has {e} experts but model {m.name!r} has num_experts={m.num_experts}")
-        row_b = float(m.pair_bytes)
         fwd_NG = plan.fwd_NG
-        if len(plan.bwd_flows_F4):
-            bwd_NG, carry_NG, moved_G = plan.bwd_NG, plan.carry_NG, plan.moved_NG.sum(0)
-        else:  # no flows: skip the flow matrices (the common case, and the fast path of the simulator)
-            bwd_NG, carry_NG, moved_G = plan.keep_NG, None, None
-        grad_NG = bwd_NG if self.compaction else torch.maximum(fwd_NG, bwd_NG)
-
-        def per_rank(x_NG: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N, N] summed over the slots of each rank
-            return x_NG.view(n, n, s).sum(2).double()
-
-        fwd_NM, grad_NM = per_rank(fwd_NG), per_rank(grad_NG)
+        # The layer's own packet layout (lrmoe.layout): the same rows it sends, compact or padded.
+        traffic = layer_traffic(plan, m.hidden, m.dtype_bytes, compact=self.compaction,
+                                combine_cols=self.combine_cols)
+        _, grad_NG, _ = backward_counts(plan, self.compaction)  # backward rows per (source, slot): the GEMM's
+        moves = bool(len(plan.bwd_flows_F4))
+        carry_NG, moved_G = (plan.carry_NG, plan.moved_NG.sum(0)) if moves else (None, None)
         fwd_rows_NS = fwd_NG.sum(0).view(n, s)
         bwd_rows_NS = grad_NG.sum(0).view(n, s)
 
         time_NP = torch.zeros(n, len(PHASES), dtype=torch.float64)
         bytes_NP = torch.zeros_like(time_NP)
-
-        def a2a(phase: str, b_NM: torch.Tensor) -> None:
-            t_N, sent_N = self._a2a(b_NM)
-            time_NP[:, _P[phase]], bytes_NP[:, _P[phase]] = t_N, sent_N
-
-        a2a("dispatch_a2a", fwd_NM * row_b)
-        a2a("combine_a2a", fwd_NM.T * row_b)
-        a2a("combine_a2a_bwd", (grad_NM if carry_NG is None else grad_NM + per_rank(carry_NG)) * row_b)
-        a2a("dispatch_a2a_bwd", grad_NM.T * row_b)
+        for phase, t in traffic.items():
+            time_NP[:, _P[phase]], bytes_NP[:, _P[phase]] = self._a2a(t.bytes_NN)
 
         fwd_f, bwd_f = float(m.pair_fwd_flops), float(m.pair_bwd_flops)
         time_NP[:, _P["expert_fwd"]] = self.gemm_seconds_N(fwd_rows_NS, fwd_f)
@@ -404,65 +405,54 @@ class CostModel:
               bytes_NP: torch.Tensor) -> torch.Tensor:
         """Replica sync, gradient collection, Adam and redistribution, in place; returns the used slots [N].
 
-        The substrate of :mod:`lrmoe.distributed.replica`, vectorised (``tests/test_cost.py`` checks its bytes against
-        the layer's formulas in :mod:`lrmoe.distributed.accounting`): the ranks of the consecutive range [lo_e, hi_e]
-        spanned by expert e's hosts (``sync_groups="range"``; or the hosts only, ``"hosts"``) all-reduce its
-        gradient; the i-th rank outside that group takes its shard from the group's rank number i mod h_e.
+        The bytes are :func:`lrmoe.sync_model.step_bytes`'s, the layer's own byte model (the placement of this plan
+        stands in for the next one); this only turns them into time, on the links of :meth:`_a2a`:
+
+        * ``replica_grad="range"``: each expert's group all-reduce is priced as a ring, ``bytes / bw + 2 (h - 1)``
+          latencies (one per hop), at the slowest link the group crosses (inter-node as soon as its members sit on
+          two nodes); a rank in several groups runs them one after the other (the layer issues one collective per
+          expert, in expert order), so its time is the sum. Gradient collection: one all-to-all.
+        * ``replica_grad="shard"``: the one exchange is an all-to-all (latency once per link kind a rank uses:
+          its messages are pipelined); there is no collection phase (the owners' fold of what they receive is a
+          local add, not priced).
+        * Redistribution: one all-to-all in both modes; Adam: E/N experts' state at HBM bandwidth.
+
+        No overlap: each phase starts when the previous one ends on the slowest rank (the module's rule), and the
+        step's phases are not overlapped with the backward of later layers. ``sharded_optimizer=False`` (static EP)
+        has no shard owners: its hosts all-reduce (range groups), and there is no collection or redistribution.
         """
         m, c = self.model, self.cluster
         n = placement_NS.shape[0]
         e = num_experts
         p_e = m.expert_params
-        pb = self.grad_bytes
-        hosts_NE = torch.zeros(n, e + 1, dtype=torch.bool)
-        hosts_NE.scatter_(1, torch.where(placement_NS >= 0, placement_NS, e), True)
-        hosts_NE = hosts_NE[:, :e]
         used_N = (placement_NS >= 0).sum(1).double()
-        rank_N = torch.arange(n)
-        hosted_E = hosts_NE.any(0)
-        lo_E = torch.where(hosts_NE, rank_N[:, None], n).min(0).values
-        hi_E = torch.where(hosts_NE, rank_N[:, None], -1).max(0).values
-        if self.sync_groups == "range":  # the ranks lo_e..hi_e all-reduce; outside ranks index into the range
-            h_E = torch.where(hosted_E, hi_E - lo_E + 1, 0)
-            member_NE = (rank_N[:, None] >= lo_E) & (rank_N[:, None] <= hi_E)
-            holder_NE = lo_E[None, :] + rank_N[:, None]  # holder i of e is rank lo_e + i
-        else:  # "hosts": only the hosting ranks all-reduce, holders are the hosts in rank order
-            h_E = hosts_NE.sum(0)
-            member_NE = hosts_NE
-            holder_NE = torch.where(hosts_NE, rank_N[:, None], n).sort(dim=0).values
-        outside_NE = ~member_NE & hosted_E
-        idx_NE = (~member_NE).long().cumsum(0) - 1  # index of each outside rank among the outside ranks
-        src_NE = holder_NE.gather(0, idx_NE.clamp(min=0) % h_E.clamp(min=1)[None, :].expand(n, e))
-
-        # Ring all-reduce over the group, at the slowest link it crosses (its lowest and highest rank's nodes).
-        rpn = c.ranks_per_node
-        spans_nodes_E = (lo_E // rpn) != (hi_E.clamp(min=0) // rpn)
-        bw_E = torch.where(spans_nodes_E, c.inter_bw, c.intra_bw).double()
-        lat_E = torch.where(spans_nodes_E, c.inter_latency, c.intra_latency).double()
-        payload = p_e * pb
-        ring_bytes_E = torch.where(h_E > 1, (2 * (h_E - 1) * payload) // h_E.clamp(min=1), 0).double()
-        ring_t_E = torch.where(h_E > 1, ring_bytes_E / bw_E + 2 * (h_E - 1) * lat_E, 0.0)
-        ring_NE = (member_NE & (h_E > 1)).double()
-        time_NP[:, _P["replica_sync"]] = ring_NE @ ring_t_E
-        bytes_NP[:, _P["replica_sync"]] = ring_NE @ ring_bytes_E
+        mode = self.replica_grad if self.sharded_optimizer else "range"
+        sb = step_bytes(placement_NS, placement_NS, e, p_e, self.grad_bytes, m.dtype_bytes, mode, self.sync_groups)
+        if mode == "range":
+            group_NE = sb.group_NE
+            h_E = group_NE.sum(0)
+            node_N = torch.arange(n) // c.ranks_per_node
+            lo_node_E = torch.where(group_NE, node_N[:, None], n).min(0).values
+            hi_node_E = torch.where(group_NE, node_N[:, None], -1).max(0).values
+            crosses_E = hi_node_E > lo_node_E
+            bw_E = torch.where(crosses_E, c.inter_bw, c.intra_bw).double()
+            lat_E = torch.where(crosses_E, c.inter_latency, c.intra_latency).double()
+            ring_NE = sb.allreduce_NE.double()
+            t_NE = torch.where(group_NE, ring_NE / bw_E + 2 * (h_E - 1) * lat_E, 0.0)
+            time_NP[:, _P["replica_sync"]] = t_NE.sum(1)
+            bytes_NP[:, _P["replica_sync"]] = ring_NE.sum(1)
+        else:
+            time_NP[:, _P["replica_sync"]], bytes_NP[:, _P["replica_sync"]] = self._a2a(sb.sync_NM)
 
         if not self.sharded_optimizer:
             if c.hbm_bw > 0:
-                time_NP[:, _P["adam"]] = hosts_NE.double().sum(1) * p_e * self.optimizer_traffic_per_param / c.hbm_bw
+                hosted_N = hosts_mask(placement_NS, e).double().sum(1)
+                time_NP[:, _P["adam"]] = hosted_N * p_e * self.optimizer_traffic_per_param / c.hbm_bw
             return used_N
-        shard_N = (p_e // n + (rank_N < p_e % n)).double()  # rank r's shard: the first p_e % n get one more
-        # Gradient collection: rank q outside e's group fetches shard q from holder (i mod h_e), i = q's index
-        # among the ranks outside the group.
-        collect_NM = torch.zeros(n * n, dtype=torch.float64).index_add_(
-            0, (src_NE * n + rank_N[:, None])[outside_NE],
-            (shard_N[:, None] * pb).expand(n, e)[outside_NE]).view(n, n)
-        t_N, sent_N = self._a2a(collect_NM)
-        time_NP[:, _P["grad_collect"]], bytes_NP[:, _P["grad_collect"]] = t_N, sent_N
+        if mode == "range":
+            time_NP[:, _P["grad_collect"]], bytes_NP[:, _P["grad_collect"]] = self._a2a(sb.collect_NM)
         if c.hbm_bw > 0:
+            shard_N = torch.tensor(shard_sizes(p_e, n), dtype=torch.float64)
             time_NP[:, _P["adam"]] = e * shard_N * self.optimizer_traffic_per_param / c.hbm_bw
-        # Redistribution: rank q sends its shard of e to every other rank hosting e (once per rank).
-        distinct_N = hosts_NE.double().sum(1)
-        redist_NM = (shard_N[:, None] * float(m.dtype_bytes)) * distinct_N[None, :]
-        t_N, sent_N = self._a2a(redist_NM)
-        time_NP[:, _P["redistribute"]], bytes_NP[:, _P["redistribute"]] = t_N, sent_N
+        time_NP[:, _P["redistribute"]], bytes_NP[:, _P["redistribute"]] = self._a2a(sb.redistribute_NM)
         return used_N
