@@ -25,18 +25,18 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parent.parent
-
 import torch
 
 if not torch.cuda.is_available():  # before any kernel module imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lrmoe.harness.timing import time_once_ms
-from lrmoe.config import cluster_preset, model_preset
-from lrmoe.kernels.compact import compact_plan, pack, unpack
-from lrmoe.kernels.grouped_gemm import grouped_mm, swiglu_experts
-from lrmoe.tracking import Tracker, add_tracking_args
+from lrmoe.config import cluster_preset, model_preset  # noqa: E402 - after TRITON_INTERPRET
+from lrmoe.harness.timing import time_once_ms  # noqa: E402
+from lrmoe.kernels.compact import compact_plan, pack, unpack  # noqa: E402
+from lrmoe.kernels.grouped_gemm import grouped_mm, swiglu_experts  # noqa: E402
+from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 GPU_PRESETS = [("H200", "h200x8"), ("A100-SXM4-80GB", "a100-80gb-x16"), ("A100", "a100-40gb-x8")]
 BW_GOAL, GEMM_GOAL = 0.8, 0.9

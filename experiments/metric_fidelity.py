@@ -38,7 +38,6 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

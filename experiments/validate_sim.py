@@ -13,7 +13,8 @@
    seed) and fed through fresh policy objects built by ``layer_bench.make_policy``, step by step as the layer
    feeds them (``prev_counts_E`` = the previous step's global counts). The replay is checked against what the
    benchmark counted: every rank's pairs and bytes of every phase, each step, must equal the formulas of
-   :mod:`lrmoe.distributed.accounting` on the replayed plan (the benchmark checked the same formulas on the plan it ran).
+   :mod:`lrmoe.distributed.accounting` on the replayed plan (the benchmark checked the same formulas on the plan it
+   ran).
 3. *Predict and compare*: ``CostModel.cost(plan)`` per step and rank; per phase the predicted time against the
    measured one (statistics below); error = predicted / measured - 1, per (trace, policy, phase) cell, then its
    median over cells per phase and over all cells (target 4 of DESIGN.md §5.8: median |error| <= 20 %).
@@ -50,8 +51,6 @@ import warnings
 from argparse import Namespace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
 import pandas as pd
 import torch
 
@@ -61,6 +60,8 @@ from lrmoe.harness.calibrate_cpu import CLOCKS, calibrate, spec_for_bench, write
 from lrmoe.sim.cost import PHASES as MODEL_PHASES
 from lrmoe.sim.cost import CostModel, cpu_gloo_preset
 from lrmoe.tracking import Tracker, add_tracking_args, read_results
+
+ROOT = Path(__file__).resolve().parent.parent
 
 LOCAL = ("expert_fwd", "expert_bwd", "adam")  # measured as the slowest rank
 COLLECTIVE = ("dispatch_a2a", "combine_a2a", "combine_a2a_bwd", "dispatch_a2a_bwd", "grad_collect", "redistribute")

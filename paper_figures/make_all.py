@@ -13,13 +13,12 @@ import argparse
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
 import matplotlib
 
 matplotlib.use("Agg")  # files only; notebooks importing figures keep their inline backend
-from lrmoe.paper_figures import figures
-from lrmoe.paper_figures import style
+from lrmoe.paper_figures import figures, style  # noqa: E402 - after the backend is chosen
+
+HERE = Path(__file__).resolve().parent
 
 
 def make_all(results: Path, out: Path, only: list[str] | None = None) -> dict[str, list[Path]]:
