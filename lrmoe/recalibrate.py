@@ -1,12 +1,12 @@
 """The backward hook that recalibrates an MoE layer's backward load, pair by pair.
 
 :func:`recalibrate` is the identity on the per-pair expert outputs o_PD in the forward. In the backward it
-receives grad_o = g·δ for every pair, scores the pairs with the chosen metric (from what the token's home rank
-holds: grad_o, o for m3, ‖h‖ for m2, g), selects them inside the given quotas, records the selection on its
-:class:`Recalibration` object and returns the gradient masked and scaled (0 for dropped pairs, 1 or 1/p for
-kept ones). The gate multiplies o outside the hook, so the router gradient sees every pair; the shared
-expert never passes through it. The distributed layer applies the same hook at the home rank, before the
-backward all-to-all, so dropped pairs never cross the network.
+receives grad_o = g·δ for every pair, scores the pairs with the chosen metric (a :class:`lrmoe.scoring.Metric`,
+from what the token's home rank holds: grad_o and what the metric needs of o, ‖h‖ and g), selects them inside
+the given quotas, records the selection on its :class:`Recalibration` object and returns the gradient masked
+and scaled (0 for dropped pairs, 1 or 1/p for kept ones). The gate multiplies o outside the hook, so the router
+gradient sees every pair; the shared expert never passes through it. The distributed layer applies the same
+decision at the home rank, before the backward all-to-all, so dropped pairs never cross the network.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
-from .quotas import apportion
-from .scoring import METRICS, pair_scores
+from .checks import apportion
+from .scoring import Metric, PairParts, get_metric
 from .selection import DEFAULT_UNIFORM_MIX, MODES, Selection, check_groups, select
 
 
@@ -26,13 +26,14 @@ from .selection import DEFAULT_UNIFORM_MIX, MODES, Selection, check_groups, sele
 class Recalibration:
     """What the hook is told (metric, mode, a group per pair and a quota per group) and what it did.
 
+    metric: a name of :data:`lrmoe.scoring.METRICS` or a :class:`lrmoe.scoring.Metric` (``scorer`` is the object).
     group_P: long [P] in [0, Q), e.g. source rank · E + expert; quota_Q: long [Q] pairs to keep per group.
     After each backward, ``scores_P`` and ``selection`` hold the latest scores and selection, and
     ``num_backward`` counts the backward passes (a retained graph may be run several times: each run draws
     afresh from ``generator``).
     """
 
-    metric: str
+    metric: str | Metric
     mode: str
     group_P: torch.Tensor
     quota_Q: torch.Tensor
@@ -41,10 +42,13 @@ class Recalibration:
     scores_P: torch.Tensor | None = field(default=None, init=False)
     selection: Selection | None = field(default=None, init=False)
     num_backward: int = field(default=0, init=False)
+    scorer: Metric = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.metric not in METRICS:
-            raise ValueError(f"Recalibration.metric={self.metric!r} is not one of {METRICS}")
+        try:
+            self.scorer = get_metric(self.metric)
+        except ValueError as err:
+            raise ValueError(f"Recalibration.{err}") from None
         if self.mode not in MODES:
             raise ValueError(f"Recalibration.mode={self.mode!r} is not one of {MODES}")
         check_groups(self.group_P, self.quota_Q, "Recalibration.")
@@ -68,18 +72,11 @@ class Recalibration:
 def score_and_select(rec: Recalibration, grad_o_PD: torch.Tensor, o_PD: torch.Tensor | None = None,
                      gate_P: torch.Tensor | None = None, h_norm_P: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, Selection]:
-    """The hook's backward decision, callable on its own: the metric's scores, then the selection.
-
-    The random metric in the unbiased mode uses equal scores, i.e. equal inclusion probabilities
-    quota / group size with scale size / quota: uniform random at the quota, unbiased. (Probabilities
-    proportional to i.i.d. uniform scores would be unbiased too, but with needlessly huge 1/p weights.)
-    """
-    if rec.metric == "random" and rec.mode == "unbiased":
-        scores_P = torch.ones(grad_o_PD.shape[0], dtype=torch.promote_types(grad_o_PD.dtype, torch.float32),
-                              device=grad_o_PD.device)
-    else:
-        scores_P = pair_scores(rec.metric, grad_o_PD, o_PD=o_PD, h_norm_P=h_norm_P, gate_P=gate_P,
-                               generator=rec.generator)
+    """The hook's backward decision, callable on its own: the metric's scores (on the device of grad_o_PD),
+    then the selection (on the device of ``rec.group_P``, where the scores are moved). Returns the scores on
+    the selection's device, and the selection."""
+    parts = PairParts(grad_o_MD=grad_o_PD, o_MD=o_PD, h_norm_M=h_norm_P, gate_M=gate_P)
+    scores_P = rec.scorer.score(parts, rec.generator, rec.mode).to(rec.group_P.device)
     selection = select(scores_P, rec.group_P, rec.quota_Q, rec.mode, rec.generator, uniform_mix=rec.uniform_mix)
     return scores_P, selection
 
@@ -90,7 +87,7 @@ class _Recalibrate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o_PD, gate_P, h_norm_P, rec):
         ctx.rec = rec
-        ctx.save_for_backward(o_PD if rec.metric == "m3" else None, gate_P, h_norm_P)
+        ctx.save_for_backward(o_PD if rec.scorer.save_output else None, gate_P, h_norm_P)
         return o_PD.view_as(o_PD)
 
     @staticmethod
@@ -101,28 +98,28 @@ class _Recalibrate(torch.autograd.Function):
         scores_P, selection = score_and_select(rec, grad_o_PD, o_PD, gate_P, h_norm_P)
         rec.scores_P, rec.selection = scores_P, selection
         rec.num_backward += 1
-        return grad_o_PD * selection.scale_P.to(grad_o_PD.dtype)[:, None], None, None, None
+        return grad_o_PD * selection.scale_P.to(grad_o_PD)[:, None], None, None, None
 
 
 def recalibrate(o_PD: torch.Tensor, rec: Recalibration, *, gate_P: torch.Tensor | None = None,
                 h_norm_P: torch.Tensor | None = None) -> torch.Tensor:
     """Apply the recalibration hook to per-pair expert outputs o_PD (see the module doc).
 
-    gate_P (needed by "gate") and h_norm_P (needed by "m2") are per-pair scalars from the forward; they are
-    read as values (detached).
+    gate_P and h_norm_P are per-pair scalars from the forward, given when the metric needs them (``gate``,
+    ``h_norm``); they are read as values (detached).
     """
     if o_PD.dim() != 2:
         raise ValueError(f"o_PD must be 2-D [pairs, hidden], got shape {tuple(o_PD.shape)}")
     num_pairs = o_PD.shape[0]
     if rec.group_P.numel() != num_pairs:
         raise ValueError(f"Recalibration.group_P has {rec.group_P.numel()} entries for {num_pairs} pairs")
-    for name, value, needed_by in (("gate_P", gate_P, "gate"), ("h_norm_P", h_norm_P, "m2")):
-        if value is None and rec.metric == needed_by:
-            raise ValueError(f"metric {rec.metric!r} needs {name}")
+    for name, value, need in (("gate_P", gate_P, "gate"), ("h_norm_P", h_norm_P, "h_norm")):
+        if value is None and need in rec.scorer.needs:
+            raise ValueError(f"metric {rec.scorer.name!r} needs {name}")
         if value is not None and tuple(value.shape) != (num_pairs,):
             raise ValueError(f"{name} must have shape ({num_pairs},), got {tuple(value.shape)}")
-    detach = (lambda t: None if t is None else t.detach())
-    return _Recalibrate.apply(o_PD, detach(gate_P), detach(h_norm_P), rec)
+    gate_P, h_norm_P = (None if t is None else t.detach() for t in (gate_P, h_norm_P))
+    return _Recalibrate.apply(o_PD, gate_P, h_norm_P, rec)
 
 
 def pair_hook(rec: Recalibration) -> Callable:
@@ -153,7 +150,7 @@ def pair_groups(idx_TK: torch.Tensor, num_experts: int, num_sources: int = 1) ->
 
 def proportional_quotas(counts_Q: torch.Tensor, rho: float) -> torch.Tensor:
     """Quotas ≈ rho · counts per group: round(rho · Σ counts) split in proportion to the counts (the planner's
-    :func:`~lrmoe.quotas.apportion`), then at least one pair for every group that has pairs (rho > 0).
+    :func:`~lrmoe.checks.apportion`), then at least one pair for every group that has pairs (rho > 0).
 
     The floor of one matters for the unbiased mode: a group with quota 0 can only drop all its pairs, so their
     expected contribution is lost and the estimate is biased. A single-process stand-in for the planner's

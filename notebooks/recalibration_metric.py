@@ -18,10 +18,13 @@
 # | metric | score | cost |
 # |---|---|---|
 # | `m1` | g · ‖δ‖ | free |
-# | `m2` | g · ‖δ‖ · ‖h‖ — the exact norm of the pair's down-projection gradient term | one scalar per pair from the forward |
+# | `m2` | g · ‖δ‖ · ‖h‖ — the exact norm of the pair's down-projection gradient term | one scalar per pair |
 # | `m3` | g · \|⟨δ, o⟩\| — first-order loss change | ⟨δ, o⟩ is needed by the router gradient anyway |
 # | `gate` | g | free |
 # | `random` | uniform | free |
+#
+# Each metric is an object of `lrmoe.scoring` (`METRIC_REGISTRY`) that declares what it needs besides g·δ; to try
+# a new one, subclass `lrmoe.scoring.Metric` and pass the object as `metric` to `run` below.
 #
 # Selection is `topk` (biased, lowest variance) or `unbiased` (keep with probability p ∝ score, scale by 1/p).
 #
@@ -41,6 +44,7 @@ import torch
 from lrmoe.config import model_preset
 from lrmoe.recalibrate import Recalibration, pair_groups, pair_hook, proportional_quotas
 from lrmoe.reference import ReferenceMoE
+from lrmoe.scoring import METRICS
 from lrmoe.traces import zipf_popularity
 
 QUICK = os.environ.get("LRMOE_NOTEBOOK_QUICK") == "1"  # the tests run every notebook in a small mode
@@ -136,7 +140,7 @@ def show(metric="m2", rho=0.7, skew=0.8, mode="topk"):
 import ipywidgets as widgets
 
 controls = dict(
-    metric=widgets.Dropdown(options=["m1", "m2", "m3", "gate", "random"], value="m2", description="metric"),
+    metric=widgets.Dropdown(options=list(METRICS), value="m2", description="metric"),
     rho=widgets.FloatSlider(value=0.7, min=0.1, max=1.0, step=0.05, description="retention ρ"),
     skew=widgets.FloatSlider(value=0.8, min=0.0, max=1.2, step=0.1, description="Zipf s"),
     mode=widgets.ToggleButtons(options=["topk", "unbiased"], value="topk", description="mode"),
@@ -179,7 +183,7 @@ plt.show()
 
 # %%
 rows = []
-for metric in ["m1", "m2", "m3", "gate", "random"]:
+for metric in METRICS:
     for rho in ([0.5, 0.85] if QUICK else [0.5, 0.7, 0.85]):
         r = run(metric, rho, 0.8, "topk")
         rows.append({"metric": metric, "rho": rho, "rel_err_all": r["rel_all"], "cos_mean": float(r["cos_E"].mean())})

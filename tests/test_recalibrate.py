@@ -244,4 +244,4 @@ def test_bench_scoring_quick_run(tmp_path):
     bench.main(["--quick", "--no-wandb", "--out", str(out)])
     records = read_results(out)
     assert {(r["metric"], r["mode"]) for r in records} == {(m, mode) for m in METRICS for mode in MODES}
-    assert all(r["select_ms"] > 0 for r in records)
+    assert all(r["select_ms"] > 0 and r["score_ms"] >= 0 and r["width"] == 64 for r in records)
