@@ -8,7 +8,8 @@ placement, backward replica routing (with the balanced and with an even forward 
 compaction (padded packets). The recalibration metric (random / gate-only) and the selection mode (unbiased)
 keep the same counts, so their rows repeat LRMoE's time by construction: their effect is on the gradient
 (experiments/metric_fidelity.py).
-Swept over model, routing skew (Zipf s, DESIGN.md §5), per-rank memory budget and number of ranks.
+Swept over model, routing skew (Zipf s, DESIGN.md §5), per-rank memory budget and number of ranks. Systems are
+named as in ``lrmoe.systems`` (``--systems`` takes any of them).
 
     python experiments/ablate.py --quick            # small sweep (6 iterations, 4 layers, 8 and 16 ranks,
                                                     # 2 budgets, 4 skews): about 20 s on 2 CPU cores
@@ -25,8 +26,6 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from pathlib import Path
-
 
 import matplotlib
 
@@ -37,10 +36,10 @@ import seaborn as sns
 from tqdm import tqdm
 
 from lrmoe.config import ClusterConfig, MoEConfig, cluster_preset, model_preset
-from lrmoe.placement import MemoryModel, slots_that_fit
-from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi
+from lrmoe.placement import MemoryModel
 from lrmoe.sim.cost import CostModel
 from lrmoe.sim.simulator import System, simulate
+from lrmoe.systems import SystemContext, check_systems, get_system, plan_twins, system_arg, system_names_help
 from lrmoe.tracking import Tracker, add_tracking_args
 from lrmoe.traces import generate_trace, gini, max_over_mean
 
@@ -50,16 +49,17 @@ MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
 # room for about 1024 tokens per GPU. Both leave the 40 GB budget with no or few spare replica slots.
 TOKENS = {"qwen3-30b-a3b": 4096, "glm-4.5-air": 1024}
 SKEWS = [0.2, 0.4, 0.6, 0.8]  # Zipf s: Gini 0.10-0.50 before top-k (DESIGN.md §5)
-SYSTEMS = ["ep-dropless", "capacity-cf1", "capacity-cf1.25", "symi-cf1", "symi-dropless",
+# The default systems (lrmoe.systems). The metric and selection-mode variants (lrmoe-random, lrmoe-gate,
+# lrmoe-m2-unbiased) have LRMoE's plan by construction: they choose *which* pairs fill the quotas, never how many,
+# so their counted work (and simulated time) is LRMoE's, and the simulator runs LRMoE once for them
+# (lrmoe.systems.plan_twins).
+SYSTEMS = ["static-ep", "capacity-cf1", "capacity-cf1.25", "symi-cf1", "symi-dropless",
            "symi-dropless-lrmoe-slots", "lrmoe",
            "lrmoe-host-groups", "lrmoe-no-memplace", "lrmoe-no-bwd-routing", "lrmoe-even-fwd",
            "lrmoe-even-fwd-no-bwd-routing", "lrmoe-no-quotas", "lrmoe-padded",
-           "lrmoe-metric-random", "lrmoe-metric-gate", "lrmoe-unbiased"]
-# Same plan as LRMoE by construction: the metric and the selection mode choose *which* pairs fill the quotas,
-# never how many, so the counted work (and the simulated time) is LRMoE's.
-SAME_PLAN = {"lrmoe-metric-random": "lrmoe", "lrmoe-metric-gate": "lrmoe", "lrmoe-unbiased": "lrmoe"}
+           "lrmoe-random", "lrmoe-gate", "lrmoe-m2-unbiased"]
 CATS = ["forward", "backward", "communication", "sync"]
-PLOTTED = ["ep-dropless", "capacity-cf1", "symi-cf1", "symi-dropless-lrmoe-slots", "lrmoe", "lrmoe-host-groups",
+PLOTTED = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless-lrmoe-slots", "lrmoe", "lrmoe-host-groups",
            "lrmoe-no-memplace", "lrmoe-no-quotas", "lrmoe-padded"]
 
 
@@ -79,69 +79,38 @@ class Cell:
         return self.mem_gb * 1e9 / self.model.num_moe_layers
 
 
-def symi_slots(cell: Cell, cm: CostModel, headroom: float, max_extra: int) -> int:
-    """SYMI's fixed slots per rank: the home slots plus the replicas that fit beside buffers for ``headroom`` x the
-    mean load (the planner's own ``slots_that_fit``). Raises ValueError when the home slots do not fit."""
-    base = cell.model.num_experts // cell.cluster.num_ranks
-    planned = headroom * cell.tokens * cell.model.top_k
-    return base + slots_that_fit(cell.layer_budget, cm.slot_bytes, cm.pair_bytes, planned, base, max_extra)
+def system_context(cell: Cell, cm: CostModel, args) -> SystemContext:
+    """What every system of a cell is built from: the cell's per-layer budget as a MemoryModel (the cost model's
+    slot and pair bytes), at most ``--max-extra`` spare slots (default E/N), LRMoE's eps and gamma, and SYMI's
+    slots sized from that memory: the spare slots that fit beside buffers for ``--symi-headroom`` x the mean load
+    (SYMI-cf1: 1x, its capacity bound; lrmoe.systems)."""
+    m, c = cell.model, cell.cluster
+    base = m.num_experts // c.num_ranks
+    return SystemContext(num_experts=m.num_experts, num_ranks=c.num_ranks,
+                         spare_slots=base if args.max_extra is None else args.max_extra, eps=args.eps,
+                         gamma=args.gamma, memory=MemoryModel(cell.layer_budget, cm.slot_bytes, cm.pair_bytes),
+                         pairs_per_rank=cell.tokens * m.top_k, symi_headroom=args.symi_headroom)
 
 
 def build_systems(cell: Cell, names: list[str], args) -> tuple[dict[str, System], dict[str, str], dict[str, str]]:
-    """The systems of one cell, why those that cannot run there cannot, and notes on those that run."""
+    """The systems of one cell (each name's first plan twin only), why those that cannot run there cannot, and
+    notes on those that run (e.g. SYMI left without a spare slot)."""
     m, c = cell.model, cell.cluster
     cm = CostModel(m, c, mem_budget_bytes=cell.layer_budget)
     base = m.num_experts // c.num_ranks
-    max_extra = base if args.max_extra is None else args.max_extra
-    memory = MemoryModel(cell.layer_budget, cm.slot_bytes, cm.pair_bytes)
-    lr = dict(eps=args.eps, gamma=args.gamma, extra_slots=max_extra, memory=memory)
-    skipped: dict[str, str] = {}
-    notes = {}
-    slots = {}
-    for name, headroom in (("symi-dropless", args.symi_headroom), ("symi-cf1", 1.0),
-                           ("symi-dropless-lrmoe-slots", 1.0 + args.eps)):
-        try:
-            slots[name] = symi_slots(cell, cm, headroom, max_extra)
-        except ValueError:  # not even the home slots beside those buffers: run with no spare slot, flag memory
-            slots[name] = base
-            notes[name] = f"buffers for {headroom:g}x the mean load do not fit beside the home slots: no spare slot"
-    s_dropless, s_cf1 = slots["symi-dropless"], slots["symi-cf1"]
     if cell.layer_budget < base * cm.slot_bytes:
         why = (f"the {base} home slots ({base * cm.slot_bytes / 1e6:.0f} MB per layer) exceed the per-layer "
                f"budget ({cell.layer_budget / 1e6:.0f} MB)")
         return {}, {name: why for name in names}, {}
-    makers = {
-        "ep-dropless": lambda: System("ep-dropless", StaticEP, sharded_optimizer=False),
-        "capacity-cf1": lambda: System("capacity-cf1", lambda: Capacity(1.0), sharded_optimizer=False),
-        "capacity-cf1.25": lambda: System("capacity-cf1.25", lambda: Capacity(1.25), sharded_optimizer=False),
-        "symi-cf1": lambda: System("symi-cf1", lambda: Symi(s_cf1, cf=1.0)),
-        "symi-dropless": lambda: System("symi-dropless", lambda: Symi(s_dropless)),
-        # SYMI given the slots LRMoE's own memory rule finds at the mean load (isolates SYMI's buffer headroom)
-        "symi-dropless-lrmoe-slots": lambda: System("symi-dropless-lrmoe-slots", lambda: Symi(
-            slots["symi-dropless-lrmoe-slots"])),
-        "lrmoe": lambda: System("lrmoe", lambda: LRMoE(**lr)),
-        "lrmoe-host-groups": lambda: System("lrmoe-host-groups", lambda: LRMoE(**lr)),
-        "lrmoe-no-memplace": lambda: System("lrmoe-no-memplace", lambda: LRMoE(
-            eps=args.eps, gamma=args.gamma, extra_slots=s_dropless - base)),
-        "lrmoe-no-bwd-routing": lambda: System("lrmoe-no-bwd-routing", lambda: LRMoE(**lr, backward_routing=False)),
-        # The balanced forward already spreads each expert's pairs over its replicas, which leaves the backward
-        # routing nothing to move; with an even forward split it has work (the component's ablation proper).
-        "lrmoe-even-fwd": lambda: System("lrmoe-even-fwd", lambda: LRMoE(**lr, forward="even")),
-        "lrmoe-even-fwd-no-bwd-routing": lambda: System("lrmoe-even-fwd-no-bwd-routing", lambda: LRMoE(
-            **lr, forward="even", backward_routing=False)),
-        "lrmoe-no-quotas": lambda: System("lrmoe-no-quotas", lambda: LRMoE(**lr, quotas=False)),
-        "lrmoe-padded": lambda: System("lrmoe-padded", lambda: LRMoE(**lr), compaction=False),
-    }
-    systems = {name: makers[name]() for name in names if name not in SAME_PLAN}
-    notes["lrmoe-no-memplace"] = notes.get("symi-dropless", "")
-    return systems, skipped, notes
+    ctx = system_context(cell, cm, args)
+    twins = plan_twins(names)
+    specs = {name: get_system(name) for name in names if name not in twins}
+    notes = {name: spec.note(ctx) for name, spec in specs.items()}
+    return {name: spec.simulator_system(ctx) for name, spec in specs.items()}, {}, {k: v for k, v in notes.items() if v}
 
 
 def cost_kwargs(name: str, cell: Cell) -> dict:
-    kw = {"mem_budget_bytes": cell.layer_budget}
-    if name == "lrmoe-host-groups":
-        kw["sync_groups"] = "hosts"
-    return kw
+    return {"mem_budget_bytes": cell.layer_budget, **get_system(name).cost_options()}
 
 
 def parse_args(argv=None):
@@ -158,7 +127,7 @@ def parse_args(argv=None):
     parser.add_argument("--micro-batches", type=int, default=8,
                         help="micro-batches per iteration: the sync phases run once per iteration (ours)")
     parser.add_argument("--layers", type=int, default=None, help="simulated MoE layers (default all; quick 4)")
-    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, type=system_arg, help=system_names_help())
     parser.add_argument("--eps", type=float, default=0.1, help="LRMoE balance slack")
     parser.add_argument("--gamma", type=float, default=0.1, help="LRMoE per-expert floor")
     parser.add_argument("--max-extra", type=int, default=None, help="most extra slots per rank (default E/N)")
@@ -189,7 +158,36 @@ def parse_args(argv=None):
         raise ValueError(f"--micro-batches must be positive, got {args.micro_batches}")
     if args.steps < 2:
         raise ValueError(f"--steps must be at least 2 (the first is warm-up), got {args.steps}")
+    check_args(args)
     return args
+
+
+def check_args(args) -> None:
+    """What would otherwise fail cell by cell, hours into a sweep, raised once up front (ValueError naming the
+    flag): the model presets, the sizes, the skews, and every system in the first cell of each model."""
+    models = [model_preset(name) for name in args.models]
+    if any(r < 1 for r in args.ranks):
+        raise ValueError(f"--ranks must be positive, got {args.ranks}")
+    if any(not v > 0 for v in args.mem_gb):
+        raise ValueError(f"--mem-gb must be positive, got {args.mem_gb}")
+    if any(not v >= 0 for v in args.skews):
+        raise ValueError(f"--skews (Zipf s) must be non-negative, got {args.skews}")
+    for name in ("tokens_per_rank", "layers", "symi_headroom"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.max_extra is not None and args.max_extra < 0:
+        raise ValueError(f"--max-extra must be non-negative, got {args.max_extra}")
+    base = cluster_preset(args.cluster)
+    for model in models:
+        for ranks in args.ranks:
+            if model.num_experts % ranks:
+                raise ValueError(f"--ranks {ranks} does not divide the {model.num_experts} experts of {model.name}")
+        cluster = base.with_nodes(args.ranks[0] // base.ranks_per_node)
+        cell = Cell(model, cluster, args.skews[0], max(args.mem_gb),
+                    args.tokens_per_rank or TOKENS.get(model.name, 2048))
+        cm = CostModel(model, cluster, mem_budget_bytes=cell.layer_budget)
+        check_systems(args.systems, system_context(cell, cm, args))
 
 
 def run_cells(args, run) -> pd.DataFrame:
@@ -205,7 +203,8 @@ def run_cells(args, run) -> pd.DataFrame:
             for skew in args.skews:
                 for mem_gb in args.mem_gb:
                     plan.append((Cell(model, cluster, skew, mem_gb, tokens), layers))
-    per_cell = sum(1 for s in args.systems if s not in SAME_PLAN)
+    twins = plan_twins(args.systems)  # {name: the system it shares its plans with}: simulated once
+    per_cell = sum(1 for s in args.systems if s not in twins)
     total = sum(per_cell * args.steps * layers for _, layers in plan)
     rows = []
     traces = {}
@@ -227,7 +226,7 @@ def run_cells(args, run) -> pd.DataFrame:
             systems, skipped, notes = build_systems(cell, args.systems, args)
             cell_rows = {}
             for name in args.systems:
-                if name in SAME_PLAN:
+                if name in twins:
                     continue
                 if name in skipped:
                     rec = {**common, "system": name, "fits": False, "note": skipped[name]}
@@ -256,11 +255,11 @@ def run_cells(args, run) -> pd.DataFrame:
                            "fwd_imbalance": s["fwd_imbalance"], "rho": s["rho"],
                            "slots_per_rank": s["slots_per_rank"], "layer_over_share": s["layer_over_share"]}
                 cell_rows[name] = rec
-            for alias, source in SAME_PLAN.items():
-                if alias in args.systems and source in cell_rows:
+            for twin, source in twins.items():
+                if source in cell_rows:
                     src = cell_rows[source]
-                    cell_rows[alias] = {**src, "system": alias, "note": src["note"] if "iter_s" not in src else
-                                        f"same plan as {source} by construction"}
+                    cell_rows[twin] = {**src, "system": twin, "note": src["note"] if "iter_s" not in src else
+                                       f"same plan as {source} by construction"}
             for name in args.systems:
                 rec = cell_rows.get(name)
                 if rec is None:
@@ -344,7 +343,7 @@ def plot(table: pd.DataFrame, run, args) -> list:
         plt.close(grid.figure)
         top = float(ok["skew"].max())
         split = table[(table.mem_gb == args.headline_mem_gb) & (table["skew"] == top) & table["iter_s"].notna()
-                      & table.system.isin(["ep-dropless", "symi-cf1", "symi-dropless", "lrmoe", "lrmoe-host-groups"])]
+                      & table.system.isin(["static-ep", "symi-cf1", "symi-dropless", "lrmoe", "lrmoe-host-groups"])]
         long = split.melt(id_vars=["model", "ranks", "system"], value_vars=[f"{c}_ms_per_layer" for c in CATS],
                           var_name="part", value_name="ms")
         long["part"] = long["part"].str.replace("_ms_per_layer", "")

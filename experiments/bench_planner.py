@@ -1,8 +1,8 @@
 """Time one MoE layer's plan per policy on one CPU thread, and how it grows with N·E.
 
 The full LRMoE plan is placement + dropless forward routing + caps + backward replica routing + quotas (one call
-to ``LRMoE.plan``); the target is <= 1 ms per layer at E = 128, N = 64, so that planning all 48 layers of
-Qwen3-30B-A3B stays a small fraction of an iteration. Counts come from a synthetic trace (Zipf skew, AR(1)
+to ``LRMoE.plan``); the target (DESIGN.md §5.8) is <= 1 ms per layer at E = 128, N = 64, so that planning all 48
+layers of Qwen3-30B-A3B stays a small fraction of an iteration. Counts come from a synthetic trace (Zipf skew, AR(1)
 drift): step 0 is the previous iteration (placement input), step 1 the one planned.
 
     python experiments/bench_planner.py --ranks 8 16 64 --out outputs/bench_planner.jsonl
@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-from pathlib import Path
-
 
 import matplotlib
 
@@ -25,9 +23,9 @@ import torch
 
 from lrmoe.harness.timing import time_ms
 from lrmoe.placement import lrmoe_placement
-from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi
 from lrmoe.quotas import rank_caps, retention_quotas
 from lrmoe.replica_routing import route_backward, route_forward
+from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
 from lrmoe.tracking import Tracker, add_tracking_args
 from lrmoe.traces import generate_trace
 
@@ -35,24 +33,12 @@ POLICY_NAMES = ("lrmoe", "lrmoe-tight", "symi-dropless", "symi-cf1", "static-ep"
 TARGET_MS = 1.0
 
 
-def make_policy(name: str, num_experts: int, num_ranks: int, args, total_pairs: int):
-    """The benchmarked policies. lrmoe-tight: no balance slack and a memory cap of 90 % of the mean load,
-    so the backward routing and the quotas do real work on every rank."""
-    slots = num_experts // num_ranks + args.extra_slots  # SYMI gets the same slot budget as LRMoE
-    if name == "lrmoe":
-        return LRMoE(eps=args.eps, gamma=args.gamma, extra_slots=args.extra_slots)
-    if name == "lrmoe-tight":
-        return LRMoE(eps=0.0, gamma=args.gamma, extra_slots=args.extra_slots,
-                     mem_cap_pairs_N=int(0.9 * total_pairs / num_ranks))
-    if name == "symi-dropless":
-        return Symi(slots)
-    if name == "symi-cf1":
-        return Symi(slots, cf=1.0)
-    if name == "static-ep":
-        return StaticEP()
-    if name == "capacity-cf1":
-        return Capacity(1.0)
-    raise ValueError(f"unknown policy {name!r}; known: {POLICY_NAMES}")
+def system_context(num_experts: int, num_ranks: int, args, total_pairs: int) -> SystemContext:
+    """SYMI gets the same slot budget as LRMoE (E/N + ``--extra-slots``); no memory model. lrmoe-tight: no balance
+    slack and a memory cap of 90 % of the mean load, so the backward routing and the quotas do work on every
+    rank."""
+    return SystemContext(num_experts=num_experts, num_ranks=num_ranks, spare_slots=args.extra_slots, eps=args.eps,
+                         gamma=args.gamma, pairs_per_rank=total_pairs / num_ranks)
 
 
 def layer_counts(num_ranks: int, num_experts: int, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +85,7 @@ def run_benchmark(args, log=lambda record: None) -> pd.DataFrame:
             counts_NE, prev_E = layer_counts(N, E, args)
             total = int(counts_NE.sum())
             for name in args.policies:
-                policy = make_policy(name, E, N, args, total)
+                policy = get_system(name).make_policy(system_context(E, N, args, total))
                 plan = policy.plan(counts_NE, prev_E).validate(counts_NE)
                 times = time_ms(lambda: policy.plan(counts_NE, prev_E), args.repeats, args.warmup)
                 q = statistics.quantiles(times, n=10)
@@ -134,11 +120,35 @@ def plot(frame: pd.DataFrame):
     return fig
 
 
+def check_args(args, parser: argparse.ArgumentParser) -> None:
+    """One clear error for arguments that would fail mid-run: sizes, skew, and every system on every (E, N)."""
+    for name in ("experts", "ranks"):
+        if any(v < 1 for v in getattr(args, name)):
+            parser.error(f"--{name} must be positive, got {getattr(args, name)}")
+    for name in ("top_k", "tokens_per_rank", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    valid = args.skew_param > 0 if args.skew == "dirichlet" else args.skew_param >= 0
+    if not valid:
+        parser.error(f"--skew-param {args.skew_param:g} is not a valid {args.skew} parameter")
+    cells = [(E, N) for E in args.experts for N in args.ranks if E % N == 0]
+    if not cells:
+        parser.error(f"no --ranks {args.ranks} divides any --experts {args.experts}: nothing to time")
+    for E, N in cells:
+        if args.top_k > E:
+            parser.error(f"--top-k {args.top_k} exceeds {E} experts")
+        try:
+            check_systems(args.policies, system_context(E, N, args, args.tokens_per_rank * args.top_k * N))
+        except ValueError as exc:
+            parser.error(f"E={E}, N={N}: {exc}")
+
+
 def main(argv=None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experts", type=int, nargs="+", default=[128])
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64])
-    parser.add_argument("--policies", nargs="+", default=list(POLICY_NAMES), choices=POLICY_NAMES)
+    parser.add_argument("--policies", nargs="+", default=list(POLICY_NAMES), type=system_arg,
+                        help=system_names_help())
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--tokens-per-rank", type=int, default=4096)
     parser.add_argument("--skew", default="zipf", choices=["zipf", "dirichlet"])
@@ -152,6 +162,7 @@ def main(argv=None) -> pd.DataFrame:
     parser.add_argument("--seed", type=int, default=0)
     add_tracking_args(parser, "outputs/bench_planner.jsonl")
     args = parser.parse_args(argv)
+    check_args(args, parser)
     with Tracker("bench_planner", config=vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
         frame = run_benchmark(args, log=run.log)

@@ -25,9 +25,10 @@ import pandas as pd
 import seaborn as sns
 
 from lrmoe.experiments import train
+from lrmoe.systems import get_system, system_arg, system_names_help
 from lrmoe.tracking import Tracker, add_tracking_args, read_results
 
-POLICIES = ["static-ep", "symi-cf1", "symi-dropless", "lrmoe-m2", "lrmoe-m2-unbiased", "lrmoe-random"]
+POLICIES = ["static-ep", "symi-cf1", "symi-dropless", "lrmoe", "lrmoe-m2-unbiased", "lrmoe-random"]
 BASELINE = "static-ep"
 
 
@@ -60,10 +61,25 @@ def summarise(curves: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def train_argv(args, policy: str, work: Path) -> list[str]:
+    """experiments/train.py's arguments for one policy's run (LRMoE systems get their own slots and slack)."""
+    lrmoe = get_system(policy).family == "lrmoe"
+    results = work / f"{policy}.jsonl"
+    return ["--preset", args.preset, "--policy", policy, "--ranks", str(args.ranks),
+            "--steps", str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
+            "--eval-every", str(args.eval_every), "--seed", str(args.seed),
+            "--extra-slots", str(args.lrmoe_extra_slots if lrmoe else args.extra_slots),
+            "--eps", str(args.lrmoe_eps), "--aux-coef", str(args.aux_coef),
+            "--ckpt-dir", str(work / "checkpoints" / policy), "--ckpt-every", "20",
+            "--out", str(results), "--trace-out", str(work / f"trace_{policy}.npz"),
+            *(["--resume"] if results.exists() or args.resume else []),
+            *(["--overwrite"] if args.overwrite else []), "--no-wandb"]
+
+
 def main(argv=None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-30b-a3b-debug")
-    parser.add_argument("--policies", nargs="+", default=POLICIES, choices=train.POLICIES)
+    parser.add_argument("--policies", nargs="+", default=POLICIES, type=system_arg, help=system_names_help())
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=4)
@@ -85,6 +101,9 @@ def main(argv=None) -> pd.DataFrame:
         args.steps, args.eval_every, args.batch = 40, 10, 2
     out = Path(args.out)
     work = out.with_suffix("")  # per-policy results, checkpoints and traces
+    runs = {policy: train_argv(args, policy, work) for policy in args.policies}
+    for run_argv in runs.values():  # every run's arguments checked before the first one trains
+        train.check_args(train.parse_args(run_argv))
     with Tracker("convergence", vars(args), results=out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
         frames = []
@@ -92,16 +111,7 @@ def main(argv=None) -> pd.DataFrame:
             results = work / f"{policy}.jsonl"
             done = results.exists() and any(r.get("step") == args.steps for r in read_results(results))
             if not done:
-                train.main(["--preset", args.preset, "--policy", policy, "--ranks", str(args.ranks),
-                            "--steps", str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-                            "--eval-every", str(args.eval_every), "--seed", str(args.seed),
-                            "--extra-slots", str(args.lrmoe_extra_slots if policy.startswith("lrmoe")
-                                                 else args.extra_slots),
-                            "--eps", str(args.lrmoe_eps), "--aux-coef", str(args.aux_coef),
-                            "--ckpt-dir", str(work / "checkpoints" / policy), "--ckpt-every", "20",
-                            "--out", str(results), "--trace-out", str(work / f"trace_{policy}.npz"),
-                            *(["--resume"] if results.exists() or args.resume else []),
-                            *(["--overwrite"] if args.overwrite else []), "--no-wandb"])
+                train.main(runs[policy])
             frame = pd.DataFrame(last_per_step(read_results(results)))
             frame["time_s"] = frame.modelled_s.cumsum()
             frames.append(frame)

@@ -47,10 +47,10 @@ STAGES = [
           full=["--bench", "{out}/layer_bench.jsonl"]),
     # memory-constrained: no spare replica slot, so the backward quotas do the balancing
     Stage("layer_bench_constrained", "experiments/layer_bench.py",
-          quick=["--spare-slots", "0", "--skew-param", "0.8", "--policies", "static-ep", "symi-dropless", "lrmoe-m2",
+          quick=["--spare-slots", "0", "--skew-param", "0.8", "--policies", "static-ep", "symi-dropless", "lrmoe",
                  "lrmoe-random"],
           full=["--spare-slots", "0", "--steps", "20", "--policies", "static-ep", "symi-dropless", "lrmoe-m1",
-                "lrmoe-m2", "lrmoe-m1-unbiased", "lrmoe-random"]),
+                "lrmoe", "lrmoe-m1-unbiased", "lrmoe-random"]),
 ]
 
 

@@ -5,7 +5,7 @@ next placement); everything else is data-parallel (gradients all-reduced, AdamW)
 forward routing and what the backward keeps. Each rank draws its own batches from a generator seeded by
 (seed, rank), so every policy sees the same data in the same order.
 
-    python experiments/train.py --preset qwen3-30b-a3b-debug --policy lrmoe-m2 --ranks 4 --steps 200
+    python experiments/train.py --preset qwen3-30b-a3b-debug --policy lrmoe --ranks 4 --steps 200
     torchrun --nproc-per-node 4 experiments/train.py --torchrun --policy symi-dropless ...
 
 Logged per step: loss, validation loss (every --eval-every), dropped pairs, retained backward pairs per rank,
@@ -16,6 +16,7 @@ throughput, and the per-layer routing counts, saved as a recorded trace. Checkpo
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -23,45 +24,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lrmoe.config import model_preset
-from lrmoe.backward import BackwardConfig
-from lrmoe.data import get_batch, load_corpus
+from lrmoe.config import cluster_preset, model_preset
+from lrmoe.data import get_batch, list_files, load_corpus
 from lrmoe.distributed.replica import AdamConfig, RangeGroups
 from lrmoe.layer import EPMoELayer, initial_placement
 from lrmoe.model import MoETransformer
-from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi
 from lrmoe.reference import ReferenceMoE
 from lrmoe.routing import update_expert_bias
+from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
 from lrmoe.tracking import add_tracking_args
 from lrmoe.traces import Trace
 
-POLICIES = ("static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m2", "lrmoe-m2-unbiased",
-            "lrmoe-random")
-
-
-def make_policy(name: str, num_experts: int, num_ranks: int, extra_slots: int = 1, eps: float = 0.1,
-                gamma: float = 0.1):
-    """A policy by name. SYMI and LRMoE get the same memory: E/N home slots plus ``extra_slots`` per rank."""
-    slots = num_experts // num_ranks + extra_slots
-    if name == "static-ep":
-        return StaticEP()
-    if name == "capacity-cf1":
-        return Capacity(cf=1.0)
-    if name == "symi-cf1":
-        return Symi(slots_per_rank=slots, cf=1.0)
-    if name == "symi-dropless":
-        return Symi(slots_per_rank=slots, cf=None)
-    if name.startswith("lrmoe"):
-        return LRMoE(eps=eps, gamma=gamma, extra_slots=extra_slots)
-    raise ValueError(f"unknown policy {name!r}; known: {POLICIES}")
-
-
-def make_backward(name: str, seed: int) -> BackwardConfig | None:
-    """The recalibrated backward of an LRMoE policy name (metric and selection mode); None: plain autograd."""
-    if not name.startswith("lrmoe"):
-        return None
-    metric = {"lrmoe-m2": "m2", "lrmoe-m2-unbiased": "m2", "lrmoe-random": "random"}[name]
-    return BackwardConfig(metric=metric, mode="unbiased" if name.endswith("unbiased") else "topk", seed=seed)
+def system_context(args, cfg, world: int) -> SystemContext:
+    """The facts the system's policy is built from: SYMI and LRMoE get the same memory, E/N home slots plus
+    ``--extra-slots`` per rank."""
+    return SystemContext(num_experts=cfg.num_experts, num_ranks=world, spare_slots=args.extra_slots, eps=args.eps,
+                         gamma=args.gamma, pairs_per_rank=args.batch * args.seq_len * cfg.top_k)
 
 
 def build(args, rank: int, world: int, device: torch.device):
@@ -69,14 +47,16 @@ def build(args, rank: int, world: int, device: torch.device):
     cfg.check_divisible(world)
     groups = RangeGroups()
     layers = []
+    system = get_system(args.policy)
+    ctx = system_context(args, cfg, world)
 
     def moe_factory(i: int):
         weights = ReferenceMoE.from_config(cfg, seed=args.seed * 1000 + i).export_weights()
-        policy = make_policy(args.policy, cfg.num_experts, world, args.extra_slots, args.eps, args.gamma)
+        policy = system.make_policy(ctx)
         placement = initial_placement(policy, world, cfg.num_experts, args.batch * cfg.seq_len * cfg.top_k)
         layer = EPMoELayer(weights, cfg.top_k, cfg.router, policy, placement, groups,
                            routed_scaling=cfg.routed_scaling, adam=AdamConfig(lr=args.lr, weight_decay=0.0),
-                           device=device, backward=make_backward(args.policy, args.seed * 1000 + i))
+                           device=device, backward=system.layer_backward(args.seed * 1000 + i))
         layers.append(layer)
         return layer
 
@@ -84,7 +64,6 @@ def build(args, rank: int, world: int, device: torch.device):
     if args.cost_model:
         # modelled time: this run's plans priced as if every pair were a full-size pair of the model family
         # (the preset without "-debug", with this run's experts and top-k) on a node of the cluster preset
-        from lrmoe.config import cluster_preset
         from lrmoe.sim.cost import CostModel
 
         full = model_preset(args.preset.removesuffix("-debug")).replace(num_experts=cfg.num_experts,
@@ -136,10 +115,10 @@ def save_checkpoint(args, step, rank, model, layers, opt, gen, counts, history) 
     path = checkpoint_path(args, step, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"step": step, "model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-             "layers": [{"placement_NS": l.store.placement_NS, "adam_steps": l.store.adam_steps,
-                         "prev_counts_E": l.prev_counts_E,
-                         "bwd_generator": None if l.bwd_generator is None else l.bwd_generator.get_state()}
-                        for l in layers],
+             "layers": [{"placement_NS": layer.store.placement_NS, "adam_steps": layer.store.adam_steps,
+                         "prev_counts_E": layer.prev_counts_E,
+                         "bwd_generator": None if layer.bwd_generator is None else layer.bwd_generator.get_state()}
+                        for layer in layers],
              "counts": counts, "history": history, "args": vars(args)}
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -258,7 +237,7 @@ def worker(rank: int, args) -> list[dict]:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-30b-a3b-debug")
-    parser.add_argument("--policy", default="lrmoe-m2", choices=POLICIES)
+    parser.add_argument("--policy", default="lrmoe", type=system_arg, help=system_names_help())
     parser.add_argument("--ranks", type=int, default=4, help="ranks of the fork launcher")
     parser.add_argument("--torchrun", action="store_true", help="run under torchrun (one process per rank)")
     parser.add_argument("--steps", type=int, default=100)
@@ -293,8 +272,25 @@ def parse_args(argv=None):
     return args
 
 
+def check_args(args) -> None:
+    """Everything a rank would otherwise find out on its own, checked once before any rank starts: the presets,
+    the world size against the experts, the system in that world, the text files. SystemExit with one message."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if args.torchrun else args.ranks
+    try:
+        cfg = model_preset(args.preset)
+        if args.cost_model:
+            cluster_preset(args.cost_model)
+            model_preset(args.preset.removesuffix("-debug"))
+        check_systems([args.policy], system_context(args, cfg, world))
+        if args.data is not None:
+            list_files(args.data)  # raises when the folder or glob holds no file
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"train.py: error: {exc}") from None
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    check_args(args)
     if args.torchrun:
         from lrmoe.distributed.comm import init_process_group_from_env
 

@@ -39,7 +39,7 @@ candidates = [ROOT / "outputs" / "full" / "convergence.jsonl", ROOT / "outputs" 
 results = next((p for p in candidates if p.exists() and not QUICK), None)
 if results is None:
     results = OUT / "convergence_notebook.jsonl"
-    convergence.main(["--policies", "static-ep", "symi-cf1", "lrmoe-m2", "--ranks", "2", "--steps", "6",
+    convergence.main(["--policies", "static-ep", "symi-cf1", "lrmoe", "--ranks", "2", "--steps", "6",
                       "--batch", "2", "--seq-len", "32", "--eval-every", "3", "--out", str(results), "--no-wandb",
                       "--resume" if results.exists() else "--overwrite"])
 print("results:", results)

@@ -40,7 +40,7 @@ BUDGETS = ["80", "40", "30"] if QUICK else ["120", "80", "60", "40", "30", "25"]
 path = OUT / "memory_pressure.jsonl"
 ablate.main(["--models", "qwen3-30b-a3b", "--ranks", "8", "--skews", "0.8", "--mem-gb", *BUDGETS,
              "--steps", "3" if QUICK else "10", "--layers", "2" if QUICK else "8",
-             "--systems", "symi-cf1", "symi-dropless", "lrmoe", "lrmoe-no-quotas", "ep-dropless",
+             "--systems", "symi-cf1", "symi-dropless", "lrmoe", "lrmoe-no-quotas", "static-ep",
              "--out", str(path), "--no-wandb", "--overwrite"])
 style.apply()
 

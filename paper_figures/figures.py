@@ -1,7 +1,8 @@
 """The paper's figures, each a function of one results file (JSON lines, as the experiments write them).
 
 Every function returns ``(figure, data)``: ``data`` is the DataFrame exactly as plotted, so the tests can check
-that the plotted values are the file's. Nothing here holds a number of its own.
+that the plotted values are the file's. Nothing here holds a number of its own. Systems go by the names of
+:mod:`lrmoe.systems`; records written under an older name of a system are read as that system.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
+from lrmoe.systems import canonical
 from lrmoe.tracking import read_results
 
 from lrmoe.paper_figures import style
@@ -22,6 +24,9 @@ def records(path: str | Path) -> pd.DataFrame:
     frame = pd.DataFrame(read_results(path))
     if frame.empty:
         raise ValueError(f"{path} holds no records")
+    for column in ("system", "policy"):  # older results files: the registry's name of each system
+        if column in frame:
+            frame[column] = frame[column].map(lambda n: canonical(n, strict=False) if isinstance(n, str) else n)
     return frame
 
 
@@ -77,8 +82,8 @@ def trace_skew(path: str | Path):
     return fig, data
 
 
-MAIN_SYSTEMS = ["ep-dropless", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe"]
-# LRMoE minus one component each (ablate.py's names) and what the component is
+MAIN_SYSTEMS = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe"]
+# LRMoE minus one component each and what the component is
 COMPONENTS = {"lrmoe-no-memplace": "memory-aware placement", "lrmoe-no-bwd-routing": "backward routing",
               "lrmoe-no-quotas": "retention quotas", "lrmoe-padded": "compaction"}
 SPLIT = ["forward_ms_per_layer", "backward_ms_per_layer", "communication_ms_per_layer", "sync_ms_per_layer"]
@@ -159,7 +164,8 @@ def ablation_waterfall(path: str | Path, model: str | None = None):
             level += value
     ax.set_xticks(range(len(steps)), [s for s, _ in steps], rotation=30, ha="right")
     ax.set(ylabel="ms per MoE layer per iteration",
-           title=f"Ablation waterfall, {model}, {ranks} GPUs, {mem_gb:g} GB, Zipf s={cell['skew'].iloc[0]:g} (simulated)")
+           title=f"Ablation waterfall, {model}, {ranks} GPUs, {mem_gb:g} GB, Zipf s={cell['skew'].iloc[0]:g} "
+                 "(simulated)")
     fig.tight_layout()
     return fig, table
 

@@ -1,4 +1,5 @@
-"""One consistent look for every figure: seaborn's paper context, fixed colours per system, PNG + PDF output."""
+"""One consistent look for every figure: seaborn's paper context, fixed colours per system (the registry's,
+:mod:`lrmoe.systems`), PNG + PDF output."""
 
 from __future__ import annotations
 
@@ -7,14 +8,12 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import seaborn as sns
 
-# A fixed colour per system so that every figure reads the same way.
-SYSTEM_COLORS = {
-    "static-ep": "#7f7f7f", "capacity-cf1": "#bcbd22", "capacity-cf1.0": "#bcbd22", "capacity-cf1.25": "#dbdb8d",
-    "symi-cf1": "#1f77b4", "symi-dropless": "#aec7e8",
-    "lrmoe": "#d62728", "lrmoe-m1": "#ff9896", "lrmoe-m2": "#d62728", "lrmoe-m2-unbiased": "#e377c2",
-    "lrmoe-random": "#8c564b", "lrmoe-no-quotas": "#ff7f0e", "lrmoe-no-memplace": "#9467bd",
-    "lrmoe-no-bwd-routing": "#17becf", "lrmoe-padded": "#2ca02c", "lrmoe-host-groups": "#f7b6d2",
-}
+from lrmoe.systems import ALIASES, SYSTEMS
+
+# A fixed colour and label per system so that every figure reads the same way (older names: their system's).
+SYSTEM_COLORS = {name: spec.color for name, spec in SYSTEMS.items()}
+SYSTEM_COLORS.update({old: SYSTEM_COLORS[new] for old, new in ALIASES.items()})
+SYSTEM_LABELS = {name: spec.label for name, spec in SYSTEMS.items()}
 METRIC_COLORS = {"m1": "#ff9896", "m2": "#d62728", "m3": "#9467bd", "gate": "#2ca02c", "random": "#8c564b"}
 
 

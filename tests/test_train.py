@@ -41,6 +41,6 @@ def test_stop_and_resume_give_the_same_losses(tmp_path):
 def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(SystemExit):
         train.parse_args(["--steps", "0"])
-    with pytest.raises(ValueError, match="unknown policy"):
-        train.make_policy("deepspeed", 16, 2)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--policy", "deepspeed"])
     assert torch.get_num_threads() >= 1

@@ -1,0 +1,367 @@
+"""The registry of systems: one set of names for every script, notebook, figure and results file.
+
+A system is a placement policy (built by a factory from a :class:`SystemContext`, the facts a script knows:
+experts, ranks, spare slots, memory, LRMoE's knobs) + the backward the real layer runs
+(:class:`~lrmoe.backward.BackwardConfig`: metric, selection mode, compaction, seed) + how it executes (the
+hand-written backward or plain autograd, sharded optimizer state, replica-sync groups) + how figures show it
+(label, colour). Adding a placement policy or a system is one entry in :data:`SYSTEMS`.
+
+    ctx = SystemContext(num_experts=128, num_ranks=8, spare_slots=1)
+    spec = get_system("symi-dropless")
+    policy = spec.make_policy(ctx)              # an object with plan(counts_NE, prev_counts_E)
+    backward = spec.layer_backward(seed=0)      # None: the plain autograd backward suffices
+    system = spec.simulator_system(ctx)         # lrmoe.sim.simulator.System, plus spec.cost_options()
+
+Names are canonical. :data:`ALIASES` maps the names that older scripts and results files used (``ep-dropless``,
+``lrmoe-m2``, ...) onto them: scripts accept and record the canonical name, figures rename old records on reading.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from .backward import BackwardConfig
+from .placement import MemoryModel, slots_that_fit
+from .policies import LRMoE, Capacity, StaticEP, Symi
+
+
+@dataclass(frozen=True)
+class SystemContext:
+    """What a script knows when it builds a system's policy; every script builds policies from one of these.
+
+    num_experts, num_ranks  E and N; every system keeps the static E/N home slots per rank, so N must divide E.
+    spare_slots     replica slots per rank beyond the E/N home slots: SYMI's extra slots, and LRMoE's most.
+    eps, gamma      LRMoE's balance slack and per-expert floor (:class:`~lrmoe.policies.LRMoE`).
+    memory          the per-rank budget of one MoE layer: LRMoE sizes its replica slots and its memory cap from it
+                    (None: ``spare_slots`` as given, no memory cap).
+    pairs_per_rank  the mean routed pairs per rank (tokens · k): the load memory-sized slot counts and the tight
+                    LRMoE variant are derived from.
+    symi_headroom   None: SYMI uses every spare slot (its memory is not modelled). A number: SYMI keeps the spare
+                    slots that fit ``memory`` beside token buffers for that many times the mean load (SYMI-cf1:
+                    1.0, its capacity bound), as the simulator's fair-memory comparison does.
+    """
+
+    num_experts: int
+    num_ranks: int
+    spare_slots: int = 1
+    eps: float = 0.1
+    gamma: float = 0.1
+    memory: MemoryModel | None = None
+    pairs_per_rank: float | None = None
+    symi_headroom: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "num_ranks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SystemContext.{name} must be a positive int, got {value!r}")
+        if self.num_experts % self.num_ranks:
+            raise ValueError(f"{self.num_experts} experts are not divisible by {self.num_ranks} ranks: every system "
+                             f"keeps E/N home slots per rank, so the number of ranks must divide the experts")
+        if isinstance(self.spare_slots, bool) or not isinstance(self.spare_slots, int) or self.spare_slots < 0:
+            raise ValueError(f"SystemContext.spare_slots must be a non-negative int, got {self.spare_slots!r}")
+        if self.pairs_per_rank is not None and not self.pairs_per_rank >= 0:
+            raise ValueError(f"SystemContext.pairs_per_rank must be non-negative, got {self.pairs_per_rank!r}")
+        if self.symi_headroom is not None:
+            if not self.symi_headroom > 0:
+                raise ValueError(f"SystemContext.symi_headroom must be positive, got {self.symi_headroom!r}")
+            if self.memory is None or self.pairs_per_rank is None:
+                raise ValueError("SystemContext.symi_headroom sizes SYMI's slots from memory: it needs memory and "
+                                 "pairs_per_rank")
+
+    @property
+    def base_slots(self) -> int:
+        """The E/N home slots per rank."""
+        return self.num_experts // self.num_ranks
+
+
+# -- policy factories: small frozen objects, so that two entries with equal factories make equal plans ------------
+@dataclass(frozen=True)
+class StaticEPFactory:
+    family = "static-ep"
+
+    def __call__(self, ctx: SystemContext) -> StaticEP:
+        return StaticEP()
+
+
+@dataclass(frozen=True)
+class CapacityFactory:
+    cf: float = 1.0
+    drop_by: str = "position"
+    family = "capacity"
+
+    def __call__(self, ctx: SystemContext) -> Capacity:
+        return Capacity(cf=self.cf, drop_by=self.drop_by)
+
+
+def lrmoe_headroom(ctx: SystemContext) -> float:
+    """The buffer headroom LRMoE's own memory rule plans for: (1 + eps) x the mean load."""
+    return 1.0 + ctx.eps
+
+
+@dataclass(frozen=True)
+class SymiFactory:
+    """SYMI with E/N + spare slots per rank, or, when the context sizes SYMI from memory (``symi_headroom``), the
+    spare slots that fit beside buffers for ``headroom`` x the mean load (None: the context's headroom; a
+    function of the context: e.g. :func:`lrmoe_headroom`). ``cf`` None: dropless."""
+
+    cf: float | None = None
+    headroom: float | Callable[[SystemContext], float] | None = None
+    family = "symi"
+
+    def _fit(self, ctx: SystemContext) -> tuple[int, str]:
+        if ctx.symi_headroom is None:
+            return ctx.base_slots + ctx.spare_slots, ""
+        h = ctx.symi_headroom if self.headroom is None else self.headroom
+        h = h(ctx) if callable(h) else h
+        m = ctx.memory
+        try:
+            spare = slots_that_fit(m.budget_bytes, m.slot_bytes, m.pair_bytes, h * ctx.pairs_per_rank,
+                                   ctx.base_slots, ctx.spare_slots)
+        except ValueError:  # not even the home slots beside those buffers: no spare slot, and say so
+            return ctx.base_slots, f"buffers for {h:g}x the mean load do not fit beside the home slots: no spare slot"
+        return ctx.base_slots + spare, ""
+
+    def slots(self, ctx: SystemContext) -> int:
+        """SYMI's slots per rank in this context."""
+        return self._fit(ctx)[0]
+
+    def note(self, ctx: SystemContext) -> str:
+        return self._fit(ctx)[1]
+
+    def __call__(self, ctx: SystemContext) -> Symi:
+        return Symi(slots_per_rank=self.slots(ctx), cf=self.cf)
+
+
+@dataclass(frozen=True)
+class SpareSlotsOf:
+    """A context-derived option: the spare slots another system's factory gets (LRMoE given SYMI's slots)."""
+
+    factory: SymiFactory
+
+    def __call__(self, ctx: SystemContext) -> int:
+        return self.factory.slots(ctx) - ctx.base_slots
+
+    def note(self, ctx: SystemContext) -> str:
+        return self.factory.note(ctx)
+
+
+def tight_cap(ctx: SystemContext) -> int:
+    """A memory cap of 90 % of the mean load: the backward routing and the quotas do work on every rank."""
+    if ctx.pairs_per_rank is None:
+        raise ValueError("the tight LRMoE variant needs SystemContext.pairs_per_rank")
+    return int(0.9 * ctx.pairs_per_rank)
+
+
+@dataclass(frozen=True)
+class LRMoEFactory:
+    """:class:`~lrmoe.policies.LRMoE` with the context's eps, gamma, spare slots and memory, overridden by
+    ``options`` (keyword arguments of LRMoE; a callable value is a function of the context)."""
+
+    options: tuple[tuple[str, object], ...] = ()
+    family = "lrmoe"
+
+    def kwargs(self, ctx: SystemContext) -> dict:
+        kw = {"eps": ctx.eps, "gamma": ctx.gamma, "extra_slots": ctx.spare_slots, "memory": ctx.memory}
+        for key, value in self.options:
+            kw[key] = value(ctx) if callable(value) else value
+        return kw
+
+    def note(self, ctx: SystemContext) -> str:
+        return "; ".join(n for _, v in self.options if hasattr(v, "note") and (n := v.note(ctx)))
+
+    def __call__(self, ctx: SystemContext) -> LRMoE:
+        return LRMoE(**self.kwargs(ctx))
+
+
+def lrmoe(**options) -> LRMoEFactory:
+    """LRMoE's factory with these keyword arguments over the context's (e.g. ``quotas=False``)."""
+    return LRMoEFactory(tuple(sorted(options.items())))
+
+
+# -- the spec ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SystemSpec:
+    """One named system.
+
+    make             the policy factory: ``make(ctx)`` returns a fresh policy.
+    backward         the backward the real layer runs (its seed is replaced per layer by :meth:`layer_backward`).
+    recalibrated     its plans may keep fewer pairs for the backward or move them between replicas, so the layer
+                     needs the hand-written backward (False: plain autograd is exact for its plans).
+    sharded_optimizer  the simulator's optimizer model: SYMI's statically sharded state (True) or each expert's
+                     state with its one host (static EP, capacity). The real layer shards every system's state.
+    sync_groups      the simulator's replica-sync groups ("range": the layer's consecutive-range groups).
+    label, color     how figures show it.
+    """
+
+    name: str
+    make: Callable[[SystemContext], object]
+    label: str
+    color: str
+    backward: BackwardConfig = field(default_factory=BackwardConfig)
+    recalibrated: bool = False
+    sharded_optimizer: bool = True
+    sync_groups: str = "range"
+    description: str = ""
+
+    @property
+    def family(self) -> str:
+        """"static-ep", "capacity", "symi" or "lrmoe": the policy family of the factory."""
+        return self.make.family
+
+    def make_policy(self, ctx: SystemContext):
+        return self.make(ctx)
+
+    def layer_backward(self, seed: int | None = None, always: bool = False) -> BackwardConfig | None:
+        """The layer's ``backward=`` argument: the backward config (with ``seed``), or None where plain autograd
+        suffices, unless ``always`` (benchmarks run every system through the hand-written backward)."""
+        if not (self.recalibrated or always):
+            return None
+        return self.backward if seed is None else replace(self.backward, seed=seed)
+
+    def note(self, ctx: SystemContext) -> str:
+        """What the context changed about this system (e.g. SYMI left without a spare slot); "" if nothing."""
+        note = getattr(self.make, "note", None)
+        return note(ctx) if note is not None else ""
+
+    def simulator_system(self, ctx: SystemContext):
+        """This system for :func:`lrmoe.sim.simulator.simulate` (pass :meth:`cost_options` to the cost model)."""
+        from .sim.simulator import System
+
+        return System(self.name, lambda: self.make(ctx), compaction=self.backward.compact,
+                      sharded_optimizer=self.sharded_optimizer, description=self.label)
+
+    def cost_options(self) -> dict:
+        """Keyword arguments of :class:`~lrmoe.sim.cost.CostModel` that this system sets."""
+        return {"sync_groups": self.sync_groups}
+
+    @property
+    def plan_key(self) -> tuple:
+        """Equal for two systems with the same plans and the same simulated cost: they differ only in which pairs
+        fill the quotas (metric, selection mode, seed), never in how many."""
+        return (self.make, self.backward.compact, self.sharded_optimizer, self.sync_groups)
+
+
+def _system(name: str, make, label: str, color: str, **kw) -> tuple[str, SystemSpec]:
+    return name, SystemSpec(name, make, label, color, **kw)
+
+
+def _lrmoe(name: str, label: str, color: str, make: LRMoEFactory | None = None, metric: str = "m2",
+           mode: str = "topk", compact: bool = True, **kw) -> tuple[str, SystemSpec]:
+    """An LRMoE entry: the hand-written backward with this metric, selection mode and compaction."""
+    return _system(name, make or lrmoe(), label, color,
+                   backward=BackwardConfig(metric=metric, mode=mode, compact=compact), recalibrated=True, **kw)
+
+
+_UNSHARDED = {"sharded_optimizer": False}  # static placements: each expert's optimizer state on its one host
+
+SYSTEMS: dict[str, SystemSpec] = dict([
+    # -- baselines ---------------------------------------------------------------------------------------------
+    _system("static-ep", StaticEPFactory(), "static EP (dropless)", "#7f7f7f", **_UNSHARDED),
+    _system("capacity-cf1", CapacityFactory(1.0), "capacity cf 1.0", "#bcbd22", **_UNSHARDED),
+    _system("capacity-cf1.25", CapacityFactory(1.25), "capacity cf 1.25", "#dbdb8d", **_UNSHARDED),
+    _system("capacity-cf1-gate", CapacityFactory(1.0, "gate"), "capacity cf 1.0, lowest gates dropped", "#8c8c1f",
+            **_UNSHARDED),
+    # -- SYMI (DESIGN.md §3) -----------------------------------------------------------------------------------
+    _system("symi-cf1", SymiFactory(cf=1.0, headroom=1.0), "SYMI-cf1", "#1f77b4"),
+    _system("symi-dropless", SymiFactory(), "SYMI-dropless", "#aec7e8"),
+    _system("symi-dropless-lrmoe-slots", SymiFactory(headroom=lrmoe_headroom), "SYMI-dropless, LRMoE's slots",
+            "#6baed6", description="SYMI given the slots LRMoE's memory rule finds at the mean load"),
+    # (issue 16's SYMI-dropless with random trimming at the same rho goes here: SymiFactory with a trim option,
+    #  recalibrated=True, backward=BackwardConfig(metric="random"))
+    # -- LRMoE (DESIGN.md §4): "lrmoe" is the headline configuration, m2 metric, top-k selection, compacted ----
+    _lrmoe("lrmoe", "LRMoE", "#d62728"),
+    _lrmoe("lrmoe-m1", "LRMoE, m1 metric", "#ff9896", metric="m1"),
+    _lrmoe("lrmoe-m3", "LRMoE, m3 metric", "#c5b0d5", metric="m3"),
+    _lrmoe("lrmoe-gate", "LRMoE, gate-only metric", "#98df8a", metric="gate"),
+    _lrmoe("lrmoe-random", "LRMoE, random selection", "#8c564b", metric="random"),
+    _lrmoe("lrmoe-m2-unbiased", "LRMoE, m2 unbiased", "#e377c2", mode="unbiased"),
+    _lrmoe("lrmoe-m1-unbiased", "LRMoE, m1 unbiased", "#c49c94", metric="m1", mode="unbiased"),
+    # LRMoE minus one component each
+    _lrmoe("lrmoe-padded", "LRMoE, padded packets", "#2ca02c", compact=False),
+    _lrmoe("lrmoe-no-quotas", "LRMoE, no quotas", "#ff7f0e", lrmoe(quotas=False)),
+    _lrmoe("lrmoe-no-bwd-routing", "LRMoE, no backward routing", "#17becf", lrmoe(backward_routing=False)),
+    # the balanced forward already spreads pairs over replicas; with an even split the backward routing has work
+    _lrmoe("lrmoe-even-fwd", "LRMoE, even forward split", "#9edae5", lrmoe(forward="even")),
+    _lrmoe("lrmoe-even-fwd-no-bwd-routing", "LRMoE, even forward, no backward routing", "#1b9e77",
+           lrmoe(forward="even", backward_routing=False)),
+    _lrmoe("lrmoe-no-memplace", "LRMoE, SYMI-dropless's slots", "#9467bd",
+           lrmoe(memory=None, extra_slots=SpareSlotsOf(SymiFactory())),
+           description="no memory-aware placement: SYMI-dropless's slot count, no memory cap"),
+    _lrmoe("lrmoe-no-placement", "LRMoE, no replica slots", "#7b4173", lrmoe(memory=None, extra_slots=0)),
+    _lrmoe("lrmoe-host-groups", "LRMoE, host-only sync groups", "#f7b6d2", sync_groups="hosts",
+           description="replica sync in groups of the hosting ranks only (simulated; the layer uses ranges)"),
+    _lrmoe("lrmoe-tight", "LRMoE, tight memory", "#ad494a", lrmoe(eps=0.0, mem_cap_pairs_N=tight_cap),
+           description="no balance slack and a memory cap of 90 % of the mean load (planner benchmark)"),
+    # (issue 16's budget quota mode goes here, one entry per rho fixed in advance, e.g.
+    #  _lrmoe("lrmoe-rho0.75", "LRMoE, rho 0.75", ..., lrmoe(quota_mode="budget", rho=0.75)))
+])
+
+# Names older scripts and results files used, and the system each one is.
+ALIASES: dict[str, str] = {
+    "ep-dropless": "static-ep",
+    "capacity-cf1.0": "capacity-cf1",
+    "lrmoe-m2": "lrmoe",
+    "lrmoe-metric-random": "lrmoe-random",
+    "lrmoe-metric-gate": "lrmoe-gate",
+    "lrmoe-unbiased": "lrmoe-m2-unbiased",
+}
+
+
+def _known() -> str:
+    return f"known: {', '.join(SYSTEMS)} (older names: {', '.join(f'{a} = {b}' for a, b in ALIASES.items())})"
+
+
+def canonical(name: str, strict: bool = True) -> str:
+    """The registry name of ``name`` (itself, or what an older name stands for). Unknown names raise ValueError
+    listing the known ones, or come back unchanged with ``strict=False`` (records of names outside the registry)."""
+    if name in SYSTEMS:
+        return name
+    if name in ALIASES:
+        return ALIASES[name]
+    if strict:
+        raise ValueError(f"unknown system {name!r}; {_known()}")
+    return name
+
+
+def get_system(name: str) -> SystemSpec:
+    """The system called ``name`` (or an older name of it); ValueError listing the known names otherwise."""
+    return SYSTEMS[canonical(name)]
+
+
+def system_arg(value: str) -> str:
+    """argparse ``type=`` of a system name: the canonical name, or an argparse error listing the known ones."""
+    try:
+        return canonical(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def system_names_help() -> str:
+    return "systems of lrmoe.systems: " + ", ".join(SYSTEMS)
+
+
+def check_systems(names: Iterable[str], ctx: SystemContext) -> None:
+    """Build every named system's policy once in ``ctx``: raises ValueError naming the system that cannot be built
+    (a script's argument check, before any rank starts)."""
+    for name in names:
+        try:
+            get_system(name).make_policy(ctx)
+        except ValueError as exc:
+            raise ValueError(f"system {name!r}: {exc}") from None
+
+
+def plan_twins(names: Iterable[str]) -> dict[str, str]:
+    """{name: an earlier name of ``names`` with the same plans and simulated cost} (metric and selection-mode
+    variants of one system): the simulator runs the first of each group only."""
+    first: dict[tuple, str] = {}
+    twins = {}
+    for name in names:
+        key = get_system(name).plan_key
+        if key in first:
+            twins[name] = first[key]
+        else:
+            first[key] = name
+    return twins
