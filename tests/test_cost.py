@@ -123,6 +123,34 @@ def test_bytes_equal_the_layers_accounting_formulas(n, seed):
             assert t.bytes_NP[:, PHASES.index(phase)].tolist() == value.double().tolist(), (key, placement_NS)
 
 
+@pytest.mark.parametrize("compaction", [True, False], ids=["compact", "padded"])
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("n", [2, 4])
+def test_trimmed_moved_and_padded_plans_cost_the_bytes_the_layer_counts(n, seed, compaction):
+    """LRMoE plans that trim (budget mode) and move (cap mode with backward routing), compact and padded, and a
+    capacity plan that drops: every all-to-all (the index exchange included) sends exactly the bytes the layer's
+    accountant must count for them, metric m2's extra combine column included."""
+    e = 8
+    model = TINY.replace(num_experts=e, hidden=8, expert_ffn=5)
+    cm = CostModel(model, TOY.replace(num_ranks=n, ranks_per_node=2 if n > 2 else 1), gemm=CURVE,
+                   compaction=compaction, combine_cols=1)
+    counts = _random_counts(n, e, seed, scale=40)
+    pop = counts.sum(0)
+    cap = LRMoE(quota_mode="cap", eps=0.0, extra_slots=1, forward="even")
+    moving = [cap.plan(c, c.sum(0)) for c in (_random_counts(n, e, seed + 10 * i, scale=40) for i in range(6))]
+    plans = [LRMoE(rho=0.6, extra_slots=1).plan(counts, pop), Capacity(1.0).plan(counts, pop), *moving]
+    assert not torch.equal(plans[0].keep_NG, plans[0].fwd_NG)  # something to compact
+    assert plans[1].dropped_NE.sum() > 0 and any(len(p.bwd_flows_F4) for p in moving)
+    for plan in plans:
+        t = cm.cost(plan)
+        want = expected_layer(plan, model.hidden, model.expert_ffn, 4, "m2", compaction)
+        for key, value in want.items():
+            phase, _, what = key.partition(".")
+            if what == "sent_bytes":
+                assert t.bytes_NP[:, PHASES.index(phase)].tolist() == value.double().tolist(), (key, plan.policy)
+        assert t.bwd_rows_N.tolist() == want["pairs_bwd"].tolist()  # the backward GEMM multiplies what arrives
+
+
 def test_sync_groups_hosts_only_never_costs_more_than_ranges():
     model = model_preset("qwen3-30b-a3b")
     cluster = cluster_preset("a100-40gb-x8", 2)

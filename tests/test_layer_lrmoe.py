@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lrmoe.backward import BackwardConfig, flow_slots, rows_only
-from lrmoe.layout import plan_selects, receive_layout
+from lrmoe.backward import BackwardConfig
+from lrmoe.layout import plan_selects
 from lrmoe.distributed.accounting import Accountant, check_counts, expected_layer
 from lrmoe.distributed.comm import all_gather_rows
 from lrmoe.distributed.launch import launch
@@ -29,66 +29,6 @@ from lrmoe.reference import ReferenceMoE
 D, F, E, K, T = 8, 5, 8, 2, 16
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 SHARD = dict(rtol=1e-5, atol=1e-6)  # expert gradients pass through the fp32 optimizer shards
-
-
-# -- pure bookkeeping ------------------------------------------------------------------------------------------
-def test_flow_slots_moves_the_lowest_scoring_kept_rows_first_row_first():
-    # one group (slot 3) of kept rows scored .9 .1 .5 .3 and a dropped row; flows (3 -> 5, 1) and (3 -> 7, 2)
-    slot = torch.tensor([3, 3, 3, 3, 3])
-    keep = torch.tensor([True, True, True, True, False])
-    scores = torch.tensor([0.9, 0.1, 0.5, 0.3, 0.0])
-    flows = torch.tensor([[3, 5, 1], [3, 7, 2]])
-    assert flow_slots(slot, keep, scores, flows).tolist() == [3, 5, 7, 7, -1]
-    # flows of another group leave this one alone; no flows: every kept row stays
-    assert flow_slots(slot, keep, scores, torch.tensor([[2, 5, 1]])).tolist() == [3, 3, 3, 3, -1]
-    assert flow_slots(slot, keep, scores, torch.zeros(0, 3, dtype=torch.long)).tolist() == [3, 3, 3, 3, -1]
-
-
-def test_flow_slots_two_groups_and_ties():
-    # groups 0 (rows 0, 2, 4) and 1 (rows 1, 3); equal scores rank by row index, so the later row is "lower"
-    slot = torch.tensor([0, 1, 0, 1, 0])
-    scores = torch.tensor([0.5, 0.2, 0.5, 0.4, 0.1])
-    flows = torch.tensor([[0, 6, 2], [1, 4, 1]])
-    assert flow_slots(slot, torch.ones(5, dtype=torch.bool), scores, flows).tolist() == [0, 4, 6, 1, 6]
-
-
-def test_rows_only_drops_the_carry_blocks():
-    # 4 pairs to 2 destinations; pairs 0 and 3 carry. Packed: dest0 [p0 p1 | c0], dest1 [p3 p2 | c3]
-    dest = torch.tensor([0, 0, 1, 1])
-    plan = compact_plan(dest, torch.zeros(4, dtype=torch.long), 2, 1, carry_P=torch.tensor([True, False, False, True]))
-    assert plan.pos_P.tolist() == [0, 1, 4, 3]
-    rows = rows_only(plan, dest)
-    assert rows.pos_P.tolist() == [0, 1, 3, 2] and rows.num_packed == 4 and rows.num_carried == 0
-    back = torch.arange(4.0)[:, None]  # what the destinations return, rows blocks only
-    assert unpack(back, rows, per_token=False).flatten().tolist() == [0.0, 1.0, 3.0, 2.0]
-    packed = pack(torch.arange(4.0)[:, None] * 10, plan, carry_YD=torch.arange(4.0)[:, None])
-    assert packed.flatten().tolist() == [0.0, 10.0, 0.0, 30.0, 20.0, 3.0]
-
-
-def test_receive_layout_compact_and_padded():
-    # 2 ranks x 1 slot, expert 0 on both. Source 0: 3 forward pairs on slot 0, keeps 2, moves 1 to slot 1;
-    # source 1: 2 pairs on slot 1, keeps both.
-    plan = LayerPlan(placement_NS=torch.tensor([[0], [0]]), fwd_NG=torch.tensor([[3, 0], [0, 2]]),
-                     dropped_NE=torch.zeros(2, 1, dtype=torch.long), keep_NG=torch.tensor([[2, 0], [0, 2]]),
-                     bwd_flows_F4=torch.tensor([[0, 0, 1, 1]]), floor_excess_N=torch.zeros(2, dtype=torch.long))
-    assert plan_selects(plan)
-    kind, slot, src = receive_layout(plan, 1, compact=True)
-    # from source 0: its moved gradient row, then its carried input row; from source 1: 2 staying rows
-    assert kind.tolist() == [1, 2, 0, 0] and src.tolist() == [0, 0, 1, 1] and slot.tolist() == [0, 0, 0, 0]
-    kind, _, src = receive_layout(plan, 1, compact=False)
-    assert kind.tolist() == [1, 2, 0, 0]  # source 0 computed nothing on rank 1 in the forward
-    kind, _, src = receive_layout(plan, 0, compact=False)
-    assert kind.tolist() == [0, 0, 0] and src.tolist() == [0, 0, 0]  # padded: all 3 forward rows, one zero
-    kind, _, _ = receive_layout(plan, 0, compact=True)
-    assert kind.tolist() == [0]  # compact: the one staying row
-
-
-@pytest.mark.parametrize("field, value, message", [("metric", "m9", "metric"), ("mode", "all", "mode"),
-                                                   ("compact", 1, "compact"), ("seed", -1, "seed"),
-                                                   ("uniform_mix", -0.1, "uniform_mix")])
-def test_backward_config_rejects_bad_values(field, value, message):
-    with pytest.raises(ValueError, match=message):
-        BackwardConfig(**{field: value})
 
 
 # -- distributed cases -----------------------------------------------------------------------------------------
