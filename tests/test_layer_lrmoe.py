@@ -20,9 +20,7 @@ from lrmoe.distributed.accounting import Accountant, check_counts, expected_laye
 from lrmoe.distributed.comm import all_gather_rows
 from lrmoe.distributed.launch import launch
 from lrmoe.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
-from lrmoe.kernels.compact import compact_plan, pack, unpack
 from lrmoe.layer import EPMoELayer, NeedsRecalibration, initial_placement
-from lrmoe.plan import LayerPlan
 from lrmoe.policies import LRMoE, StaticEP
 from lrmoe.reference import ReferenceMoE
 

@@ -1,5 +1,6 @@
 """The plan's byte model (lrmoe.layout): the rows every all-to-all carries, hand-derived on a small plan that trims,
-moves and (padded) pads; the runtime lays its packets out by these rules, the accountant and the cost model count them."""
+moves and (padded) pads; the runtime lays its packets out by these rules; the accountant and the cost model count
+them."""
 
 import pytest
 import torch
