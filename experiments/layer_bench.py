@@ -56,7 +56,7 @@ from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, 
 from lrmoe.tracking import Tracker, add_tracking_args
 from lrmoe.traces import generate_trace, load_trace
 
-ISSUE_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1", "lrmoe"]
+DEFAULT_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1", "lrmoe"]
 
 
 def system_context(args, num_ranks: int, num_experts: int, memory: MemoryModel, tokens: int,
@@ -82,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=4, help="ranks of the fork launcher (ignored with --torchrun)")
     p.add_argument("--torchrun", action="store_true", help="run under torchrun (one process per rank)")
-    p.add_argument("--policies", nargs="+", default=ISSUE_POLICIES, type=system_arg, help=system_names_help())
+    p.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES, type=system_arg, help=system_names_help())
     p.add_argument("--model", default="qwen3-30b-a3b-debug", help="model preset giving E, k and the router")
     p.add_argument("--hidden", type=int, default=512, help="hidden width D (0: the preset's)")
     p.add_argument("--ffn", type=int, default=256, help="expert width F (0: the preset's)")

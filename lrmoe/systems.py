@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from .backward import BackwardConfig
 from .placement import MemoryModel, slots_that_fit
-from .policies import LRMoE, Capacity, StaticEP, Symi
+from .policies import LRMoE, Capacity, StaticEP, Symi, Trimmed
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,26 @@ class SymiFactory:
 
     def __call__(self, ctx: SystemContext) -> Symi:
         return Symi(slots_per_rank=self.slots(ctx), cf=self.cf)
+
+
+@dataclass(frozen=True)
+class TrimmedFactory:
+    """Another system's policy with its backward trimmed to LRMoE's ``budget`` at ``rho``
+    (:class:`~lrmoe.policies.Trimmed`): the "less work, not the right work" control."""
+
+    base: Callable[[SystemContext], object]
+    rho: float
+
+    @property
+    def family(self) -> str:
+        return self.base.family
+
+    def note(self, ctx: SystemContext) -> str:
+        note = getattr(self.base, "note", None)
+        return note(ctx) if note is not None else ""
+
+    def __call__(self, ctx: SystemContext) -> Trimmed:
+        return Trimmed(self.base(ctx), self.rho)
 
 
 @dataclass(frozen=True)
@@ -255,6 +275,7 @@ def _lrmoe(name: str, label: str, color: str, make: LRMoEFactory | None = None, 
                    backward=BackwardConfig(metric=metric, mode=mode, compact=compact), recalibrated=True, **kw)
 
 
+RHOS = (0.9, 0.75, 0.6, 0.5)  # the retention budgets of the registry, fixed in advance (never tuned per cell)
 _UNSHARDED = {"sharded_optimizer": False}  # static placements: each expert's optimizer state on its one host
 
 SYSTEMS: dict[str, SystemSpec] = dict([
@@ -269,9 +290,10 @@ SYSTEMS: dict[str, SystemSpec] = dict([
     _system("symi-dropless", SymiFactory(), "SYMI-dropless", "#aec7e8"),
     _system("symi-dropless-lrmoe-slots", SymiFactory(headroom=lrmoe_headroom), "SYMI-dropless, LRMoE's slots",
             "#6baed6", description="SYMI given the slots LRMoE's memory rule finds at the mean load"),
-    # (issue 16's SYMI-dropless with random trimming at the same rho goes here: SymiFactory with a trim option,
-    #  recalibrated=True, backward=BackwardConfig(metric="random"))
-    # -- LRMoE (DESIGN.md §4): "lrmoe" is the headline configuration, m2 metric, top-k selection, compacted ----
+    # SYMI-dropless with its backward trimmed at random to the same budget as LRMoE's at each rho (the control)
+    *[_system(f"symi-dropless-rho{rho:g}", TrimmedFactory(SymiFactory(), rho), f"SYMI-dropless, random trim ρ={rho:g}",
+              "#4a90c2", backward=BackwardConfig(metric="random"), recalibrated=True) for rho in RHOS],
+    # -- LRMoE (DESIGN.md §4): "lrmoe" is the cap-mode configuration (eps), m2 metric, top-k, compacted -------
     _lrmoe("lrmoe", "LRMoE", "#d62728"),
     _lrmoe("lrmoe-m1", "LRMoE, m1 metric", "#ff9896", metric="m1"),
     _lrmoe("lrmoe-m3", "LRMoE, m3 metric", "#c5b0d5", metric="m3"),
@@ -295,8 +317,14 @@ SYSTEMS: dict[str, SystemSpec] = dict([
            description="replica sync in groups of the hosting ranks only (simulated; the layer uses ranges)"),
     _lrmoe("lrmoe-tight", "LRMoE, tight memory", "#ad494a", lrmoe(eps=0.0, mem_cap_pairs_N=tight_cap),
            description="no balance slack and a memory cap of 90 % of the mean load (planner benchmark)"),
-    # (issue 16's budget quota mode goes here, one entry per rho fixed in advance, e.g.
-    #  _lrmoe("lrmoe-rho0.75", "LRMoE, rho 0.75", ..., lrmoe(quota_mode="budget", rho=0.75)))
+    # The demand-side retention budget (DESIGN.md §4 step 3): every rank keeps min(L_n, ceil(rho·mean)) backward
+    # pairs; rho is fixed in advance, one entry each, with m2 top-k, m2 unbiased and random selection.
+    *[entry for rho in RHOS for entry in (
+        _lrmoe(f"lrmoe-rho{rho:g}", f"LRMoE ρ={rho:g}", "#d62728", lrmoe(quota_mode="budget", rho=rho)),
+        _lrmoe(f"lrmoe-rho{rho:g}-unbiased", f"LRMoE ρ={rho:g}, m2 unbiased", "#e377c2",
+               lrmoe(quota_mode="budget", rho=rho), mode="unbiased"),
+        _lrmoe(f"lrmoe-rho{rho:g}-random", f"LRMoE ρ={rho:g}, random", "#8c564b",
+               lrmoe(quota_mode="budget", rho=rho), metric="random"))],
 ])
 
 # Names older scripts and results files used, and the system each one is.

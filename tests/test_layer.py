@@ -273,7 +273,7 @@ def _bench_script():
     return str(Path(__file__).resolve().parent.parent / "experiments" / "layer_bench.py")
 
 
-def test_layer_bench_under_the_fork_launcher(tmp_path, capsys):
+def test_layer_bench_under_the_fork_launcher(tmp_path):
     from _scripts import load_experiment
 
     from lrmoe.tracking import read_results
@@ -282,8 +282,7 @@ def test_layer_bench_under_the_fork_launcher(tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
     phases = bench.main(["--ranks", "2", "--policies", "static-ep", "capacity-cf1", "symi-dropless",
                          "--out", str(out), *BENCH])
-    printed = capsys.readouterr().out
-    assert "| policy" in printed and "dispatch_a2a" in printed and "replica_sync" in printed
+    assert {"dispatch_a2a", "replica_sync"} <= set(phases["phase"])
     assert set(phases["policy"]) == {"static-ep", "capacity-cf1", "symi-dropless"}
     records = read_results(out)
     per_rank = [r for r in records if r["table"] == "per_rank_step"]

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 import torch
 
-from lrmoe.harness.calibrate_cpu import (CalibrationSpec, _across_ranks, calibrate, calibration_data, fit_gemm, fit_line,
-                                     spec_for_bench, write_calibration)
+from lrmoe.harness.calibrate_cpu import (CalibrationSpec, across_ranks, calibrate, calibration_data, fit_gemm,
+                                         fit_line, spec_for_bench, write_calibration)
 from lrmoe.sim.cost import cpu_gloo_preset
 from lrmoe.tracking import read_results
 
@@ -144,12 +144,12 @@ def test_calibration_file_holds_both_clocks_and_the_cost_model_reads_it(tmp_path
         cpu_gloo_preset(path, 4, clock="gpu")
 
 
-def test_across_ranks_takes_medians_first():
+def testacross_ranks_takes_medians_first():
     per_rank = [[1.0, 9.0, 1.0], [2.0, 2.0, 9.0], [1.5, 1.5, 1.5]]
-    assert _across_ranks(per_rank, "max") == 2.0  # not 9: every rank's spike is a median away
-    assert _across_ranks(per_rank, "min") == 1.0
+    assert across_ranks(per_rank, "max") == 2.0  # not 9: every rank's spike is a median away
+    assert across_ranks(per_rank, "min") == 1.0
     with pytest.raises(ValueError, match="how"):
-        _across_ranks(per_rank, "mean")
+        across_ranks(per_rank, "mean")
 
 
 def test_spec_validation_and_the_bench_grid():
@@ -241,14 +241,13 @@ def test_replayed_plans_are_the_plans_the_bench_ran(tiny_bench):
     assert {t for t, _ in gone} == {"synthetic zipf 0.8"} and vs.check_replay(raw, gone, config).empty
 
 
-def test_validate_sim_reports_one_row_per_covered_phase(tiny_bench, tmp_path, capsys):
+def test_validate_sim_reports_one_row_per_covered_phase(tiny_bench, tmp_path):
     vs = _script("validate_sim")
     spec = CalibrationSpec(num_ranks=2, hidden=32, ffn=16, num_experts=16, gemm_rows=(1, 8, 32, 128),
                            gemm_groups=(1, 8), a2a_bytes=(0, 1024, 65536), repeats=3)
     cal = write_calibration(calibration_data(spec, _fake_ranks(spec)), tmp_path / "cal.json")
     out = tmp_path / "validate.jsonl"
     table = vs.main(["--bench", str(tiny_bench), "--calibration", str(cal), "--out", str(out), "--no-wandb"])
-    printed = capsys.readouterr().out
     _, raw = vs.read_bench(tiny_bench)
     timed = [p for p in vs.COVERED if f"{p}.cpu_ms" in raw and raw[f"{p}.cpu_ms"].notna().any()]
     assert list(table["phase"]) == timed and len(timed) == 10
@@ -256,10 +255,6 @@ def test_validate_sim_reports_one_row_per_covered_phase(tiny_bench, tmp_path, ca
     predicted = table.set_index("phase")["predicted_ms"]
     assert predicted["replica_sync"] == 0  # no spare slot, so no replica to sync
     assert predicted.drop("replica_sync").gt(0).all()
-    for phase in ("route", "plan", "permute", "recalibrate", "bwd_index_a2a", "shared_fwd"):
-        assert f"* {phase}:" in printed
-    assert "reproduce every pair and byte" in printed and "target <= 20%" in printed
-    assert printed.rstrip().splitlines()[-1].startswith("| redistribute")  # the per-phase table comes last
     records = read_results(out)
     assert {r["phase"] for r in records if r["table"] == "phase"} == set(timed)
     assert len([r for r in records if r["table"] == "cell"]) == 2 * 8 * len(timed)  # clocks x cells x phases

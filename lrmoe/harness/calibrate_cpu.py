@@ -320,7 +320,7 @@ STATISTIC = {("cpu", "local"): "max", ("cpu", "collective"): "max",
              ("wall", "local"): "max", ("wall", "collective"): "min"}
 
 
-def _across_ranks(per_rank: list[list[float]], how: str) -> float:
+def across_ranks(per_rank: list[list[float]], how: str) -> float:
     """The slowest (``"max"``) or fastest (``"min"``) rank's median over repetitions. Medians per rank first: a
     rank's times have rare spikes of a few ms (the Python runtime, the scheduler) that a per-repetition maximum
     over ranks would pick up often."""
@@ -341,12 +341,12 @@ def summarise(spec: CalibrationSpec, per_rank: list[dict], clock: str = "cpu") -
     for i, call in enumerate(per_rank[0]["gemm"]):
         for kind, flops in (("fwd", fwd_flops), ("bwd", bwd_flops)):
             gemm.append({"kind": kind, "groups": call["groups"], "rows": call["rows"], "flops_per_row": flops,
-                         "seconds": _across_ranks([r["gemm"][i][kind][clock] for r in per_rank], local)})
+                         "seconds": across_ranks([r["gemm"][i][kind][clock] for r in per_rank], local)})
     a2a = [{"bytes_per_peer": c["bytes_per_peer"], "bytes_sent": c["bytes_sent"],
-            "seconds": _across_ranks([r["a2a"][i]["s"][clock] for r in per_rank], coll),
-            "p2p_seconds": _across_ranks([r["a2a"][i]["p2p_s"][clock] for r in per_rank], coll)}
+            "seconds": across_ranks([r["a2a"][i]["s"][clock] for r in per_rank], coll),
+            "p2p_seconds": across_ranks([r["a2a"][i]["p2p_s"][clock] for r in per_rank], coll)}
            for i, c in enumerate(per_rank[0]["a2a"])]
-    adam_s = _across_ranks([r["adam"]["s"][clock] for r in per_rank], local)
+    adam_s = across_ranks([r["adam"]["s"][clock] for r in per_rank], local)
     params = per_rank[0]["adam"]["params"]
     gfit = fit_gemm([[s["rows"]] * s["groups"] for s in gemm], [s["flops_per_row"] for s in gemm],
                     [s["seconds"] for s in gemm])
