@@ -17,7 +17,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "setting up $(VENV) (torch CPU build pinned by $(CONSTRAINTS))"
-	@$(PY) -m pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) -e '.[dev]' 2>&1 \
+	@$(PY) -m pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) -e '.[dev,hf]' 2>&1 \
 	    | grep -v "is ignored: it is neither a file nor a directory" || true
 	@$(PY) -c "import lrmoe, lrmoe.kernels, torch, triton" 
 	@touch $(STAMP)
