@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from lrmoe.config import model_preset
 from lrmoe.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
+from lrmoe.sync_model import REPLICA_GRAD_MODES
 from lrmoe.layout import BACKWARD_PHASES, BYTE_PHASES, FORWARD_PHASES, PHASES, STEP_PHASES
 from lrmoe.distributed.replica import RangeGroups
 from lrmoe.layer import EPMoELayer, initial_placement
@@ -96,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace-layer", type=int, default=0, help="which layer of the recorded trace")
     p.add_argument("--spare-slots", type=int, default=1, help="replica slots per rank beyond E/N (the memory)")
     p.add_argument("--eps", type=float, default=0.1, help="LRMoE's balance slack (cap = (1 + eps) x mean load)")
+    p.add_argument("--replica-grad", choices=REPLICA_GRAD_MODES, default="range",
+                   help="replica gradients: 'range' (SYMI's range all-reduce, then collection) or 'shard' (each "
+                        "host's sum straight to the optimizer-shard owners), for every system")
     p.add_argument("--gamma", type=float, default=0.1, help="LRMoE's per-expert floor")
     p.add_argument("--buffer-load", type=float, default=None,
                    help="the memory budget's token buffers hold this many times the mean load (default 1 + eps); "
@@ -257,7 +261,7 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
             acc = Accountant(sync=sync)
             layer = EPMoELayer(ref.export_weights(), K, cfg.router, policy, initial_placement(policy, N, E, T * K),
                                groups, routed_scaling=cfg.routed_scaling, dtype=dtype, device=device,
-                               accountant=acc, backward=backward)
+                               accountant=acc, backward=backward, replica_grad=args.replica_grad)
             layers[name] = (policy, backward, acc, layer)
         for step in range(args.warmup + args.steps):
             gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
@@ -280,7 +284,7 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
                 after = layer.expert_step(grad_scale=1.0 / N)
                 plan = info.dispatch.plan
                 want = expected_layer(plan, D, F, elem, backward.metric, backward.compact)
-                want.update(expected_step(before, after, E, D, F, elem))
+                want.update(expected_step(before, after, E, D, F, elem, replica_grad=args.replica_grad))
                 record = acc.record()
                 check_counts(record, want, rank)  # raises if any counted byte or pair differs from the formula
                 if not args.no_grad_error:

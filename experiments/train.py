@@ -31,6 +31,7 @@ from lrmoe.layer import EPMoELayer, initial_placement
 from lrmoe.model import MoETransformer
 from lrmoe.reference import ReferenceMoE
 from lrmoe.routing import update_expert_bias
+from lrmoe.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
 from lrmoe.tracking import add_tracking_args
 from lrmoe.traces import Trace
@@ -56,7 +57,8 @@ def build(args, rank: int, world: int, device: torch.device):
         placement = initial_placement(policy, world, cfg.num_experts, args.batch * cfg.seq_len * cfg.top_k)
         layer = EPMoELayer(weights, cfg.top_k, cfg.router, policy, placement, groups,
                            routed_scaling=cfg.routed_scaling, adam=AdamConfig(lr=args.lr, weight_decay=0.0),
-                           device=device, backward=system.layer_backward(args.seed * 1000 + i))
+                           device=device, backward=system.layer_backward(args.seed * 1000 + i),
+                           replica_grad=args.replica_grad)
         layers.append(layer)
         return layer
 
@@ -167,7 +169,8 @@ def worker(rank: int, args) -> list[dict]:
         from lrmoe.tracking import Tracker
 
         tracker = Tracker("train", vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
-                          resume=args.resume, wandb=not args.no_wandb, group=args.preset, quiet=args.quiet)
+                          resume=args.resume, resume_step=start,  # records past the checkpoint are redone
+                          wandb=not args.no_wandb, group=args.preset, quiet=args.quiet)
     progress = None
     if rank == 0 and not args.quiet:
         from tqdm import tqdm
@@ -250,6 +253,9 @@ def parse_args(argv=None):
     parser.add_argument("--bias-rate", type=float, default=1e-3, help="aux-free bias update rate (GLM)")
     parser.add_argument("--extra-slots", type=int, default=1, help="replica slots per rank beside E/N home slots")
     parser.add_argument("--eps", type=float, default=0.1, help="LRMoE balance slack")
+    parser.add_argument("--replica-grad", choices=REPLICA_GRAD_MODES, default="range",
+                        help="replica gradients: 'range' (SYMI's range all-reduce, then collection) or 'shard' "
+                             "(each host's sum straight to the optimizer-shard owners), for every system")
     parser.add_argument("--gamma", type=float, default=0.1, help="LRMoE per-expert floor")
     parser.add_argument("--cost-model", default="h200x8",
                         help="cluster preset pricing each step's plans as full-size pairs ('' to skip)")

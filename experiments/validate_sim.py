@@ -58,6 +58,7 @@ from lrmoe.config import model_preset
 from lrmoe.distributed.accounting import expected_layer, expected_step
 from lrmoe.harness.calibrate_cpu import CLOCKS, calibrate, spec_for_bench, write_calibration
 from lrmoe.sim.cost import PHASES as MODEL_PHASES
+from lrmoe.scoring import get_metric
 from lrmoe.sim.cost import CostModel, cpu_gloo_preset
 from lrmoe.tracking import Tracker, add_tracking_args, read_results
 
@@ -163,7 +164,7 @@ def check_replay(raw: pd.DataFrame, replay: dict, config: dict) -> pd.DataFrame:
             want = expected_layer(plan, model.hidden, model.expert_ffn, elem, rep["backward"].metric,
                                          rep["backward"].compact)
             want.update(expected_step(plan.placement_NS, rep["next"][t], model.num_experts, model.hidden,
-                                      model.expert_ffn, elem))
+                                      model.expert_ffn, elem, replica_grad=config.get("replica_grad", "range")))
             want["replica_slots"] = torch.full((n,), int((plan.placement_NS >= 0).sum()))
             want["floor_excess"] = plan.floor_excess_N
             for rec in rows.to_dict("records"):
@@ -190,7 +191,8 @@ def predict(replay: dict, config: dict, calibration: str | Path, clock: str | No
     cols = [MODEL_PHASES.index(p) for p in COVERED]
     for (trace, policy), rep in replay.items():
         cm = CostModel(model, cluster, gemm=curve, compaction=rep["backward"].compact, sharded_optimizer=True,
-                       mem_budget_bytes=rep["memory"].budget_bytes)
+                       mem_budget_bytes=rep["memory"].budget_bytes, replica_grad=config.get("replica_grad", "range"),
+                       combine_cols=get_metric(rep["backward"].metric).combine_cols)
         for t, plan in enumerate(rep["plans"][warmup:]):
             ms_NC = cm.cost(plan).time_NP[:, cols] * 1e3
             frames.append(pd.DataFrame({"trace": trace, "policy": policy, "step": t,

@@ -88,12 +88,12 @@ def _expert_grads(layer):
     return unflatten_experts(full, D, F)
 
 
-def _check_accounting(layer, acc, dispatch, next_placement=None):
+def _check_accounting(layer, acc, dispatch, next_placement=None, replica_grad="range"):
     plan = dispatch.plan
     elem = torch.tensor([], dtype=layer.store.dtype).element_size()
     want = expected_layer(plan, D, F, elem)
     if next_placement is not None:
-        want.update(expected_step(plan.placement_NS, next_placement, E, D, F, elem))
+        want.update(expected_step(plan.placement_NS, next_placement, E, D, F, elem, replica_grad=replica_grad))
     check_counts(acc.record(), want, layer.rank)
 
 
@@ -188,9 +188,10 @@ def test_capacity_policy_drops_exactly_the_planned_pairs(world_size, drop_by):
                 assert gate_P[pairs[dropped]].max() <= gate_P[pairs[~dropped]].min() if (~dropped).any() else True
 
 
-def _training_steps(rank, steps):
+def _training_steps(rank, steps, replica_grad="range"):
     """SYMI-dropless over several steps: the placement follows the counts, the weights move by redistribution,
-    and the layer stays equal to the reference trained by torch.optim.Adam on the whole batch."""
+    and the layer stays equal to the reference trained by torch.optim.Adam on the whole batch, with the replica
+    gradients reduced in either mode (the bytes of each checked against the closed form)."""
     world = dist.get_world_size()
     S = 6  # 12 slots for 8 experts: 4 replicas that follow the counts
     policy = Symi(slots_per_rank=S, cf=None)
@@ -198,7 +199,7 @@ def _training_steps(rank, steps):
     acc = Accountant()
     cfg = AdamConfig(lr=1e-2)
     layer = EPMoELayer(ref.export_weights(), K, "softmax_topk", policy, initial_placement(policy, world, E),
-                       RangeGroups(), adam=cfg, accountant=acc)
+                       RangeGroups(), adam=cfg, accountant=acc, replica_grad=replica_grad)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=cfg.lr, foreach=False)
     dense_opt = torch.optim.Adam(layer.dense_parameters(), lr=cfg.lr, foreach=False)
     placements = []
@@ -219,7 +220,7 @@ def _training_steps(rank, steps):
         before = layer.placement_NS.clone()
         after = layer.expert_step()
         placements.append(after.clone())
-        _check_accounting(layer, acc, info.dispatch, next_placement=after)
+        _check_accounting(layer, acc, info.dispatch, next_placement=after, replica_grad=replica_grad)
         assert torch.equal(info.dispatch.plan.placement_NS, before)
     master = layer.store.full_master()
     want = flatten_experts(ref.w_gate_EDF.detach(), ref.w_up_EDF.detach(), ref.w_down_EFD.detach())
@@ -228,8 +229,9 @@ def _training_steps(rank, steps):
     return placements
 
 
-def test_symi_training_steps_follow_the_reference_through_redistribution():
-    placements = launch(_training_steps, 2, 3)[0]
+@pytest.mark.parametrize("replica_grad", ["range", "shard"])
+def test_symi_training_steps_follow_the_reference_through_redistribution(replica_grad):
+    placements = launch(_training_steps, 2, 3, replica_grad)[0]
     assert len({tuple(p.flatten().tolist()) for p in placements}) > 1  # the placement did change
 
 
