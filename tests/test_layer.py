@@ -275,6 +275,8 @@ def _bench_script():
     return str(Path(__file__).resolve().parent.parent / "experiments" / "layer_bench.py")
 
 
+@pytest.mark.script
+@pytest.mark.timeout(600)
 def test_layer_bench_under_the_fork_launcher(tmp_path):
     from _scripts import load_experiment
 
@@ -297,6 +299,8 @@ def test_layer_bench_under_the_fork_launcher(tmp_path):
     assert dropped["static-ep"] == dropped["symi-dropless"] == 0 < dropped["capacity-cf1"]
 
 
+@pytest.mark.script
+@pytest.mark.timeout(600)
 def test_layer_bench_under_torchrun(tmp_path):
     import os
     import subprocess

@@ -253,6 +253,8 @@ def test_layer_bench_replays_a_recorded_trace_beside_the_synthetic_ones(tmp_path
         bench.make_traces(args, 4, 16, 4, "qwen3-30b-a3b-debug")
 
 
+@pytest.mark.script
+@pytest.mark.timeout(600)
 def test_layer_bench_quick_runs_every_policy_and_reports_the_targets(tmp_path):
     bench = _bench()
     out = tmp_path / "bench.jsonl"

@@ -8,6 +8,7 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+CELL_TIMEOUT_S = 600  # the notebook client's limit per cell; pytest's limit for the whole notebook is above it
 
 
 def test_there_are_notebooks():
@@ -23,13 +24,15 @@ def test_notebook_matches_its_source(path):
         f"{path.name} is out of date: run `jupytext --sync {source}`")
 
 
+@pytest.mark.notebook
+@pytest.mark.timeout(CELL_TIMEOUT_S + 300)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, monkeypatch, tmp_path):
     monkeypatch.setenv("LRMOE_NOTEBOOK_QUICK", "1")
     monkeypatch.setenv("LRMOE_NOTEBOOK_OUT", str(tmp_path))
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs), "the notebook drew no figure"

@@ -7,6 +7,7 @@ from _scripts import load_experiment
 from lrmoe.traces import load_trace
 
 train = load_experiment("train")
+pytestmark = [pytest.mark.script, pytest.mark.timeout(600)]
 
 
 def run(tmp_path, *extra):

@@ -241,6 +241,8 @@ def test_replayed_plans_are_the_plans_the_bench_ran(tiny_bench):
     assert {t for t, _ in gone} == {"synthetic zipf 0.8"} and vs.check_replay(raw, gone, config).empty
 
 
+@pytest.mark.script
+@pytest.mark.timeout(600)
 def test_validate_sim_reports_one_row_per_covered_phase(tiny_bench, tmp_path):
     vs = _script("validate_sim")
     spec = CalibrationSpec(num_ranks=2, hidden=32, ffn=16, num_experts=16, gemm_rows=(1, 8, 32, 128),
