@@ -97,6 +97,43 @@ class MoEConfig:
     def replace(self, **changes) -> "MoEConfig":
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def from_hf(cls, config, name: str | None = None, seq_len: int | None = None) -> "MoEConfig":
+        """The shape of a Hugging Face Qwen3-MoE (``qwen3_moe``) or GLM-4.5 (``glm4_moe``) config (read by
+        attribute; transformers is not imported). ``seq_len`` defaults to ``max_position_embeddings``; ``name`` to
+        the config's ``_name_or_path`` or model type. Routing details beyond the family (``norm_topk_prob``,
+        ``n_group``/``topk_group``) stay with HF's router in :mod:`lrmoe.hf`."""
+        model_type = getattr(config, "model_type", None)
+        get = lambda key, default=None: getattr(config, key, default)  # noqa: E731
+        layers = get("num_hidden_layers")
+        if model_type == "qwen3_moe":
+            step, only = get("decoder_sparse_step", 1) or 1, set(get("mlp_only_layers") or [])
+            dense = [i for i in range(layers) if i in only or get("num_experts", 0) <= 0 or (i + 1) % step]
+            if dense != list(range(len(dense))):
+                raise ValueError(f"MoEConfig.from_hf: layers {dense} of this Qwen3-MoE config are dense; MoEConfig "
+                                 f"describes leading dense layers only")
+            shape = dict(router="softmax_topk", num_experts=get("num_experts"), first_dense_layers=len(dense),
+                         dense_ffn=get("intermediate_size") if dense else 0)
+        elif model_type == "glm4_moe":
+            shape = dict(router="sigmoid_bias", num_experts=get("n_routed_experts"),
+                         first_dense_layers=get("first_k_dense_replace", 0),
+                         dense_ffn=get("intermediate_size") if get("first_k_dense_replace", 0) else 0,
+                         num_shared_experts=get("n_shared_experts", 0) or 0,
+                         shared_ffn=get("moe_intermediate_size") if get("n_shared_experts", 0) else 0,
+                         routed_scaling=float(get("routed_scaling_factor", 1.0)))
+        else:
+            raise ValueError(f"MoEConfig.from_hf reads qwen3_moe and glm4_moe configs, got model_type={model_type!r}")
+        dtype = get("dtype") or get("torch_dtype") or "bfloat16"
+        dtype = str(dtype).removeprefix("torch.")
+        heads, hidden, head_dim = get("num_attention_heads"), get("hidden_size"), get("head_dim") or 0
+        if hidden % heads == 0 and head_dim == hidden // heads:
+            head_dim = 0  # MoEConfig's way of saying "hidden // num_heads"
+        return cls(name=name or get("_name_or_path") or model_type, hidden=hidden,
+                   expert_ffn=get("moe_intermediate_size"), top_k=get("num_experts_per_tok"), num_layers=layers,
+                   num_heads=heads, num_kv_heads=get("num_key_value_heads") or heads, head_dim=head_dim,
+                   vocab_size=get("vocab_size"), seq_len=seq_len or get("max_position_embeddings"),
+                   dtype=dtype if dtype in DTYPES else "bfloat16", **shape)
+
     def check_divisible(self, num_ranks: int) -> None:
         """Static expert parallelism places E / N experts per rank: E must be divisible by N."""
         if num_ranks <= 0:

@@ -12,19 +12,34 @@ Two sampling modes:
   inclusion probabilities of Gumbel-top-k (see :func:`inclusion_probs`). Totals are exact (Σ_e counts = T·k);
   per-expert means match the exact mode's (checked in the tests); per-token distinctness is not modelled.
 
-On-disk format (``.npz``, readable without torch): ``counts`` int64 [S, L, N, E] and ``meta`` (a JSON string:
-format name and version, model, seed, generator and its parameters, or ``"source": "recorded"`` with the
-training run it came from).
+On-disk format (``.npz``, readable without torch, loaded without pickle): ``counts`` int64 [S, L, N, E] and
+``meta`` (a JSON string: format name and version, model, seed, generator and its parameters, or ``"source":
+"recorded"`` with where the routing came from). :func:`load_trace` checks a file before trusting it: anything else
+(a text file, a pickle, a bare array, a Megatron-Core JSON-lines trace) raises :class:`TraceFormatError` naming the
+file and what is wrong with it.
+
+Recorded traces come from real routers:
+
+* :class:`RouterRecorder`: forward hooks on the router modules of any Hugging Face MoE model (Qwen3-MoE,
+  GLM-4.5, Mixtral, ...; swapped onto the expert-parallel layer or not). One model forward is one step; the
+  tokens of a forward can be split over ``num_ranks`` virtual source ranks (contiguous blocks, as data parallelism
+  splits a batch). Under ``torch.distributed`` each rank records its own tokens and ``lrmoe.hf.gather_trace``
+  joins them (:func:`join_ranks`).
+* :func:`import_megatron_trace`: Megatron-Core's router traces (``--moe-routing-trace-path``: one JSON-lines file
+  per rank, one record per step, layer and rank with the top-k expert indices of its tokens).
 """
 
 from __future__ import annotations
 
 import json
+import zipfile
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 TRACE_FORMAT = "lrmoe-trace"
 TRACE_VERSION = 1
@@ -79,14 +94,94 @@ class Trace:
                 "experts": self.num_experts, "source": self.meta.get("source", "unknown")}
 
 
+class TraceFormatError(ValueError):
+    """A file that is not a valid trace; the message names the file and what is wrong."""
+
+
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip archive (an .npz), or an empty one
+
+
+def _describe(head: bytes) -> str:
+    """What a file that is not a zip archive looks like, from its first bytes."""
+    if not head:
+        return "an empty file"
+    if head.startswith(b"\x93NUMPY"):
+        return "a bare .npy array (traces are .npz archives with 'counts' and 'meta')"
+    if head[:1] == b"\x80":
+        return "a Python pickle (e.g. torch.save output); traces never hold pickled data"
+    if head.lstrip()[:1] in (b"{", b"["):
+        return ("JSON text: if it is a Megatron-Core router trace (--moe-routing-trace-path), convert it with "
+                "lrmoe.traces.import_megatron_trace")
+    try:
+        head.decode("utf-8")
+        return "a text file"
+    except UnicodeDecodeError:
+        return f"binary data starting with {head[:8]!r}"
+
+
 def load_trace(path: str | Path) -> Trace:
-    with np.load(path, allow_pickle=False) as data:
-        meta = json.loads(str(data["meta"]))
-        if meta.get("format") != TRACE_FORMAT:
-            raise ValueError(f"{path} is not an {TRACE_FORMAT} file (format={meta.get('format')!r})")
-        if meta.get("version") != TRACE_VERSION:
-            raise ValueError(f"{path} has trace version {meta.get('version')}, this package reads {TRACE_VERSION}")
-        return Trace(torch.from_numpy(data["counts"].astype(np.int64)), meta)
+    """Read a trace file written by :meth:`Trace.save`, without pickle. Raises :class:`TraceFormatError` (a
+    ``ValueError``) naming the file for anything that is not a valid trace, ``FileNotFoundError`` if it is absent."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"trace file {path} does not exist")
+    if path.is_dir():
+        raise TraceFormatError(f"{path} is a directory, not a trace file (.npz); a folder of Megatron-Core router "
+                               f"traces is read by lrmoe.traces.import_megatron_trace")
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head[:4] not in _ZIP_MAGIC:
+        raise TraceFormatError(f"{path} is not an {TRACE_FORMAT} file (an .npz archive holding 'counts' and "
+                               f"'meta'): it is {_describe(head)}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            missing = [k for k in ("counts", "meta") if k not in data.files]
+            if missing:
+                raise TraceFormatError(f"{path} is an .npz archive but not an {TRACE_FORMAT} file: it lacks "
+                                       f"{missing} (it holds {sorted(data.files)})")
+            counts, meta_raw = data["counts"], data["meta"]
+    except TraceFormatError:
+        raise
+    except ValueError as exc:
+        if "pickle" not in str(exc):  # numpy refuses object arrays without pickle; anything else is a bad file
+            raise TraceFormatError(f"{path} is not a readable .npz archive: {exc}") from None
+        raise TraceFormatError(f"{path} holds pickled (object) arrays; an {TRACE_FORMAT} file holds only integer "
+                               f"counts and a JSON string, and is read without pickle") from None
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise TraceFormatError(f"{path} is not a readable .npz archive: {exc}") from None
+    if meta_raw.dtype.kind != "U" or meta_raw.ndim != 0:
+        raise TraceFormatError(f"{path}: 'meta' must be one JSON string, got a {meta_raw.dtype} array of shape "
+                               f"{meta_raw.shape}")
+    try:
+        meta = json.loads(str(meta_raw))
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{path}: 'meta' is not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise TraceFormatError(f"{path}: 'meta' must be a JSON object, got {type(meta).__name__}")
+    if meta.get("format") != TRACE_FORMAT:
+        raise TraceFormatError(f"{path} is not an {TRACE_FORMAT} file (format={meta.get('format')!r})")
+    if meta.get("version") != TRACE_VERSION:
+        raise TraceFormatError(f"{path} has trace version {meta.get('version')}, this package reads {TRACE_VERSION}")
+    if counts.dtype.kind not in "iu" or counts.ndim != 4:
+        raise TraceFormatError(f"{path}: 'counts' must be an integer array [steps, layers, ranks, experts], got "
+                               f"{counts.dtype} of shape {counts.shape}")
+    if counts.size and counts.min() < 0:
+        raise TraceFormatError(f"{path}: 'counts' holds negative counts")
+    return Trace(torch.from_numpy(counts.astype(np.int64)), meta)
+
+
+def join_ranks(traces: Sequence[Trace]) -> Trace:
+    """One trace from per-rank traces of the same steps and layers (each with its own source ranks), ranks in the
+    order given: what every rank of a data-parallel run recorded, as one N-rank trace."""
+    if not traces:
+        raise ValueError("join_ranks needs at least one trace")
+    shape = traces[0].counts_SLNE.shape
+    for i, t in enumerate(traces):
+        if (t.num_steps, t.num_layers, t.num_experts) != (shape[0], shape[1], shape[3]):
+            raise ValueError(f"trace {i} has {t.num_steps} steps, {t.num_layers} layers, {t.num_experts} experts; "
+                             f"trace 0 has {shape[0]}, {shape[1]}, {shape[3]}")
+    meta = dict(traces[0].meta)
+    return Trace(torch.cat([t.counts_SLNE for t in traces], dim=2), meta)
 
 
 # -- skew statistics ------------------------------------------------------------------------------------------
@@ -257,3 +352,231 @@ def generate_trace(num_steps: int, num_layers: int, num_ranks: int, num_experts:
         "skew": skew, "skew_param": skew_param, "drift_phi": drift_phi, "drift_sigma": drift_sigma,
         "top_k": top_k, "tokens_per_rank": tokens_per_rank, "exact": exact}}
     return Trace(counts, meta)
+
+
+# -- recorded traces: Hugging Face router hooks, Megatron-Core router-trace files -------------------------------
+def _config_num_experts(config) -> int | None:
+    for name in ("num_experts", "n_routed_experts", "num_local_experts"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def router_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The router modules of a Hugging Face MoE model, in layer order: instances of the class its
+    ``_can_record_outputs["router_logits"]`` hooks (the class ``output_router_logits=True`` collects from), else
+    the ``gate`` / ``router`` child of every module that also has an ``experts`` child."""
+    spec = getattr(model, "_can_record_outputs", None) or {}
+    targets = spec.get("router_logits")
+    targets = targets if isinstance(targets, (list, tuple)) else [targets] if targets is not None else []
+    classes = tuple(getattr(t, "target_class", t) for t in targets if isinstance(getattr(t, "target_class", t), type))
+    if classes:
+        found = [(name, m) for name, m in model.named_modules() if isinstance(m, classes)]
+        if found:
+            return found
+    found = []
+    for name, m in model.named_modules():
+        children = dict(m.named_children())
+        if "experts" in children:
+            for key in ("gate", "router"):
+                if key in children:
+                    found.append((f"{name}.{key}" if name else key, children[key]))
+                    break
+    return found
+
+
+class RouterRecorder:
+    """Records the routing of a Hugging Face MoE model as a trace: one forward hook per router module.
+
+    Each router call contributes its tokens' top-k choices: the integer [tokens, k] tensor of the router's output
+    (HF 5.x routers return ``(logits, weights, indices)``), or, for a router that returns only logits, their
+    top-``top_k`` (the choice of a softmax router; a router that selects on biased scores must return indices).
+    Every forward of ``model`` closes one step (``auto_step=False``: call :meth:`next_step`). The tokens of a call
+    are split into ``num_ranks`` contiguous blocks, one per virtual source rank.
+
+        with RouterRecorder(model) as rec:
+            for batch in batches:
+                model(**batch)
+        rec.trace().save("routing.npz")
+
+    A real checkpoint on a machine with the weights: ``model = AutoModelForCausalLM.from_pretrained(path)``, then
+    the same lines. A model swapped onto the expert-parallel layer keeps HF's routers, so it records the same way
+    (each rank its own tokens; ``lrmoe.hf.gather_trace`` joins the ranks).
+    """
+
+    def __init__(self, model: nn.Module, num_ranks: int = 1, num_experts: int | None = None,
+                 top_k: int | None = None, auto_step: bool = True, routers: list[tuple[str, nn.Module]] | None = None):
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+        self.model, self.num_ranks = model, num_ranks
+        config = getattr(model, "config", None)
+        self.routers = router_modules(model) if routers is None else list(routers)
+        if not self.routers:
+            raise ValueError(f"{type(model).__name__} has no router module to record (no class in "
+                             f"_can_record_outputs['router_logits'], no gate/router beside experts)")
+        self.num_experts = num_experts or _config_num_experts(config)
+        self.top_k = top_k or getattr(config, "num_experts_per_tok", None)
+        self.steps: list[torch.Tensor] = []  # closed steps, each [L, N, E]
+        self._current: torch.Tensor | None = None
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(self.routers)]
+        if auto_step:
+            self._handles.append(model.register_forward_hook(lambda *_: self.next_step()))
+
+    def _hook(self, layer: int):
+        def hook(module, args, output):
+            idx_TK = self._indices(module, output)
+            E = self.num_experts
+            if self._current is None:
+                self._current = torch.zeros(len(self.routers), self.num_ranks, E, dtype=torch.long)
+            for n, part in enumerate(torch.tensor_split(idx_TK.detach().reshape(-1, idx_TK.shape[-1]).cpu(),
+                                                        self.num_ranks)):
+                self._current[layer, n] += torch.bincount(part.reshape(-1), minlength=E)
+        return hook
+
+    def _indices(self, module: nn.Module, output) -> torch.Tensor:
+        outs = output if isinstance(output, (tuple, list)) else (output,)
+        ints = [o for o in outs if torch.is_tensor(o) and not o.is_floating_point() and o.dim() >= 2]
+        logits = [o for o in outs if torch.is_tensor(o) and o.is_floating_point() and o.dim() >= 2]
+        if self.num_experts is None:
+            self.num_experts = getattr(module, "num_experts", None) or (logits[0].shape[-1] if logits else None)
+            if self.num_experts is None:
+                raise ValueError("RouterRecorder: the number of experts is unknown: pass num_experts")
+        if ints:
+            idx = ints[-1]
+        elif logits:
+            if self.top_k is None:
+                raise ValueError(f"router {type(module).__name__} returns logits only: pass top_k")
+            idx = torch.topk(logits[0].reshape(-1, logits[0].shape[-1]), self.top_k, dim=-1).indices
+        else:
+            raise ValueError(f"router {type(module).__name__} returned neither indices nor logits")
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_experts):
+            raise ValueError(f"router {type(module).__name__} chose experts outside [0, {self.num_experts})")
+        return idx
+
+    def next_step(self) -> None:
+        """Close the current step (a no-op if no router fired since the last one)."""
+        if self._current is not None:
+            self.steps.append(self._current)
+            self._current = None
+
+    def remove(self) -> None:
+        """Remove the hooks (the recorded steps stay)."""
+        self.next_step()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> "RouterRecorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def trace(self, **meta) -> Trace:
+        """The recorded steps as a :class:`Trace` (source "recorded"; ``meta`` adds to the metadata)."""
+        self.next_step()
+        if not self.steps:
+            raise ValueError("RouterRecorder recorded no step: run the model first")
+        config = getattr(self.model, "config", None)
+        info = {"source": "recorded", "recorder": "hf-router-hooks",
+                "model": getattr(config, "_name_or_path", None) or getattr(config, "model_type", None),
+                "model_type": getattr(config, "model_type", None), "top_k": self.top_k,
+                "routers": [name for name, _ in self.routers], "virtual_ranks": self.num_ranks}
+        return Trace(torch.stack(self.steps), {**info, **meta})
+
+
+def _megatron_files(paths) -> list[Path]:
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(p.glob("router_trace_rank*.jsonl"))
+            if not found:
+                raise FileNotFoundError(f"{p} holds no Megatron-Core router trace (router_trace_rank*.jsonl)")
+            files += found
+        elif p.exists():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"Megatron-Core router trace {p} does not exist")
+    return files
+
+
+def _megatron_records(files: Iterable[Path], block: str):
+    """(file, line, step, layer, rank, top indices as an int64 array [tokens, k]) of every record of ``block``."""
+    for path in files:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                where = f"{path}:{lineno}"
+                if not raw.strip():
+                    continue
+                try:
+                    rec = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise TraceFormatError(f"{where}: not a JSON record of a Megatron-Core router trace ({exc})") \
+                        from None
+                if not isinstance(rec, dict):
+                    raise TraceFormatError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
+                if rec.get("block", "decoder") != block:
+                    continue
+                missing = [k for k in ("step", "layer", "rank", "top_indices") if k not in rec]
+                if missing:
+                    raise TraceFormatError(f"{where}: the record lacks {missing} (a Megatron-Core router-trace record "
+                                           f"has step, layer, rank and top_indices)")
+                for key in ("step", "layer", "rank"):
+                    if isinstance(rec[key], bool) or not isinstance(rec[key], int) or rec[key] < 0:
+                        raise TraceFormatError(f"{where}: {key} must be a non-negative integer, got {rec[key]!r}")
+                try:
+                    top = np.asarray(rec["top_indices"])
+                except ValueError:  # ragged lists
+                    top = np.asarray([], dtype=object)
+                if top.size == 0 and rec["top_indices"] == []:
+                    top = np.zeros((0, int(rec.get("topk", 1))), dtype=np.int64)
+                if top.ndim != 2 or top.dtype.kind not in "iu":
+                    raise TraceFormatError(f"{where}: top_indices must be a [tokens, k] list of integer lists")
+                if "topk" in rec and top.shape[1] != rec["topk"]:
+                    raise TraceFormatError(f"{where}: top_indices has {top.shape[1]} columns but topk={rec['topk']}")
+                if "num_tokens" in rec and top.shape[0] != rec["num_tokens"]:
+                    raise TraceFormatError(f"{where}: top_indices has {top.shape[0]} rows but "
+                                           f"num_tokens={rec['num_tokens']}")
+                if top.size and top.min() < 0:
+                    raise TraceFormatError(f"{where}: top_indices holds a negative expert index")
+                yield where, rec["step"], rec["layer"], rec["rank"], top.astype(np.int64)
+
+
+def import_megatron_trace(paths, num_experts: int | None = None, *, block: str = "decoder",
+                          ranks: Sequence[int] | None = None, model: str | None = None) -> Trace:
+    """A :class:`Trace` from Megatron-Core router-trace files (``--moe-routing-trace-path``).
+
+    ``paths``: the trace folder (its ``router_trace_rank*.jsonl``), one file, or a list of them. Each JSON line
+    ``{"step", "layer", "rank", "top_indices": [[e, ...], ...], ...}`` adds its tokens' choices to
+    counts[step, layer, rank]; several records of one (step, layer, rank) (micro-batches) add up. Steps, layers
+    and ranks are the distinct values found, in increasing order (recorded in the metadata); ``ranks`` keeps only
+    those ranks (e.g. one tensor-parallel rank per data-parallel replica, since tensor-parallel ranks route the
+    same tokens). Records of another ``block`` (Megatron's multi-token-prediction layers, "mtp") are skipped.
+    ``num_experts`` defaults to the largest index seen + 1 (pass it: an expert never chosen is invisible).
+    """
+    files = _megatron_files(paths)
+    keep = None if ranks is None else set(ranks)
+    recs = [r for r in _megatron_records(files, block) if keep is None or r[4] in keep]
+    if not recs:
+        raise TraceFormatError(f"no {block!r} record in {', '.join(map(str, files))}")
+    top_k = {r[5].shape[1] for r in recs if r[5].size}
+    if len(top_k) > 1:
+        raise TraceFormatError(f"records disagree on top-k: {sorted(top_k)}")
+    seen_max = max((int(r[5].max()) for r in recs if r[5].size), default=-1)
+    if num_experts is None:
+        num_experts = seen_max + 1
+    elif seen_max >= num_experts:
+        where = next(r[0] for r in recs if r[5].size and int(r[5].max()) >= num_experts)
+        raise TraceFormatError(f"{where}: expert index {seen_max} is outside [0, num_experts={num_experts})")
+    steps, layers, rank_ids = (sorted({r[i] for r in recs}) for i in (1, 2, 3))
+    s_of, l_of, n_of = ({v: i for i, v in enumerate(vals)} for vals in (steps, layers, rank_ids))
+    counts = np.zeros((len(steps), len(layers), len(rank_ids), num_experts), dtype=np.int64)
+    for _, step, layer, rank, top in recs:
+        counts[s_of[step], l_of[layer], n_of[rank]] += np.bincount(top.reshape(-1), minlength=num_experts)
+    meta = {"source": "recorded", "recorder": "megatron-core-router-trace", "model": model,
+            "files": [str(f) for f in files], "block": block, "steps": steps, "layers": layers, "ranks": rank_ids,
+            "top_k": top_k.pop() if top_k else None}
+    return Trace(torch.from_numpy(counts), meta)

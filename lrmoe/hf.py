@@ -1,0 +1,464 @@
+"""Hugging Face transformers drop-in: the sparse MoE blocks of a Qwen3-MoE or GLM-4.5 (``glm4_moe``) model on the
+expert-parallel layer, running any system of the registry (:mod:`lrmoe.systems`), on gloo or NCCL.
+
+What is swapped is the block's fused experts module only (``block.experts``, HF's ``forward(hidden_TD,
+top_k_index, top_k_weights)``); the block's own forward, its router (``block.gate``), the shared experts and the
+rest of the model stay HF's. So HF's router decides (its parameter names, its precision, fp32 for GLM;
+``norm_topk_prob`` either way, ``routed_scaling_factor``, the ``e_score_correction_bias`` buffer, group-limited
+routing with ``n_group`` / ``topk_group``), its hooks still collect ``output_router_logits``, and its top-k
+indices and weights reach the layer as ``routing=`` (:class:`~lrmoe.routing.RouterOutput`): the layer plans,
+dispatches and computes the experts, and the router gradient flows back through HF's weights.
+
+    dist.init_process_group(...)                     # every rank, then the same model on every rank
+    ep = swap_moe_blocks(model, "lrmoe")             # each rank keeps its slots and optimizer shard of the experts
+    opt = torch.optim.AdamW(ep.dense_parameters())   # everything HF has, minus the routed experts
+    loss = model(input_ids, labels=labels).loss; loss.backward()
+    ep.step(opt)                                     # dense all-reduce + step, expert Adam + redistribution, GLM bias
+    model.save_pretrained(path, is_main_process=rank == 0)   # every rank: the experts are gathered
+
+Weights. HF fuses the experts as ``gate_up_proj`` [E, 2F, D] (gate rows first: ``linear(x, W).chunk(2)``) and
+``down_proj`` [E, D, F]; the layer keeps the reference layout ``w_gate_EDF``, ``w_up_EDF``, ``w_down_EFD``
+(:func:`hf_to_reference`, :func:`reference_to_hf`). The swapped module owns no parameter of its own: the replica
+store holds the slots and the fp32 master shards (DESIGN.md §3.5), stepped by :meth:`HFExpertParallel.step`, never
+by the dense optimizer. Its ``state_dict`` emits HF's two fused tensors, gathered from every rank's shard, so
+``model.state_dict()`` and ``save_pretrained`` of a swapped model are **collective** (call them on every rank, as
+with FSDP's full state dict) and give what the unmodified HF class loads; ``load_state_dict`` takes HF's tensors
+back (no collective). The training state of the experts (moments, placement, planning state) is per rank:
+:meth:`HFExpertParallel.expert_state_dict`.
+
+Planning state. A forward with gradients is a training forward: it plans with the system's policy and advances
+the layer's state (previous counts, the plan whose next placement :meth:`~HFExpertParallel.expert_step` moves to).
+A forward without gradients (evaluation, generation) computes every pair on the placement the slots hold and
+leaves that state as it was. Every rank must run the same number of forwards (they are collective): generate
+with ``synced_gpus=True``. One forward and backward per optimizer step (no gradient accumulation over micro-batches
+and no gradient checkpointing: the layer plans once per iteration).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import MoEConfig
+from .distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
+from .layer import EPMoELayer
+from .load_stats import load_stats
+from .plan import LayerPlan, no_flows
+from .policies import initial_placement
+from .replica_routing import route_forward
+from .routing import RouterOutput, update_expert_bias
+from .systems import SystemContext, SystemSpec, get_system
+from .traces import RouterRecorder, Trace, join_ranks
+
+__all__ = ["FAMILIES", "EPExperts", "HFExpertParallel", "gather_trace", "hf_config", "hf_to_reference",
+           "moe_blocks", "reference_to_hf", "swap_moe_blocks"]
+
+DEFAULT_BIAS_RATE = 1e-3  # aux-loss-free bias update speed (DeepSeek-V3 §2.1.2; GLM-4.5 trains with it)
+
+
+@dataclass(frozen=True)
+class Family:
+    """What lrmoe needs to know about one HF MoE architecture."""
+
+    model_type: str
+    block: str  # the sparse MoE block's class, in transformers.models.<model_type>.modeling_<model_type>
+    router: str  # the lrmoe router family of its gate (the layer's own router is unused: HF's routing is passed)
+    biased: bool  # its gate carries e_score_correction_bias (aux-loss-free balancing)
+
+
+FAMILIES = {
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeSparseMoeBlock", "softmax_topk", biased=False),
+    "glm4_moe": Family("glm4_moe", "Glm4MoeMoE", "sigmoid_bias", biased=True),
+}
+
+
+def _family(config) -> Family:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(f"lrmoe.hf swaps the MoE blocks of {sorted(FAMILIES)} models; this model's model_type is "
+                         f"{model_type!r}")
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"the expert-parallel layer computes SwiGLU experts (silu); this config has "
+                         f"hidden_act={act!r}")
+    return FAMILIES[model_type]
+
+
+def _block_class(family: Family) -> type:
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{family.model_type}.modeling_{family.model_type}")
+    return getattr(module, family.block)
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, block) of every sparse MoE block of a Qwen3-MoE or GLM-4.5 model, in layer order."""
+    cls = _block_class(_family(model.config))
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, cls)]
+
+
+def hf_config(cfg: MoEConfig, **overrides):
+    """A transformers config of ``cfg``'s shape: ``Qwen3MoeConfig`` for the softmax_topk family, ``Glm4MoeConfig``
+    for sigmoid_bias (e.g. the ``-debug`` presets, to train HF's architectures at CPU scale). The router keeps
+    lrmoe's semantics (``norm_topk_prob=True``, no group-limited routing); ``overrides`` set any other field.
+    :meth:`MoEConfig.from_hf` reads it back."""
+    from transformers import Glm4MoeConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, moe_intermediate_size=cfg.expert_ffn,
+                  num_experts_per_tok=cfg.top_k, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                  num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim or cfg.hidden // cfg.num_heads,
+                  max_position_embeddings=cfg.seq_len, intermediate_size=cfg.dense_ffn or 4 * cfg.hidden,
+                  norm_topk_prob=True, tie_word_embeddings=False, dtype=cfg.dtype)
+    if cfg.router == "softmax_topk":
+        if cfg.num_shared_experts:
+            raise ValueError(f"{cfg.name}: Qwen3-MoE has no shared expert (num_shared_experts="
+                             f"{cfg.num_shared_experts})")
+        qwen = dict(num_experts=cfg.num_experts, mlp_only_layers=list(range(cfg.first_dense_layers)))
+        config = Qwen3MoeConfig(**{**common, **qwen, **overrides})
+    else:
+        if cfg.num_shared_experts and cfg.shared_ffn != cfg.expert_ffn:
+            raise ValueError(f"{cfg.name}: GLM-4.5's shared experts are as wide as the routed ones "
+                             f"(moe_intermediate_size); shared_ffn={cfg.shared_ffn}, expert_ffn={cfg.expert_ffn}")
+        glm = dict(n_routed_experts=cfg.num_experts, n_shared_experts=cfg.num_shared_experts,
+                   first_k_dense_replace=cfg.first_dense_layers, routed_scaling_factor=cfg.routed_scaling,
+                   n_group=1, topk_group=1)
+        config = Glm4MoeConfig(**{**common, **glm, **overrides})
+    config._name_or_path = cfg.name
+    return config
+
+
+# -- weight layout -----------------------------------------------------------------------------------------------
+def hf_to_reference(gate_up_EXD: torch.Tensor, down_EDF: torch.Tensor):
+    """HF's fused experts (``gate_up_proj`` [E, 2F, D], X = 2F, gate rows first; ``down_proj`` [E, D, F]) as
+    (w_gate_EDF, w_up_EDF, w_down_EFD), the reference layout (y = (silu(x W_gate) * (x W_up)) W_down)."""
+    E, X, D = gate_up_EXD.shape
+    if X % 2 or tuple(down_EDF.shape) != (E, D, X // 2):
+        raise ValueError(f"gate_up_proj {tuple(gate_up_EXD.shape)} and down_proj {tuple(down_EDF.shape)} are not "
+                         f"HF's fused experts [E, 2F, D] and [E, D, F]")
+    F = X // 2
+    return (gate_up_EXD[:, :F].transpose(1, 2).contiguous(), gate_up_EXD[:, F:].transpose(1, 2).contiguous(),
+            down_EDF.transpose(1, 2).contiguous())
+
+
+def reference_to_hf(w_gate_EDF: torch.Tensor, w_up_EDF: torch.Tensor, w_down_EFD: torch.Tensor):
+    """(gate_up_proj [E, 2F, D], down_proj [E, D, F]) from the reference layout: the inverse of
+    :func:`hf_to_reference`."""
+    gate_up_EXD = torch.cat([w_gate_EDF.transpose(1, 2), w_up_EDF.transpose(1, 2)], dim=1).contiguous()
+    return gate_up_EXD, w_down_EFD.transpose(1, 2).contiguous()
+
+
+# -- the swapped experts module ----------------------------------------------------------------------------------
+class _HeldPlacement:
+    """The plan of a forward without gradients: every pair computed on the placement the slots hold (even split
+    over replicas), nothing dropped or trimmed, the placement kept."""
+
+    name = "held"
+
+    def __init__(self, placement_NS: torch.Tensor):
+        self.placement_NS = placement_NS.clone()
+
+    def plan(self, counts_NE: torch.Tensor, prev_counts_E: torch.Tensor | None = None) -> LayerPlan:
+        fwd_NG = route_forward(counts_NE, self.placement_NS, "even")
+        N, E = counts_NE.shape
+        return LayerPlan(placement_NS=self.placement_NS, fwd_NG=fwd_NG, dropped_NE=torch.zeros(N, E, dtype=torch.long),
+                         keep_NG=fwd_NG.clone(), bwd_flows_F4=no_flows(),
+                         floor_excess_N=torch.zeros(N, dtype=torch.long), policy=self.name)
+
+
+class EPExperts(nn.Module):
+    """Drop-in for HF's fused experts module: ``forward(hidden_TD, top_k_index_TK, top_k_weights_TK) -> y_TD``
+    (Σ_k weight · expert output, as HF's), computed by an :class:`~lrmoe.layer.EPMoELayer` given HF's routing.
+
+    The layer is held as a plain attribute, not a submodule: its slots are stepped by the replica store, not by a
+    dense optimizer, and its router copy is unused. The state dict speaks HF's names (module doc).
+    """
+
+    def __init__(self, layer: EPMoELayer):
+        super().__init__()
+        self.__dict__["layer"] = layer  # not registered: model.parameters() stays the dense parameters
+        self.num_experts, self.hidden_dim, self.intermediate_dim = layer.num_experts, layer.hidden, layer.expert_ffn
+        self.register_state_dict_post_hook(_emit_hf_weights)
+        self.register_load_state_dict_pre_hook(_take_hf_weights)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_dim}, ffn={self.intermediate_dim}, "
+                f"policy={getattr(self.layer.policy, 'name', type(self.layer.policy).__name__)}, "
+                f"rank={self.layer.rank}/{self.layer.num_ranks}")
+
+    def forward(self, hidden_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        layer = self.layer
+        routing = RouterOutput(top_k_index, top_k_weights, None)
+        if torch.is_grad_enabled():
+            return layer(hidden_TD, routing=routing)[0]
+        saved = (layer.prev_counts_E, layer.last_plan, layer.last_dispatch)
+        try:
+            return layer(hidden_TD, policy=_HeldPlacement(layer.placement_NS), routing=routing)[0]
+        finally:
+            layer.prev_counts_E, layer.last_plan, layer.last_dispatch = saved
+
+    # -- HF's weights in and out of the replica store ----------------------------------------------------------
+    def gather_hf_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_proj, down_proj) of every expert in the slots' dtype, from the fp32 master shards of all ranks
+        (collective)."""
+        store = self.layer.store
+        flat_EP = store.full_master().to(store.dtype)
+        return reference_to_hf(*unflatten_experts(flat_EP, store.hidden, store.ffn))
+
+    @torch.no_grad()
+    def load_hf_weights(self, gate_up_EXD: torch.Tensor, down_EDF: torch.Tensor) -> None:
+        """Set every expert's weights from HF's fused tensors (each rank its master shard and its slots; no
+        collective). The optimizer moments are left as they are."""
+        store = self.layer.store
+        expected = ((store.num_experts, 2 * store.ffn, store.hidden), (store.num_experts, store.hidden, store.ffn))
+        if (tuple(gate_up_EXD.shape), tuple(down_EDF.shape)) != expected:
+            raise ValueError(f"gate_up_proj {tuple(gate_up_EXD.shape)} and down_proj {tuple(down_EDF.shape)} do not "
+                             f"match this layer's experts {expected}")
+        flat_EP = flatten_experts(*hf_to_reference(gate_up_EXD, down_EDF)).to(store.device)
+        lo, hi = store.bounds[store.rank]
+        store.master_EP.copy_(flat_EP[:, lo:hi].to(torch.float32))
+        for j, e in enumerate(store.placement_NS[store.rank].tolist()):
+            if e >= 0:
+                store.slots_SP[j].copy_(flat_EP[e].to(store.dtype))
+            else:
+                store.slots_SP[j].zero_()
+
+
+def _emit_hf_weights(module: EPExperts, state_dict: dict, prefix: str, local_metadata) -> None:
+    gate_up, down = module.gather_hf_weights()
+    state_dict[prefix + "gate_up_proj"] = gate_up
+    state_dict[prefix + "down_proj"] = down
+
+
+def _take_hf_weights(module: EPExperts, state_dict: dict, prefix: str, local_metadata, strict, missing_keys,
+                     unexpected_keys, error_msgs) -> None:
+    keys = [prefix + "gate_up_proj", prefix + "down_proj"]
+    absent = [k for k in keys if k not in state_dict]
+    if absent:
+        missing_keys.extend(absent)
+        return
+    module.load_hf_weights(state_dict.pop(keys[0]), state_dict.pop(keys[1]))
+
+
+# -- swapping ------------------------------------------------------------------------------------------------------
+def _resolve_system(system) -> tuple[str, SystemSpec | None]:
+    if isinstance(system, str):
+        spec = get_system(system)
+        return spec.name, spec
+    if isinstance(system, SystemSpec):
+        return system.name, system
+    if hasattr(system, "plan"):  # a policy object
+        return getattr(system, "name", type(system).__name__), None
+    raise ValueError(f"system must be a registry name, a SystemSpec or a policy object, got {type(system).__name__}")
+
+
+def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: SystemContext | None = None,
+                    spare_slots: int = 1, pairs_per_rank: int | None = None, seed: int = 0,
+                    adam: AdamConfig | None = None, replica_grad: str = "range", backward=None,
+                    accountant=None, kernel_backend: str | None = None,
+                    groups: RangeGroups | None = None) -> "HFExpertParallel":
+    """Replace the experts of every sparse MoE block of ``model`` (Qwen3-MoE or GLM-4.5) by the expert-parallel
+    layer, in place, and return the training-loop helper. Collective: call it on every rank of the default process
+    group, with the same model (same weights) on every rank, after moving the model to its device.
+
+    ``system``: a registry name (:func:`lrmoe.systems.get_system`), a :class:`~lrmoe.systems.SystemSpec`, or a
+    policy object (then ``backward`` is the layer's backward config). Its policy is built per MoE layer from
+    ``context`` (default: E experts, the world's ranks, ``spare_slots``, ``pairs_per_rank``); the backward seed of
+    MoE layer i is ``seed * 1000 + i``. ``adam``: the experts' optimizer (the replica store's sharded Adam).
+    """
+    family = _family(model.config)
+    if not dist.is_initialized():
+        raise ValueError("swap_moe_blocks needs an initialised default process group (gloo or NCCL)")
+    flag = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
+            else "is_gradient_checkpointing")  # renamed in transformers 5.x
+    if getattr(model, flag, False):
+        raise ValueError("gradient checkpointing re-runs the MoE forward in the backward; the expert-parallel layer "
+                         "plans once per iteration: call model.gradient_checkpointing_disable() first")
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no {family.block} block to swap")
+    already = [name for name, b in blocks if isinstance(b.experts, EPExperts)]
+    if already:
+        raise ValueError(f"the MoE blocks {already} are already swapped")
+    name, spec = _resolve_system(system)
+    N = dist.get_world_size()
+    E = blocks[0][1].experts.num_experts
+    if context is None:
+        context = SystemContext(num_experts=E, num_ranks=N, spare_slots=spare_slots, pairs_per_rank=pairs_per_rank)
+    elif (context.num_experts, context.num_ranks) != (E, N):
+        raise ValueError(f"context is for {context.num_experts} experts on {context.num_ranks} ranks; the model has "
+                         f"{E} experts on {N} ranks")
+    if replica_grad == "range" and groups is None:
+        groups = RangeGroups()
+    top_k = model.config.num_experts_per_tok
+    routed_scaling = float(getattr(model.config, "routed_scaling_factor", 1.0))
+    swapped = []
+    for i, (block_name, block) in enumerate(blocks):
+        hf_experts = block.experts
+        dtype, device = hf_experts.gate_up_proj.dtype, hf_experts.gate_up_proj.device
+        w_gate, w_up, w_down = hf_to_reference(hf_experts.gate_up_proj.detach(), hf_experts.down_proj.detach())
+        weights = {"w_router_ED": block.gate.weight.detach(), "bias_E": torch.zeros(E), "w_gate_EDF": w_gate,
+                   "w_up_EDF": w_up, "w_down_EFD": w_down}
+        policy = spec.make_policy(context) if spec is not None else system
+        layer_backward = spec.layer_backward(seed * 1000 + i) if spec is not None else backward
+        placement = initial_placement(policy, N, E, pairs_per_rank)
+        layer = EPMoELayer(weights, top_k, family.router, policy, placement, groups, routed_scaling=routed_scaling,
+                           dtype=dtype, device=device, adam=adam or AdamConfig(), accountant=accountant,
+                           kernel_backend=kernel_backend, backward=layer_backward, replica_grad=replica_grad)
+        layer.w_router_ED.requires_grad_(False)  # HF's gate routes; the layer's copy never enters the loss
+        block.experts = EPExperts(layer)  # HF's full expert tensors are released here
+        swapped.append(block_name)
+    return HFExpertParallel(model, swapped, [b for _, b in blocks], family, name)
+
+
+# -- the training-loop contract --------------------------------------------------------------------------------------
+class HFExpertParallel:
+    """The training-loop contract of a swapped model, in one object (every call collective unless noted):
+
+    * :meth:`dense_parameters`: what the dense optimizer owns: every parameter of the model (the routed experts
+      are no longer among them; HF's routers, shared experts, attention, norms and embeddings are);
+    * :meth:`sync_dense_grads`: all-reduce their gradients (data parallel), times ``grad_scale``;
+    * :meth:`expert_step`: the experts' optimizer step (replica-gradient sum, sharded Adam, redistribution into
+      the placement the policy planned for the next iteration);
+    * :meth:`update_expert_bias`: GLM's aux-loss-free update of ``e_score_correction_bias`` from the step's global
+      counts (identical on every rank);
+    * :meth:`step`: all four in order.
+    """
+
+    def __init__(self, model: nn.Module, names: list[str], blocks: list[nn.Module], family: Family, system: str):
+        self.model, self.names, self.blocks, self.family, self.system = model, names, blocks, family, system
+
+    @property
+    def layers(self) -> list[EPMoELayer]:
+        return [b.experts.layer for b in self.blocks]
+
+    @property
+    def num_ranks(self) -> int:
+        return self.layers[0].num_ranks
+
+    @property
+    def rank(self) -> int:
+        return self.layers[0].rank
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Every trainable parameter of the model (no collective)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def sync_dense_grads(self, grad_scale: float = 1.0) -> None:
+        """Sum every dense gradient over the ranks (one flat all-reduce per dtype), times ``grad_scale``. A missing
+        gradient counts as zeros, so every rank reduces the same tensors."""
+        params = self.dense_parameters()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict[tuple, list[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+        for group in by_dtype.values():
+            flat = torch.cat([p.grad.reshape(-1) for p in group])
+            if self.num_ranks > 1:
+                dist.all_reduce(flat)
+            flat.mul_(grad_scale)
+            offset = 0
+            for p in group:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+
+    def expert_step(self, grad_scale: float = 1.0) -> None:
+        """Every swapped layer's expert optimizer step, into the next placement its plan chose."""
+        for layer in self.layers:
+            layer.expert_step(grad_scale=grad_scale)
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float = DEFAULT_BIAS_RATE) -> None:
+        """GLM: nudge each gate's ``e_score_correction_bias`` by ``rate`` towards balance, from the global counts of
+        the last training forward (no collective: the counts are already global). A no-op for Qwen3-MoE."""
+        if not self.family.biased or not rate:
+            return
+        for block, layer in zip(self.blocks, self.layers):
+            if layer.prev_counts_E is None:
+                raise ValueError("update_expert_bias needs a training forward first")
+            bias = block.gate.e_score_correction_bias
+            bias.copy_(update_expert_bias(bias, layer.prev_counts_E.to(bias.device), rate))
+
+    def step(self, optimizer: torch.optim.Optimizer, grad_scale: float | None = None,
+             bias_rate: float = DEFAULT_BIAS_RATE) -> None:
+        """One optimizer step after the backward: dense gradients all-reduced and ``optimizer`` stepped, the
+        experts stepped and redistributed, GLM's bias updated; then every gradient cleared. ``grad_scale``
+        (default 1/N) turns the ranks' summed gradients into the gradient of the mean of their losses."""
+        scale = 1.0 / self.num_ranks if grad_scale is None else grad_scale
+        self.sync_dense_grads(scale)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.expert_step(scale)
+        self.update_expert_bias(bias_rate)
+
+    def zero_grad(self) -> None:
+        """Clear the dense and the expert slots' gradients (no collective)."""
+        self.model.zero_grad(set_to_none=True)
+        for layer in self.layers:
+            layer.store.slots_SP.grad = None
+
+    # -- inspection ----------------------------------------------------------------------------------------------
+    def gather_expert_grads(self, grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
+        """The routed experts' gradients in HF's layout and names (``<block>.experts.gate_up_proj``, ...), summed
+        over replicas and ranks as the expert step would use them (collective; every rank gets all)."""
+        out = {}
+        for name, layer in zip(self.names, self.layers):
+            store = layer.store
+            store.sync_replica_grads()
+            flat_EP = store.gather_full(store.collect_grad_shards(grad_scale))
+            gate_up, down = reference_to_hf(*unflatten_experts(flat_EP, store.hidden, store.ffn))
+            out[f"{name}.experts.gate_up_proj"], out[f"{name}.experts.down_proj"] = gate_up, down
+        return out
+
+    def plans(self) -> list[LayerPlan | None]:
+        """Each swapped layer's plan of the last training forward (no collective)."""
+        return [layer.last_plan for layer in self.layers]
+
+    def load_stats(self, **kw) -> dict:
+        """:func:`lrmoe.load_stats.load_stats` of the last training forward's plans (no collective)."""
+        plans = self.plans()
+        if any(p is None for p in plans):
+            raise ValueError("load_stats needs a training forward first")
+        return load_stats(plans=plans, **kw)
+
+    # -- per-rank training state (resume) -------------------------------------------------------------------------
+    def expert_state_dict(self) -> list[dict]:
+        """This rank's state of every swapped layer: slots, fp32 master and Adam shards, placement, Adam step,
+        planning state and backward generator (no collective; save one per rank beside ``model.state_dict()``)."""
+        out = []
+        for layer in self.layers:
+            store = layer.store
+            out.append({"slots_SP": store.slots_SP.detach().clone(), "master_EP": store.master_EP.clone(),
+                        "exp_avg_EP": store.exp_avg_EP.clone(), "exp_avg_sq_EP": store.exp_avg_sq_EP.clone(),
+                        "placement_NS": store.placement_NS.clone(), "adam_steps": store.adam_steps,
+                        "prev_counts_E": layer.prev_counts_E, "last_plan": layer.last_plan,
+                        "bwd_generator": None if layer.bwd_generator is None else layer.bwd_generator.get_state()})
+        return out
+
+    @torch.no_grad()
+    def load_expert_state_dict(self, states: list[dict]) -> None:
+        """Restore what :meth:`expert_state_dict` saved on this rank (after ``model.load_state_dict``)."""
+        if len(states) != len(self.layers):
+            raise ValueError(f"{len(states)} layer states for {len(self.layers)} swapped layers")
+        for layer, state in zip(self.layers, states):
+            store = layer.store
+            for key in ("slots_SP", "master_EP", "exp_avg_EP", "exp_avg_sq_EP"):
+                getattr(store, key).copy_(state[key])
+            store.placement_NS = state["placement_NS"].clone()
+            store.adam_steps = state["adam_steps"]
+            layer.prev_counts_E, layer.last_plan = state["prev_counts_E"], state["last_plan"]
+            if layer.bwd_generator is not None and state["bwd_generator"] is not None:
+                layer.bwd_generator.set_state(state["bwd_generator"])
+
+
+def gather_trace(recorder: RouterRecorder, **meta) -> Trace:
+    """Join what every rank's :class:`~lrmoe.traces.RouterRecorder` recorded (its own tokens) into one trace with a
+    source-rank dimension of N · the recorder's virtual ranks (collective; every rank gets it)."""
+    local = recorder.trace(**meta)
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local.counts_SLNE)
+    return join_ranks([Trace(p, local.meta) for p in parts])

@@ -1,0 +1,217 @@
+"""The transformers drop-in (lrmoe.hf) against the unmodified HF models, on 2 gloo ranks, both families, fp32.
+
+Every rank builds the same tiny model (hidden 32, 8 experts, top-2, 2 MoE layers) from the same seed, keeps an
+unmodified copy as the reference and swaps the other's MoE blocks onto the expert-parallel layer. Rank n feeds its
+own batch; the reference sees every rank's batch. Properties: the swapped logits and router logits equal HF's; with
+nothing trimmed (retention 1) every parameter's gradient equals HF's gradient of the summed losses (experts
+gathered from the replica store); save_pretrained of a swapped model loads into the unmodified class and gives the
+same logits; an evaluation forward between two training steps changes nothing; a recorded trace holds exactly
+the counts the layers planned and replays in the simulator. The GLM config uses group-limited routing (2 groups,
+1 chosen), a non-zero e_score_correction_bias, routed_scaling_factor 2.5 and norm_topk_prob=False; Qwen's
+norm_topk_prob=True.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
+
+from lrmoe.config import MoEConfig, cluster_preset, model_preset  # noqa: E402
+from lrmoe.distributed.launch import launch  # noqa: E402
+from lrmoe.hf import (EPExperts, gather_trace, hf_config, hf_to_reference, moe_blocks, reference_to_hf,  # noqa: E402
+                      swap_moe_blocks)
+from lrmoe.reference import swiglu  # noqa: E402
+from lrmoe.sim.simulator import simulate  # noqa: E402
+from lrmoe.systems import SystemContext, get_system  # noqa: E402
+from lrmoe.traces import RouterRecorder  # noqa: E402
+
+TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
+                 num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
+CLOSE = dict(rtol=1e-5, atol=1e-5)
+GRAD = dict(rtol=1e-4, atol=1e-6)
+RANKS, BATCH, SEQ = 2, 2, 8
+
+
+def tiny_model(family: str):
+    """The tiny model of a family, same weights on every rank (seeded); GLM with a non-zero selection bias."""
+    torch.manual_seed(0)
+    if family == "qwen":
+        return Qwen3MoeForCausalLM(hf_config(TINY))
+    cfg = TINY.replace(router="sigmoid_bias", num_shared_experts=1, shared_ffn=16)
+    model = Glm4MoeForCausalLM(hf_config(cfg, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                         norm_topk_prob=False))
+    for block in model.model.layers:
+        block.mlp.gate.e_score_correction_bias.copy_(torch.linspace(-0.2, 0.2, 8))
+    return model
+
+
+def batches(step: int = 0, seq: int = SEQ) -> list[torch.Tensor]:
+    """Every rank's token batch of a step, the same on every rank."""
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randint(0, TINY.vocab_size, (BATCH, seq), generator=gen) for _ in range(RANKS)]
+
+
+# -- weight layout (single process) -------------------------------------------------------------------------------
+def test_fused_layout_maps_to_the_reference_swiglu_and_back():
+    model = tiny_model("qwen")
+    experts = model.model.layers[0].mlp.experts
+    w_gate, w_up, w_down = hf_to_reference(experts.gate_up_proj.detach(), experts.down_proj.detach())
+    x_TD = torch.randn(5, 32)
+    idx_TK = torch.tensor([[3, 0]] * 5)
+    hf = experts(x_TD, idx_TK, torch.tensor([[1.0, 0.0]] * 5))  # HF's experts, all weight on expert 3
+    assert torch.allclose(hf, swiglu(x_TD, w_gate[3], w_up[3], w_down[3])[0], atol=1e-6)
+    gate_up, down = reference_to_hf(w_gate, w_up, w_down)
+    assert torch.equal(gate_up, experts.gate_up_proj) and torch.equal(down, experts.down_proj)
+
+
+def test_hf_config_round_trips_through_moe_config_from_hf():
+    for name in ("qwen3-30b-a3b", "glm-4.5-air", "qwen3-30b-a3b-debug", "glm-4.5-air-debug"):
+        assert MoEConfig.from_hf(hf_config(model_preset(name))) == model_preset(name)
+    with pytest.raises(ValueError, match="qwen3_moe and glm4_moe"):
+        MoEConfig.from_hf(type("Cfg", (), {"model_type": "llama"})())
+
+
+def test_refusals_name_the_problem():
+    model = tiny_model("qwen")
+    model.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        swap_moe_blocks(model, "static-ep")
+    model.config.model_type = "llama"
+    with pytest.raises(ValueError, match="model_type is 'llama'"):
+        swap_moe_blocks(model, "static-ep")
+    with pytest.raises(ValueError, match="process group"):
+        swap_moe_blocks(tiny_model("glm"), "static-ep")
+
+
+# -- 2 gloo ranks ---------------------------------------------------------------------------------------------------
+def _equal_to_hf(rank: int, family: str, system: str) -> dict:
+    ref = tiny_model(family)
+    model = copy.deepcopy(ref)
+    ep = swap_moe_blocks(model, system)
+    assert all(isinstance(b.experts, EPExperts) for _, b in moe_blocks(model)) and len(ep.layers) == 2
+    ids = batches()
+    mine = ids[rank]
+    with torch.no_grad():  # evaluation path: the placement the slots hold
+        torch.testing.assert_close(model(mine).logits, ref(mine).logits, **CLOSE)
+    out = model(mine, labels=mine, output_router_logits=True)  # training path: the system's plan
+    want = ref(mine, labels=mine, output_router_logits=True)
+    torch.testing.assert_close(out.logits, want.logits, **CLOSE)
+    assert len(out.router_logits) == 2
+    for got, exp in zip(out.router_logits, want.router_logits):
+        torch.testing.assert_close(got, exp, **CLOSE)
+    if family == "qwen":
+        torch.testing.assert_close(out.aux_loss, want.aux_loss, **CLOSE)
+    out.loss.backward()
+    ep.sync_dense_grads(1.0)
+    expert_grads = ep.gather_expert_grads()
+    sum(ref(x, labels=x, output_router_logits=True).loss for x in ids).backward()
+    dense = dict(model.named_parameters())
+    names = dict(ref.named_parameters())
+    assert set(dense) | set(expert_grads) == set(names) and not set(dense) & set(expert_grads)
+    assert {p for p in map(id, ep.dense_parameters())} == {id(p) for p in dense.values()}
+    for name, p in names.items():
+        got = expert_grads[name] if name in expert_grads else dense[name].grad
+        torch.testing.assert_close(got, p.grad, **GRAD, msg=lambda m: f"{name}: {m}")
+    return {"params": len(names)}
+
+
+@pytest.mark.parametrize("family,system", [("qwen", "lrmoe-no-quotas"), ("qwen", "symi-dropless"),
+                                           ("glm", "lrmoe-no-quotas"), ("glm", "symi-dropless")])
+def test_logits_router_logits_and_every_gradient_equal_hf(family, system):
+    out = launch(_equal_to_hf, RANKS, family, system, timeout_s=120)
+    assert out[0] == out[1]
+
+
+def _train_step(model, ep, opt, step: int, rank: int) -> None:
+    x = batches(step)[rank]
+    model(x, labels=x).loss.backward()
+    ep.step(opt)
+
+
+def _save_and_load(rank: int, family: str, folder: str) -> None:
+    model = tiny_model(family)
+    ep = swap_moe_blocks(model, "lrmoe")
+    opt = torch.optim.AdamW(ep.dense_parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in model.state_dict().items() if k.endswith(("gate_up_proj", "down_proj"))}
+    _train_step(model, ep, opt, 0, rank)
+    model.save_pretrained(folder, is_main_process=rank == 0)  # collective: every rank gathers the experts
+    dist.barrier()
+    loaded = type(model).from_pretrained(folder)  # the unmodified HF class
+    assert not any(isinstance(m, EPExperts) for m in loaded.modules())
+    x = batches(1)[rank]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, **CLOSE)
+    after = {k: v for k, v in loaded.state_dict().items() if k in before}
+    assert set(after) == set(before) and all(not torch.equal(after[k], before[k]) for k in before)  # trained
+    # and back into a swapped model: HF's tensors load into the replica store
+    other = tiny_model(family)
+    swap_moe_blocks(other, "symi-dropless")
+    other.load_state_dict(loaded.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(other(x).logits, loaded(x).logits, **CLOSE)
+
+
+@pytest.mark.parametrize("family", ["qwen", "glm"])
+def test_save_pretrained_loads_into_the_unmodified_class(family, tmp_path):
+    launch(_save_and_load, RANKS, family, str(tmp_path), timeout_s=120)
+
+
+def _eval_between_steps(rank: int, family: str, system: str) -> None:
+    runs = []
+    for with_eval in (False, True):
+        model = tiny_model(family)
+        ep = swap_moe_blocks(model, system)
+        opt = torch.optim.AdamW(ep.dense_parameters(), lr=1e-2)
+        _train_step(model, ep, opt, 0, rank)
+        if with_eval:  # evaluation and a generation-like forward of another length, on different tokens
+            with torch.no_grad():
+                model(batches(7, seq=3)[rank])
+            with torch.inference_mode():
+                model(batches(8, seq=1)[rank][:1])
+        _train_step(model, ep, opt, 1, rank)
+        x = batches(2)[rank]
+        with torch.no_grad():
+            logits = model(x).logits
+        runs.append((logits, model.state_dict(), [(lay.placement_NS, lay.prev_counts_E) for lay in ep.layers]))
+    (l0, sd0, lay0), (l1, sd1, lay1) = runs
+    assert torch.equal(l0, l1)
+    assert sd0.keys() == sd1.keys() and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
+    for (p0, c0), (p1, c1) in zip(lay0, lay1):
+        assert torch.equal(p0, p1) and torch.equal(c0, c1)
+
+
+@pytest.mark.parametrize("family,system", [("qwen", "lrmoe"), ("glm", "symi-dropless")])
+def test_an_eval_forward_between_training_steps_changes_nothing(family, system):
+    launch(_eval_between_steps, RANKS, family, system, timeout_s=120)
+
+
+def _record(rank: int, system: str):
+    model = tiny_model("qwen")
+    ep = swap_moe_blocks(model, system)
+    opt = torch.optim.AdamW(ep.dense_parameters(), lr=1e-2)
+    planned = []
+    with RouterRecorder(model) as recorder:
+        for step in range(3):
+            _train_step(model, ep, opt, step, rank)
+            planned.append(torch.stack([plan.routed_NE for plan in ep.plans()]))
+    trace = gather_trace(recorder)
+    stats = ep.load_stats()
+    return trace.counts_SLNE, torch.stack(planned), trace.meta, stats
+
+
+def test_a_recorded_trace_equals_the_planned_counts_and_replays_in_the_simulator():
+    counts, planned, meta, stats = launch(_record, RANKS, "symi-dropless", timeout_s=120)[0]
+    assert counts.shape == (3, 2, RANKS, 8) and torch.equal(counts, planned)
+    assert (counts.sum(-1) == BATCH * SEQ * TINY.top_k).all()
+    assert meta["source"] == "recorded" and len(meta["routers"]) == 2
+    assert stats["summary"]["layers"] == 2 and stats["summary"]["dropped_pairs"] == 0
+    cfg = MoEConfig.from_hf(hf_config(TINY))
+    spec = get_system("symi-dropless")
+    cluster = cluster_preset("h200x8").replace(num_ranks=RANKS, ranks_per_node=RANKS)
+    result = simulate(counts, spec.simulator_system(SystemContext(num_experts=8, num_ranks=RANKS)), cfg, cluster)
+    assert result.routed_SL.tolist() == [[BATCH * SEQ * TINY.top_k * RANKS] * 2] * 3
+    assert torch.isfinite(result.phase_SLP).all() and (result.phase_SLP.sum(-1) > 0).all()
