@@ -559,17 +559,17 @@ def import_megatron_trace(paths, num_experts: int | None = None, *, block: str =
     """
     files = _megatron_files(paths)
     keep = None if ranks is None else set(ranks)
-    recs = [r for r in _megatron_records(files, block) if keep is None or r[4] in keep]
+    recs = [r for r in _megatron_records(files, block) if keep is None or r[3] in keep]
     if not recs:
         raise TraceFormatError(f"no {block!r} record in {', '.join(map(str, files))}")
-    top_k = {r[5].shape[1] for r in recs if r[5].size}
+    top_k = {r[4].shape[1] for r in recs if r[4].size}
     if len(top_k) > 1:
         raise TraceFormatError(f"records disagree on top-k: {sorted(top_k)}")
-    seen_max = max((int(r[5].max()) for r in recs if r[5].size), default=-1)
+    seen_max = max((int(r[4].max()) for r in recs if r[4].size), default=-1)
     if num_experts is None:
         num_experts = seen_max + 1
     elif seen_max >= num_experts:
-        where = next(r[0] for r in recs if r[5].size and int(r[5].max()) >= num_experts)
+        where = next(r[0] for r in recs if r[4].size and int(r[4].max()) >= num_experts)
         raise TraceFormatError(f"{where}: expert index {seen_max} is outside [0, num_experts={num_experts})")
     steps, layers, rank_ids = (sorted({r[i] for r in recs}) for i in (1, 2, 3))
     s_of, l_of, n_of = ({v: i for i, v in enumerate(vals)} for vals in (steps, layers, rank_ids))

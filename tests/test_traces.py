@@ -74,3 +74,149 @@ def test_bad_trace_input_raises():
         generate_trace(1, 1, 1, 8, 2, 10, skew="pareto")
     with pytest.raises(ValueError, match="negative"):
         Trace(-torch.ones(1, 1, 1, 2, dtype=torch.long))
+
+
+# -- loading is checked: every bad file names itself and what is wrong -------------------------------------------
+def test_a_file_that_is_not_a_trace_gets_an_error_naming_it(tmp_path):
+    import json
+
+    import numpy as np
+
+    from lrmoe.traces import TraceFormatError
+
+    cases = {}
+    (tmp_path / "notes.txt").write_text("step,layer,counts\n1,2,3\n")
+    cases["notes.txt"] = "a text file"
+    (tmp_path / "empty.npz").write_bytes(b"")
+    cases["empty.npz"] = "an empty file"
+    (tmp_path / "router_trace_rank0.jsonl").write_text('{"step": 0, "layer": 0, "rank": 0, "top_indices": [[1]]}\n')
+    cases["router_trace_rank0.jsonl"] = "import_megatron_trace"
+    torch.save({"counts": torch.zeros(1)}, tmp_path / "ckpt.npz")
+    cases["ckpt.npz"] = r"an \.npz archive but not an lrmoe-trace file: it lacks"  # torch.save writes a zip
+    np.save(tmp_path / "bare.npy", np.zeros((1, 1, 1, 2), dtype=np.int64))
+    cases["bare.npy"] = "bare .npy array"
+    np.savez(tmp_path / "objects.npz", counts=np.array([{"a": 1}], dtype=object), meta=np.array("{}"))
+    cases["objects.npz"] = "pickled"
+    np.savez(tmp_path / "nometa.npz", counts=np.zeros((1, 1, 1, 2), dtype=np.int64))
+    cases["nometa.npz"] = r"lacks \['meta'\]"
+    np.savez(tmp_path / "badjson.npz", counts=np.zeros((1, 1, 1, 2), dtype=np.int64), meta=np.array("{oops"))
+    cases["badjson.npz"] = "not valid JSON"
+    good_meta = np.array(json.dumps({"format": "lrmoe-trace", "version": 1}))
+    np.savez(tmp_path / "floats.npz", counts=np.zeros((1, 1, 1, 2)), meta=good_meta)
+    cases["floats.npz"] = "integer array"
+    np.savez(tmp_path / "threed.npz", counts=np.zeros((1, 1, 2), dtype=np.int64), meta=good_meta)
+    cases["threed.npz"] = "integer array"
+    np.savez(tmp_path / "negative.npz", counts=-np.ones((1, 1, 1, 2), dtype=np.int64), meta=good_meta)
+    cases["negative.npz"] = "negative"
+    np.savez(tmp_path / "other.npz", counts=np.zeros((1, 1, 1, 2), dtype=np.int64),
+             meta=np.array(json.dumps({"format": "something-else"})))
+    cases["other.npz"] = "format='something-else'"
+    for name, what in cases.items():
+        with pytest.raises(TraceFormatError, match=what) as err:
+            load_trace(tmp_path / name)
+        assert str(tmp_path / name) in str(err.value)
+        assert isinstance(err.value, ValueError)  # scripts that catch ValueError report it as an argument error
+    with pytest.raises(FileNotFoundError, match="missing.npz"):
+        load_trace(tmp_path / "missing.npz")
+    with pytest.raises(TraceFormatError, match="is a directory"):
+        load_trace(tmp_path)
+
+
+def test_join_ranks_concatenates_source_ranks():
+    from lrmoe.traces import join_ranks
+
+    a, b = generate_trace(2, 3, 1, 8, 2, 16, seed=1), generate_trace(2, 3, 2, 8, 2, 16, seed=2)
+    joined = join_ranks([a, b])
+    assert joined.num_ranks == 3 and torch.equal(joined.counts_SLNE[:, :, 1:], b.counts_SLNE)
+    with pytest.raises(ValueError, match="layers"):
+        join_ranks([a, generate_trace(2, 2, 1, 8, 2, 16)])
+
+
+# -- Megatron-Core router traces --------------------------------------------------------------------------------
+def _write_jsonl(path, records):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_imported_megatron_trace_equals_the_counts_it_encodes(tmp_path):
+    from lrmoe.traces import import_megatron_trace
+
+    E, K = 8, 2
+    gen = torch.Generator().manual_seed(0)
+    want = torch.zeros(2, 2, 2, E, dtype=torch.long)  # [steps, layers, ranks, experts]
+    for rank in range(2):
+        records = []
+        for step in (5, 6):  # Megatron's step ids need not start at 0
+            for layer in (1, 3):  # nor its layer numbers
+                for _ in range(2):  # two micro-batches of one (step, layer, rank) add up
+                    top = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(4)])
+                    want[step - 5, (layer - 1) // 2, rank] += torch.bincount(top.flatten(), minlength=E)
+                    records.append({"step": step, "stage": "pre_dispatch", "block": "decoder", "layer": layer,
+                                    "rank": rank, "num_tokens": 4, "topk": K, "top_indices": top.tolist()})
+                records.append({"step": step, "block": "mtp", "mtp_idx": 0, "layer": 0, "rank": rank,
+                                "num_tokens": 1, "topk": K, "top_indices": [[0, 1]]})  # skipped: not decoder
+        _write_jsonl(tmp_path / f"router_trace_rank{rank}.jsonl", records)
+    trace = import_megatron_trace(tmp_path, num_experts=E, model="tiny")
+    assert torch.equal(trace.counts_SLNE, want)
+    assert trace.meta["steps"] == [5, 6] and trace.meta["layers"] == [1, 3] and trace.meta["ranks"] == [0, 1]
+    assert trace.meta["source"] == "recorded" and trace.meta["top_k"] == K
+    back = load_trace(trace.save(tmp_path / "imported.npz"))  # the project's format from here on
+    assert torch.equal(back.counts_SLNE, want)
+    one = import_megatron_trace(tmp_path / "router_trace_rank1.jsonl", num_experts=E)
+    assert torch.equal(one.counts_SLNE, want[:, :, 1:])
+    assert torch.equal(import_megatron_trace(tmp_path, num_experts=E, ranks=[0]).counts_SLNE, want[:, :, :1])
+
+
+def test_bad_megatron_records_name_file_and_line(tmp_path):
+    from lrmoe.traces import TraceFormatError, import_megatron_trace
+
+    ok = {"step": 0, "layer": 0, "rank": 0, "topk": 2, "top_indices": [[0, 1]]}
+    cases = {
+        "garbage": (["not json"], "not a JSON record"),
+        "missing": ([{"step": 0, "layer": 0, "top_indices": [[0, 1]]}], r"lacks \['rank'\]"),
+        "ragged": ([{**ok, "top_indices": [[0, 1], [2]]}], "list of integer lists"),
+        "topk": ([{**ok, "topk": 3}], "topk=3"),
+        "tokens": ([{**ok, "num_tokens": 5}], "num_tokens=5"),
+        "negative": ([{**ok, "step": -1}], "step must be a non-negative integer"),
+        "range": ([ok, {**ok, "top_indices": [[0, 9]]}], r"outside \[0, num_experts=8\)"),
+    }
+    for name, (records, what) in cases.items():
+        path = tmp_path / f"{name}.jsonl"
+        if isinstance(records[0], str):
+            path.write_text(records[0] + "\n")
+        else:
+            _write_jsonl(path, records)
+        with pytest.raises(TraceFormatError, match=what) as err:
+            import_megatron_trace(path, num_experts=8)
+        assert f"{path}:" in str(err.value)
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(FileNotFoundError, match="no Megatron-Core router trace"):
+        import_megatron_trace(tmp_path / "empty_dir")
+
+
+# -- recording an unmodified Hugging Face model (single process) -------------------------------------------------
+def test_recorder_counts_the_routers_choices_of_an_hf_model():
+    pytest.importorskip("transformers")
+    from transformers import Qwen3MoeForCausalLM
+
+    from lrmoe.config import model_preset
+    from lrmoe.hf import hf_config
+    from lrmoe.traces import RouterRecorder
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(hf_config(model_preset("qwen3-30b-a3b-debug").replace(num_layers=2)))
+    E, K = 16, 4
+    ids = [torch.randint(0, 256, (4, 6)) for _ in range(2)]
+    with RouterRecorder(model, num_ranks=2) as rec:
+        with torch.no_grad():
+            outs = [model(x, output_router_logits=True) for x in ids]
+    trace = rec.trace(note="test")
+    assert trace.counts_SLNE.shape == (2, 2, 2, E) and trace.meta["note"] == "test"
+    for step, out in enumerate(outs):
+        for layer, logits_TE in enumerate(out.router_logits):  # HF's own record of the router: top-k of softmax
+            idx_TK = torch.topk(torch.softmax(logits_TE, -1), K, dim=-1).indices
+            halves = idx_TK.view(2, -1, K)  # virtual ranks: the first and second half of the tokens (2 sequences)
+            for n in range(2):
+                assert torch.equal(trace.counts_SLNE[step, layer, n], torch.bincount(halves[n].flatten(), minlength=E))
+    assert len(rec._handles) == 0  # the context manager removed the hooks
