@@ -97,9 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace-layer", type=int, default=0, help="which layer of the recorded trace")
     p.add_argument("--spare-slots", type=int, default=1, help="replica slots per rank beyond E/N (the memory)")
     p.add_argument("--eps", type=float, default=0.1, help="LRMoE's balance slack (cap = (1 + eps) x mean load)")
-    p.add_argument("--replica-grad", choices=REPLICA_GRAD_MODES, default="range",
+    p.add_argument("--replica-grad", choices=REPLICA_GRAD_MODES, nargs="+", default=["range"],
                    help="replica gradients: 'range' (SYMI's range all-reduce, then collection) or 'shard' (each "
-                        "host's sum straight to the optimizer-shard owners), for every system")
+                        "host's sum straight to the optimizer-shard owners), for every system; both: every policy "
+                        "runs in each mode side by side, labelled 'policy (mode)'")
     p.add_argument("--gamma", type=float, default=0.1, help="LRMoE's per-expert floor")
     p.add_argument("--buffer-load", type=float, default=None,
                    help="the memory budget's token buffers hold this many times the mean load (default 1 + eps); "
@@ -256,13 +257,15 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
         memory = memory_model(base, args.spare_slots, T, K, D, F, elem, buffer_load(args))
         ctx = system_context(args, N, E, memory, T, K)
         layers = {}
+        modes = list(dict.fromkeys(args.replica_grad))
         for name in args.policies:
-            policy, backward = make_policy(name, ctx)
-            acc = Accountant(sync=sync)
-            layer = EPMoELayer(ref.export_weights(), K, cfg.router, policy, initial_placement(policy, N, E, T * K),
-                               groups, routed_scaling=cfg.routed_scaling, dtype=dtype, device=device,
-                               accountant=acc, backward=backward, replica_grad=args.replica_grad)
-            layers[name] = (policy, backward, acc, layer)
+            for mode in modes:
+                policy, backward = make_policy(name, ctx)
+                acc = Accountant(sync=sync)
+                layer = EPMoELayer(ref.export_weights(), K, cfg.router, policy,
+                                   initial_placement(policy, N, E, T * K), groups, routed_scaling=cfg.routed_scaling,
+                                   dtype=dtype, device=device, accountant=acc, backward=backward, replica_grad=mode)
+                layers[name if len(modes) == 1 else f"{name} ({mode})"] = (policy, backward, acc, layer, mode)
         for step in range(args.warmup + args.steps):
             gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
             routing = tokens_from_counts(counts_SNE[step, rank], T, K, gen)
@@ -271,7 +274,7 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
             names = list(layers)
             shift = step % len(names)
             for name in names[shift:] + names[:shift]:  # the policies take turns, the first one rotating
-                policy, backward, acc, layer = layers[name]
+                policy, backward, acc, layer, mode = layers[name]
                 errors = {}
                 if not args.no_grad_error:
                     full_shards, full_dx = full_gradient(layer, policy, routing, x_TD, dy_TD, 1.0 / N)
@@ -284,7 +287,7 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
                 after = layer.expert_step(grad_scale=1.0 / N)
                 plan = info.dispatch.plan
                 want = expected_layer(plan, D, F, elem, backward.metric, backward.compact)
-                want.update(expected_step(before, after, E, D, F, elem, replica_grad=args.replica_grad))
+                want.update(expected_step(before, after, E, D, F, elem, replica_grad=mode))
                 record = acc.record()
                 check_counts(record, want, rank)  # raises if any counted byte or pair differs from the formula
                 if not args.no_grad_error:
@@ -295,7 +298,7 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
                     continue
                 slots = int((before >= 0).sum())
                 records.append({
-                    "trace": label, "policy": name, "step": step - args.warmup, "rank": rank,
+                    "trace": label, "policy": name, "replica_grad": mode, "step": step - args.warmup, "rank": rank,
                     "replica_slots": slots, "slots_per_rank": layer.slots_per_rank,
                     "fwd_wall_ms": phase_sum(record, FORWARD_PHASES, "wall_ms"),
                     "bwd_wall_ms": phase_sum(record, BACKWARD_PHASES, "wall_ms"),

@@ -147,6 +147,15 @@ def replay_plans(config: dict, bench=None) -> dict:
     return out
 
 
+def bench_replica_grad(config: dict) -> str:
+    """The replica-gradient mode the benchmark ran (one mode: a run comparing both is not a replay target)."""
+    mode = config.get("replica_grad", "range")
+    modes = [mode] if isinstance(mode, str) else list(mode)
+    if len(modes) != 1:
+        raise ValueError(f"the benchmark ran replica-gradient modes {modes}; validate a run of one mode")
+    return modes[0]
+
+
 def check_replay(raw: pd.DataFrame, replay: dict, config: dict) -> pd.DataFrame:
     """Every counted quantity of the benchmark (pairs per rank, bytes per phase and rank) against the formulas of
     :mod:`lrmoe.distributed.accounting` on the replayed plan of the same step. Returns the mismatches (empty: the replay
@@ -164,7 +173,7 @@ def check_replay(raw: pd.DataFrame, replay: dict, config: dict) -> pd.DataFrame:
             want = expected_layer(plan, model.hidden, model.expert_ffn, elem, rep["backward"].metric,
                                          rep["backward"].compact)
             want.update(expected_step(plan.placement_NS, rep["next"][t], model.num_experts, model.hidden,
-                                      model.expert_ffn, elem, replica_grad=config.get("replica_grad", "range")))
+                                      model.expert_ffn, elem, replica_grad=bench_replica_grad(config)))
             want["replica_slots"] = torch.full((n,), int((plan.placement_NS >= 0).sum()))
             want["floor_excess"] = plan.floor_excess_N
             for rec in rows.to_dict("records"):
@@ -191,7 +200,7 @@ def predict(replay: dict, config: dict, calibration: str | Path, clock: str | No
     cols = [MODEL_PHASES.index(p) for p in COVERED]
     for (trace, policy), rep in replay.items():
         cm = CostModel(model, cluster, gemm=curve, compaction=rep["backward"].compact, sharded_optimizer=True,
-                       mem_budget_bytes=rep["memory"].budget_bytes, replica_grad=config.get("replica_grad", "range"),
+                       mem_budget_bytes=rep["memory"].budget_bytes, replica_grad=bench_replica_grad(config),
                        combine_cols=get_metric(rep["backward"].metric).combine_cols)
         for t, plan in enumerate(rep["plans"][warmup:]):
             ms_NC = cm.cost(plan).time_NP[:, cols] * 1e3
