@@ -4,6 +4,7 @@ the iteration, and the routed pairs travel to the slots that compute them and ba
 One forward, on every rank (DESIGN.md §4, the data flows one way):
 
     route (replicated router) → all-gather counts_NE → plan = policy.plan(counts_NE, prev_counts_E)
+    → [weight push into empty slots, if the plan has one: ReplicaStore.push]
     → expert exchange (lrmoe.backward: the dispatcher's pack → all-to-all → slot-major → grouped-GEMM SwiGLU →
       all-to-all back) → weighted un-permute (+ shared expert)
 
@@ -55,9 +56,10 @@ class NeedsRecalibration(ValueError, NotImplementedError):
 def check_layer_plan(plan: LayerPlan, counts_NE: torch.Tensor, placement_NS: torch.Tensor,
                      recalibrated: bool = False) -> None:
     """Raise unless ``plan`` is valid for these counts and one this layer can run: made for the placement the
-    slots hold; with backward retention or backward flows only when the layer has the recalibrated backward."""
+    slots hold (up to the empty slots its weight push fills, ``plan.push_src_G``); with backward retention or
+    backward flows only when the layer has the recalibrated backward."""
     plan.validate(counts_NE)
-    if not torch.equal(plan.placement_NS.cpu(), placement_NS):
+    if not torch.equal(plan.resident_NS.cpu(), placement_NS):
         raise ValueError(f"plan.placement_NS {plan.placement_NS.tolist()} differs from the placement the slots hold "
                          f"{placement_NS.tolist()}: move the weights first (expert_step(next_placement_NS=...))")
     if not recalibrated and (not torch.equal(plan.keep_NG, plan.fwd_NG) or plan.bwd_flows_F4.numel()):
@@ -190,6 +192,8 @@ class EPMoELayer(nn.Module):
             counts_NE = comm.all_gather_counts(torch.bincount(routed.idx_TK.reshape(-1), minlength=self.num_experts))
             plan = policy.plan(counts_NE, self.prev_counts_E)
             check_layer_plan(plan, counts_NE, self.placement_NS, recalibrated=self.backward_config is not None)
+        if plan.push_src_G is not None:  # online replication: weights into the spare slots before the compute
+            self.store.push(plan.placement_NS, plan.push_src_G)
 
         with comm.phase("permute"):
             dispatch = make_dispatch(routed.idx_TK, gate_TK, plan, counts_NE, self.rank, x_TD.device)

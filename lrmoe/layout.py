@@ -30,14 +30,16 @@ import torch
 from torch import Tensor
 
 # -- the phase vocabulary, shared by the accountant, the layer bench and the cost model ---------------------------
-FORWARD_PHASES = ("route", "plan", "permute", "dispatch_a2a", "expert_fwd", "shared_fwd", "combine_a2a",
-                  "unpermute")
+FORWARD_PHASES = ("route", "plan", "weight_push", "permute", "dispatch_a2a", "expert_fwd", "shared_fwd",
+                  "combine_a2a", "unpermute")
 BACKWARD_PHASES = ("recalibrate", "combine_a2a_bwd", "bwd_index_a2a", "expert_bwd", "shared_bwd",
                    "dispatch_a2a_bwd", "unpermute_bwd")
 STEP_PHASES = ("replica_sync", "grad_collect", "adam", "redistribute")
 PHASES = FORWARD_PHASES + BACKWARD_PHASES + STEP_PHASES
 A2A_PHASES = ("dispatch_a2a", "combine_a2a", "combine_a2a_bwd", "bwd_index_a2a", "dispatch_a2a_bwd")
-BYTE_PHASES = A2A_PHASES + ("replica_sync", "grad_collect", "redistribute")
+# weight_push: online replication copies expert weights into spare slots before the expert compute (lrmoe.online;
+# its bytes are lrmoe.sync_model.push_bytes)
+BYTE_PHASES = A2A_PHASES + ("weight_push", "replica_sync", "grad_collect", "redistribute")
 COUNTERS = ("pairs_fwd", "pairs_bwd", "pairs_retained", "pairs_recomputed", "pairs_dropped", "token_buffer_bytes",
             "bwd_buffer_bytes")
 

@@ -46,6 +46,10 @@ class LayerPlan:
                    the weights can move there at the end of this iteration without planning again. It assumes the
                    next iteration routes as many pairs (only memory-aware placement looks at that). None (the
                    default) means the placement stays: it is filled with placement_NS.
+    push_src_G     [G] online replication (lrmoe.online): the global slot whose weights are copied into slot g before
+                   this iteration's expert compute, -1 where g is not pushed. A pushed slot is empty in the placement
+                   the slots hold and holds the source's expert in placement_NS; a source is never pushed itself.
+                   None (the default): nothing is pushed.
     """
 
     placement_NS: Tensor
@@ -58,6 +62,7 @@ class LayerPlan:
     policy: str = ""
     drop_by: str = "position"
     next_placement_NS: Tensor | None = None
+    push_src_G: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.next_placement_NS is None:
@@ -89,6 +94,18 @@ class LayerPlan:
     def slot_rank_G(self) -> Tensor:
         """[G] rank of each global slot."""
         return torch.arange(self.num_slots) // self.slots_per_rank
+
+    @property
+    def pushed_G(self) -> Tensor:
+        """bool [G] slots whose weights are pushed in before this iteration's expert compute."""
+        if self.push_src_G is None:
+            return torch.zeros(self.num_slots, dtype=torch.bool)
+        return self.push_src_G >= 0
+
+    @property
+    def resident_NS(self) -> Tensor:
+        """[N, S] the placement the slots must hold before the push: placement_NS with pushed slots empty."""
+        return torch.where(self.pushed_G, -1, self.slot_expert_G).view_as(self.placement_NS)
 
     # --- forward -------------------------------------------------------------------------------------------
     def _per_expert(self, x_NG: Tensor) -> Tensor:
@@ -207,10 +224,26 @@ class LayerPlan:
                 raise ValueError("LayerPlan.bwd_flows_F4 moves pairs between slots of different experts")
             if bool((self.moved_out_NG > self.keep_NG).any()):
                 raise ValueError("LayerPlan.bwd_flows_F4 moves more pairs out of a group than it keeps")
+        if self.push_src_G is not None:
+            self._validate_push()
         if counts_NE is not None and not torch.equal(self.routed_NE, counts_NE.long()):
             raise ValueError("LayerPlan does not account for every routed pair exactly once "
                              "(fwd_NE + dropped_NE != counts_NE)")
         return self
+
+    def _validate_push(self) -> None:
+        p, G = self.push_src_G, self.num_slots
+        if not isinstance(p, Tensor) or tuple(p.shape) != (G,) or p.dtype != torch.long:
+            raise ValueError(f"LayerPlan.push_src_G must be a long tensor of shape ({G},), got "
+                             f"{getattr(p, 'dtype', type(p))} {tuple(getattr(p, 'shape', ()))}")
+        if int(p.min()) < -1 or int(p.max()) >= G:
+            raise ValueError(f"LayerPlan.push_src_G holds slots outside [-1, {G})")
+        pushed = p >= 0
+        src, ex = p[pushed], self.slot_expert_G
+        if bool((src == torch.arange(G)[pushed]).any()) or bool(pushed[src].any()):
+            raise ValueError("LayerPlan.push_src_G pushes from a slot that is itself pushed")
+        if bool((ex[pushed] < 0).any()) or bool((ex[src] != ex[pushed]).any()):
+            raise ValueError("LayerPlan.push_src_G fills a slot from a slot of another expert (or leaves it empty)")
 
     def stats(self) -> dict[str, float]:
         """Plain-number summary: loads (max / mean), drops, retention, moves and carried rows."""

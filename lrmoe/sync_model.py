@@ -26,6 +26,11 @@ Replica-gradient modes (one switch, ``replica_grad``, for every system):
 
 Redistribution (both modes): owner q sends its updated shard of each expert to every other rank hosting it next,
 q → m carries shard_q·|X_m|·b_w.
+
+Weight push (online replication, :mod:`lrmoe.online`; before the expert compute, not in the optimizer step): a plan's
+``push_src_G`` fills empty slots with copies of resident ones. Rank q sends rank m ≠ q each distinct expert that
+m's pushed slots take from q's slots once, whole: q → m carries |{e pushed from q to m}|·P·b_w. A push from a slot
+of the same rank is a local copy (zero bytes).
 """
 
 from __future__ import annotations
@@ -217,3 +222,29 @@ def step_bytes(placement_NS: torch.Tensor, next_placement_NS: torch.Tensor, num_
     redistribute_NM = _off_diagonal(shard_N[:, None] * distinct_next_N[None, :] * weight_bytes)
     return StepBytes(replica_grad=replica_grad, allreduce_NE=allreduce_NE, group_NE=group_NE, sync_NM=sync_NM,
                      collect_NM=collect_NM, redistribute_NM=redistribute_NM)
+
+
+# -- the weight push of online replication -----------------------------------------------------------------------
+def push_rows(placement_NS: torch.Tensor, push_src_G: torch.Tensor | None) -> torch.Tensor:
+    """long [X, 3] rows (source rank, destination rank, expert): the messages of a weight push, one per distinct
+    expert a rank sends another, sorted; pushes within one rank are local copies and have no row."""
+    if push_src_G is None:
+        return torch.zeros(0, 3, dtype=torch.long)
+    s = placement_NS.shape[1]
+    g = torch.arange(placement_NS.numel())
+    pushed = push_src_G >= 0
+    src, dst = push_src_G[pushed] // s, g[pushed] // s
+    rows = torch.stack([src, dst, placement_NS.reshape(-1)[pushed]], 1)
+    rows = rows[src != dst]
+    return torch.unique(rows, dim=0) if len(rows) else rows
+
+
+def push_bytes(placement_NS: torch.Tensor, push_src_G: torch.Tensor | None, params_per_expert: int,
+               weight_bytes: int) -> torch.Tensor:
+    """long [N, N] bytes rank n sends rank m in the weight push of a plan (``placement_NS`` the plan's, after the
+    push): one whole expert, P·b_w, per row of :func:`push_rows`."""
+    n = placement_NS.shape[0]
+    rows = push_rows(placement_NS, push_src_G)
+    out = torch.zeros(n * n, dtype=torch.long)
+    out.index_add_(0, rows[:, 0] * n + rows[:, 1], torch.full((len(rows),), int(params_per_expert) * weight_bytes))
+    return out.view(n, n)

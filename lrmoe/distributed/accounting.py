@@ -20,6 +20,9 @@ and iteration (:func:`expected_step`):
   b_p · shard_m for every (m ≠ n, e) with source(m, e) = n;
 * ``redistribute``: receives b_p · |X_n| · (P − shard_n); sends b_p · shard_n · Σ_{m≠n} |X_m|.
 
+A plan of online replication also pushes weights before its expert compute (:func:`expected_push`,
+``weight_push``): rank n sends P·b_p to rank m for every distinct expert m's pushed slots take from n's slots.
+
 **Against SYMI's accounting.** SYMI counts s·N·W for the weight redistribution: every one of the s·N slots receives
 a whole expert (W = P·b_p). Here a rank receives each distinct expert once, without the shard it owns itself:
 Σ_m |X_m|·(P − shard_m)·b_p ≤ s·N·W·(N−1)/N (as |X_m| ≤ s and Σ_m shard_m = P), equal when no slot is empty
@@ -45,7 +48,7 @@ import torch
 
 from ..layout import BYTE_PHASES, COUNTERS, PHASES, layer_counts, pair_matrix_NN  # noqa: F401 - re-exported
 from ..scoring import get_metric
-from ..sync_model import step_bytes
+from ..sync_model import push_bytes, step_bytes
 
 
 @dataclass
@@ -136,13 +139,25 @@ class Accountant:
 
 # -- the formulas ---------------------------------------------------------------------------------------------
 def expected_layer(plan, hidden: int, ffn: int, act_bytes: int, metric: str | None = None, compact: bool = True,
-                   input_grad: bool = True) -> dict[str, torch.Tensor]:
+                   input_grad: bool = True, param_bytes: int | None = None) -> dict[str, torch.Tensor]:
     """What every rank of a layer running ``plan`` counts in one forward and backward ([N] each): the bytes of the
-    all-to-alls, the pairs and the buffers, by the plan's byte model (:func:`lrmoe.layout.layer_counts`).
+    all-to-alls, the pairs and the buffers, by the plan's byte model (:func:`lrmoe.layout.layer_counts`), and the
+    bytes of the plan's weight push (:func:`expected_push`; only for plans that carry one).
     ``metric``: the recalibration metric's name (its extra combine columns ride along when the plan selects; None:
-    the plain backward); ``compact``: the backward's compaction switch; ``input_grad=False``: no input gradients."""
+    the plain backward); ``compact``: the backward's compaction switch; ``input_grad=False``: no input gradients;
+    ``param_bytes``: bytes per slot-weight element (default ``act_bytes``: the layer computes in the slots' dtype)."""
     cols = get_metric(metric).combine_cols if metric is not None else 0
-    return layer_counts(plan, hidden, ffn, act_bytes, compact=compact, combine_cols=cols, input_grad=input_grad)
+    out = layer_counts(plan, hidden, ffn, act_bytes, compact=compact, combine_cols=cols, input_grad=input_grad)
+    if getattr(plan, "push_src_G", None) is not None:
+        out.update(expected_push(plan, hidden, ffn, act_bytes if param_bytes is None else param_bytes))
+    return out
+
+
+def expected_push(plan, hidden: int, ffn: int, param_bytes: int) -> dict[str, torch.Tensor]:
+    """``weight_push.sent_bytes`` / ``.recv_bytes`` ([N] each) of the plan's weight push: the closed form of
+    :func:`lrmoe.sync_model.push_bytes` (a whole expert, 3·D·F·b_p, per distinct expert a rank sends another)."""
+    push_NM = push_bytes(plan.placement_NS, plan.push_src_G, 3 * hidden * ffn, param_bytes)
+    return {"weight_push.sent_bytes": push_NM.sum(1), "weight_push.recv_bytes": push_NM.sum(0)}
 
 
 def expected_step(placement_NS: torch.Tensor, next_placement_NS: torch.Tensor, num_experts: int, hidden: int,

@@ -32,6 +32,10 @@ all-gather, not the backend's all-reduce, whose order is its own; the shard owne
 two modes agree bit for bit in fp32. (In a lower slot dtype the range mode rounds the reduced gradient to it for
 the all-gather, the shard mode keeps the fp32 sum: they differ by that one rounding.)
 
+Online replication (:mod:`lrmoe.online`) adds a step 0 before the forward, :meth:`ReplicaStore.push`: copies of
+resident slots fill empty ones (the plan's ``push_src_G``), the replicas' gradients join steps 1-2 like any other,
+and the redistribution into a next placement without them empties them again.
+
 The pure helpers (who talks to whom, and how many bytes) live in :mod:`lrmoe.sync_model` and are re-exported here;
 the accounting (:mod:`lrmoe.distributed.accounting`) and the cost model take their bytes from there.
 """
@@ -46,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..sync_model import (SyncPlan, check_placement, check_replica_grad, hosted_experts, hosts_mask,
+from ..sync_model import (SyncPlan, check_placement, check_replica_grad, hosted_experts, hosts_mask, push_rows,
                           ring_allreduce_bytes, shard_bounds, shard_sizes, sync_plan)
 from .comm import all_to_all_rows, exchange_rows
 
@@ -373,6 +377,57 @@ class ReplicaStore(nn.Module):
                         sum(recv_numel.values()) * elem)
         self.placement_NS = nxt
         self.slots_SP.grad = None
+
+    # -- 0. weight push (online replication) ------------------------------------------------------------------
+    def push(self, placement_NS: torch.Tensor, push_src_G: torch.Tensor) -> None:
+        """Fill empty slots with copies of resident slots before the forward (a plan's ``push_src_G``: the global
+        slot each pushed slot copies, -1 for the others), then hold ``placement_NS``. Every rank sends each peer one
+        message with the distinct experts that peer takes from its slots (:func:`lrmoe.sync_model.push_rows`);
+        copies within a rank are local. Timed and counted as ``weight_push`` (collective).
+
+        The pushed slots then take part in the replica-gradient sum like any replica, and the redistribution of
+        :meth:`step` into a next placement without them empties them again: the optimizer shards never move."""
+        tgt = placement_NS.clone().cpu()
+        src_G = push_src_G.cpu().long()
+        check_placement(tgt, self.num_ranks, self.num_experts, "placement_NS")
+        S, G = self.slots_per_rank, self.num_ranks * self.slots_per_rank
+        if tgt.shape[1] != S or tuple(src_G.shape) != (G,):
+            raise ValueError(f"push needs a placement with {S} slots per rank and push_src_G of shape ({G},), got "
+                             f"{tuple(tgt.shape)} and {tuple(src_G.shape)}")
+        held_G, want_G, pushed_G = self.placement_NS.reshape(-1), tgt.reshape(-1), src_G >= 0
+        if not torch.equal(torch.where(pushed_G, -1, want_G), held_G):
+            raise ValueError(f"a push fills empty slots only: the slots hold {self.placement_NS.tolist()}, the "
+                             f"plan's placement {tgt.tolist()} with pushed slots "
+                             f"{pushed_G.nonzero().flatten().tolist()} (run expert_step between two forwards)")
+        if bool((held_G[src_G[pushed_G]] != want_G[pushed_G]).any()):
+            raise ValueError("a push copies a slot that does not hold the pushed expert")
+        rows = push_rows(tgt, src_G)
+        me, elem = self.rank, self.slots_SP.element_size()
+        local = self.local_slot_expert()
+        with self._phase("weight_push"), torch.no_grad():
+            send, recv_numel = {}, {}
+            for m in range(self.num_ranks):
+                out = rows[(rows[:, 0] == me) & (rows[:, 1] == m), 2].tolist()  # ascending experts
+                if out:
+                    send[m] = torch.cat([self.slots_SP[local.index(e)] for e in out])
+                got = rows[(rows[:, 0] == m) & (rows[:, 1] == me), 2]
+                if len(got):
+                    recv_numel[m] = len(got) * self.numel
+            got = exchange_rows(send, recv_numel, self.dtype, self.device)
+            for j in range(S):
+                g = me * S + j
+                if not bool(pushed_G[g]):
+                    continue
+                q, e = int(src_G[g]) // S, int(want_G[g])
+                if q == me:
+                    self.slots_SP[j].copy_(self.slots_SP[int(src_G[g]) % S])
+                else:
+                    experts = rows[(rows[:, 0] == q) & (rows[:, 1] == me), 2].tolist()
+                    i = experts.index(e)
+                    self.slots_SP[j].copy_(got[q][i * self.numel:(i + 1) * self.numel])
+            self._bytes("weight_push", sum(b.numel() for b in send.values()) * elem,
+                        sum(recv_numel.values()) * elem)
+        self.placement_NS = tgt
 
     def step(self, next_placement_NS: torch.Tensor | None = None, grad_scale: float = 1.0) -> None:
         """The whole optimizer step of the experts: sync, collect, Adam, redistribute."""
