@@ -1,0 +1,331 @@
+"""Time against quality: the retention budget's frontier, from two scales.
+
+Loss comes from the convergence sweep (experiments/convergence.py: the debug model trained on 4 CPU ranks, several
+seeds); time comes from the simulator at paper scale (lrmoe.sim: the full model's MoE layers on a GPU cluster
+preset, a synthetic Zipf routing trace). The two are joined by system name only: the paper-scale time of a system
+is what its plans cost there, and its loss is what the same policy did to the small model's training. Neither
+scale measures the other quantity.
+
+Writes a results file (per system: modelled time ÷ SYMI-dropless and ÷ SYMI-cf1, validation-loss gap to dropless
+static EP over seeds, the equal-quality time to reach static EP's loss at step T, and the headline), and a figure
+(PNG + PDF): x modelled time ÷ SYMI-dropless, y loss gap, one point per system and rho, error bars the seed spread.
+
+    python experiments/frontier.py --convergence outputs/convergence.jsonl
+    python experiments/frontier.py --quick --convergence outputs/quick/convergence.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from tqdm import tqdm
+
+from lrmoe.config import cluster_preset, model_preset
+from lrmoe.experiments.convergence import BASELINE, last_per_step, per_run, summarise, time_to_reach
+from lrmoe.placement import MemoryModel
+from lrmoe.sim.cost import CostModel
+from lrmoe.sim.simulator import simulate
+from lrmoe.systems import SystemContext, get_system, plan_twins
+from lrmoe.tracking import Tracker, add_tracking_args, read_results
+from lrmoe.traces import generate_trace
+
+REFERENCE = "symi-dropless"  # the x axis' unit
+CF1 = "symi-cf1"
+MAX_GAP_PCT = 1.0  # the headline's quality bar: mean loss gap to dropless static EP over the seeds
+
+
+def describe(policy: str) -> dict:
+    """What a system name says about the budget: rho (NaN: none), the selection ("m2 top-k", "m2 unbiased",
+    "random", or "none"), and whether it is an LRMoE variant that uses its metric."""
+    spec = get_system(policy)
+    m = re.search(r"rho([0-9.]+)", policy)
+    rho = float(m.group(1)) if m else np.nan
+    if spec.family != "lrmoe":
+        selection = "random" if m else "none"
+    elif spec.backward.metric == "random":
+        selection = "random"
+    else:
+        selection = f"{spec.backward.metric} {'unbiased' if spec.backward.mode == 'unbiased' else 'top-k'}"
+    return {"family": spec.family, "rho": rho, "selection": selection,
+            "uses_metric": spec.family == "lrmoe" and selection != "random", "label": spec.label}
+
+
+def curves_from(path: str | Path) -> pd.DataFrame:
+    """The convergence sweep's per-step records (policy, seed, step, val_loss, time_s, ...), one per step."""
+    records = read_results(path)
+    frames = []
+    for (policy, seed), recs in pd.DataFrame(records).groupby(["policy", "seed"], sort=False):
+        frames.append(pd.DataFrame(last_per_step(recs.to_dict("records"))))
+    if not frames:
+        raise SystemExit(f"frontier.py: error: {path} holds no convergence records")
+    return pd.concat(frames, ignore_index=True)
+
+
+def frontier_table(losses: pd.DataFrame, reach: pd.DataFrame, times_ms: dict[str, float],
+                   reference: str = REFERENCE, cf1: str = CF1) -> pd.DataFrame:
+    """Join the loss summary (convergence.summarise) and the equal-quality table (convergence.time_to_reach) with
+    the modelled paper-scale time per iteration of each system: time ÷ ``reference`` and ÷ ``cf1``, and the
+    equal-quality time (steps to reach the target × time per iteration) ÷ the reference's."""
+    table = losses.merge(reach[["policy", "seeds_reached", "step_to_reach"]], on="policy", how="left")
+    table["iter_ms"] = table.policy.map(times_ms)
+    table["time_vs_dropless"] = table.iter_ms / times_ms.get(reference, np.nan)
+    table["time_vs_cf1"] = table.iter_ms / times_ms.get(cf1, np.nan)
+    # equal quality: only where every seed reached the target (else the mean step would flatter the system)
+    reached = table.seeds_reached == table.seeds
+    table["time_to_reach_ms"] = np.where(reached, table.step_to_reach * table.iter_ms, np.nan)
+    ref = table.loc[table.policy == reference, "time_to_reach_ms"]
+    table["time_to_reach_vs_dropless"] = table.time_to_reach_ms / (ref.iloc[0] if len(ref) else np.nan)
+    described = pd.DataFrame([describe(p) for p in table.policy])
+    return pd.concat([table, described], axis=1)
+
+
+def headline(table: pd.DataFrame, max_gap_pct: float = MAX_GAP_PCT, runs: pd.DataFrame | None = None) -> dict:
+    """The issue's headline rule, on a frontier table:
+
+    * the smallest modelled time ÷ SYMI-dropless among the LRMoE systems that use their metric whose mean loss
+      gap to dropless static EP is <= ``max_gap_pct`` (over the seeds);
+    * the smallest LRMoE time ÷ SYMI-cf1 among those whose mean gap is <= SYMI-cf1's (equal or better loss);
+    * at the first one's rho: its mean gap against the random-trim controls (LRMoE's placement with random
+      selection, and SYMI-dropless trimmed at random), and, given ``runs`` (convergence.per_run), on how many
+      seeds it was lower."""
+    lr = table[table.uses_metric & table.time_vs_dropless.notna()]
+    out: dict = {"max_gap_pct": max_gap_pct}
+    ok = lr[lr.gap_pct <= max_gap_pct]
+    if ok.empty:
+        out["best"] = None
+    else:
+        best = ok.sort_values(["time_vs_dropless", "gap_pct"]).iloc[0]
+        out["best"] = {"policy": best.policy, "rho": best.rho, "time_vs_dropless": float(best.time_vs_dropless),
+                       "gap_pct": float(best.gap_pct), "gap_pct_min": float(best.gap_pct_min),
+                       "gap_pct_max": float(best.gap_pct_max), "seeds": int(best.seeds)}
+        controls = {}
+        for ctrl in (f"lrmoe-rho{best.rho:g}-random", f"symi-dropless-rho{best.rho:g}"):
+            row = table[table.policy == ctrl]
+            if row.empty:
+                continue
+            c = {"gap_pct": float(row.gap_pct.iloc[0]), "time_vs_dropless": float(row.time_vs_dropless.iloc[0]),
+                 "metric_lower_mean": bool(best.gap_pct < row.gap_pct.iloc[0])}
+            if runs is not None:
+                mine = runs[runs.policy == best.policy].set_index("seed").gap_pct
+                theirs = runs[runs.policy == ctrl].set_index("seed").gap_pct
+                common = mine.index.intersection(theirs.index)
+                c["seeds_metric_lower"] = int((mine[common] < theirs[common]).sum())
+                c["seeds_compared"] = int(len(common))
+            controls[ctrl] = c
+        out["controls"] = controls
+    cf1 = table[table.policy == CF1]
+    if cf1.empty or lr.time_vs_cf1.isna().all():
+        out["vs_cf1"] = None
+    else:
+        bar = float(cf1.gap_pct.iloc[0])
+        ok = lr[lr.gap_pct <= bar]
+        out["vs_cf1"] = None if ok.empty else {
+            "policy": ok.sort_values("time_vs_cf1").iloc[0].policy,
+            "time_vs_cf1": float(ok.time_vs_cf1.min()),
+            "gap_pct": float(ok.sort_values("time_vs_cf1").iloc[0].gap_pct), "cf1_gap_pct": bar}
+    return out
+
+
+def headline_text(h: dict) -> str:
+    lines = []
+    b = h.get("best")
+    if b is None:
+        lines.append(f"No LRMoE system (with its metric and a modelled time) has a mean loss gap <= "
+                     f"{h['max_gap_pct']:g} % to dropless.")
+    else:
+        lines.append(f"Smallest modelled LRMoE ÷ SYMI-dropless time with mean loss gap <= {h['max_gap_pct']:g} % "
+                     f"over {b['seeds']} seeds: {b['time_vs_dropless']:.3f} ({b['policy']}, gap {b['gap_pct']:+.2f} % "
+                     f"[{b['gap_pct_min']:+.2f}, {b['gap_pct_max']:+.2f}]).")
+        for name, c in h.get("controls", {}).items():
+            seeds = (f"; lower on {c['seeds_metric_lower']}/{c['seeds_compared']} seeds"
+                     if "seeds_compared" in c else "")
+            lines.append(f"  vs {name}: gap {c['gap_pct']:+.2f} %, time ÷ dropless {c['time_vs_dropless']:.3f}: "
+                         f"the metric's mean gap is {'lower' if c['metric_lower_mean'] else 'NOT lower'}{seeds}.")
+    v = h.get("vs_cf1")
+    lines.append("No LRMoE system (with its metric) matches SYMI-cf1's loss." if v is None else
+                 f"Smallest LRMoE ÷ SYMI-cf1 time at equal or better loss (gap <= {v['cf1_gap_pct']:+.2f} %): "
+                 f"{v['time_vs_cf1']:.3f} ({v['policy']}, gap {v['gap_pct']:+.2f} %).")
+    return "\n".join(lines)
+
+
+def modelled_times(policies: list[str], args) -> tuple[dict[str, float], list[dict]]:
+    """Modelled paper-scale MoE time per iteration (ms, all layers) of each system, on one synthetic trace, with the
+    fair-memory context the ablation sweep uses (per-layer budget, memory-sized SYMI slots)."""
+    m, c = model_preset(args.model), cluster_preset(args.cluster, args.nodes)
+    layers = min(args.layers or m.num_moe_layers, m.num_moe_layers)
+    budget = (args.mem_gb * 1e9 if args.mem_gb else c.mem_budget_bytes) / m.num_moe_layers
+    cm = CostModel(m, c, mem_budget_bytes=budget)
+    ctx = SystemContext(num_experts=m.num_experts, num_ranks=c.num_ranks, spare_slots=m.num_experts // c.num_ranks,
+                        eps=args.eps, gamma=args.gamma, memory=MemoryModel(budget, cm.slot_bytes, cm.pair_bytes),
+                        pairs_per_rank=args.tokens_per_rank * m.top_k, symi_headroom=args.symi_headroom)
+    trace = generate_trace(args.sim_steps, layers, c.num_ranks, m.num_experts, m.top_k, args.tokens_per_rank,
+                           skew="zipf", skew_param=args.skew, seed=args.sim_seed, model=m.name)
+    twins = plan_twins(policies)  # variants with the same plans (metric, selection) are simulated once
+    times, rows = {}, []
+    with tqdm(total=sum(p not in twins for p in policies) * args.sim_steps * layers, desc="layer-steps",
+              disable=None, mininterval=1.0) as bar:
+        for policy in policies:
+            if policy in twins:
+                continue
+            spec = get_system(policy)
+            res = simulate(trace.counts_SLNE, spec.simulator_system(ctx), m, c,
+                           cost_kwargs={"mem_budget_bytes": budget, **spec.cost_options()},
+                           micro_batches=args.micro_batches, progress=bar.update)
+            s = res.summary()
+            times[policy] = 1e3 * s["time_s"] * m.num_moe_layers / layers
+            rows.append({"policy": policy, "iter_ms": times[policy], "oom": s["oom"], "drop_rate": s["drop_rate"],
+                         "bwd_max_over_mean_fwd": s["rho"], "fwd_imbalance": s["fwd_imbalance"],
+                         "slots_per_rank": s["slots_per_rank"], "note": spec.note(ctx)})
+    for policy, twin in twins.items():
+        if policy in policies:
+            times[policy] = times[twin]
+    scale = {"model": m.name, "cluster": c.name, "ranks": c.num_ranks, "nodes": c.num_nodes, "skew": args.skew,
+             "tokens_per_rank": args.tokens_per_rank, "layers_simulated": layers, "sim_steps": args.sim_steps,
+             "micro_batches": args.micro_batches, "mem_gb": budget * m.num_moe_layers / 1e9}
+    return times, [{**r, **scale} for r in rows]
+
+
+def point_color(row) -> tuple | str:
+    """References in their registry colour; budgeted systems shaded by rho (darker: deeper cut), LRMoE with its
+    metric in reds, LRMoE with random selection in oranges, SYMI-dropless trimmed at random in blues."""
+    if row.rho != row.rho:
+        return get_system(row.policy).color
+    cmap = plt.cm.Blues if row.family == "symi" else plt.cm.Reds if row.uses_metric else plt.cm.Oranges
+    return cmap(float(np.clip(0.4 + (1.0 - row.rho), 0.4, 0.95)))
+
+
+MARKERS = {"none": "s", "m2 top-k": "o", "m2 unbiased": "^", "random": "x", "m1 top-k": "o", "m1 unbiased": "^"}
+
+
+def plot(table: pd.DataFrame, h: dict, args, scale: dict):
+    """Left: the frontier (x time ÷ SYMI-dropless, y gap, error bars seed min-max). Right: equal quality."""
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.8), gridspec_kw={"width_ratios": [1.6, 1]})
+    ax = axes[0]
+    for _, r in table.iterrows():
+        if r.time_vs_dropless != r.time_vs_dropless:
+            continue
+        color = point_color(r)
+        err = [[max(r.gap_pct - r.gap_pct_min, 0)], [max(r.gap_pct_max - r.gap_pct, 0)]]
+        ax.errorbar(r.time_vs_dropless, r.gap_pct, yerr=err, fmt=MARKERS.get(r.selection, "D"), color=color,
+                    ms=6, capsize=2, lw=0.8)
+        ax.annotate(r.policy, (r.time_vs_dropless, r.gap_pct), fontsize=5.5, xytext=(3, 2), textcoords="offset points")
+    ax.axhline(0, color="0.5", lw=0.6)
+    ax.axhline(h["max_gap_pct"], color="0.3", lw=0.6, ls="--")
+    ax.axvline(1, color="0.7", lw=0.6, ls=":")
+    ax.set(xlabel=f"modelled MoE time per iteration ÷ SYMI-dropless\n(simulator: {scale['model']}, "
+                  f"{scale['nodes']} × 8 {scale['cluster'].split('-x')[0]}, Zipf {scale['skew']:g})",
+           ylabel="validation-loss gap to dropless static EP (%)\n"
+                  "(CPU training of the debug model; bars: seed min-max)",
+           title="frontier (o m2 top-k, ^ m2 unbiased, x random trim, s reference)")
+    ax.tick_params(labelsize=7)
+    ax = axes[1]
+    eq = table.dropna(subset=["time_to_reach_vs_dropless"]).sort_values("time_to_reach_vs_dropless")
+    ax.barh(eq.policy, eq.time_to_reach_vs_dropless, color=[point_color(r) for _, r in eq.iterrows()])
+    missing = table[table.time_to_reach_vs_dropless.isna()].policy.tolist()
+    ax.axvline(1, color="0.3", lw=0.6, ls=":")
+    ax.set(xlabel="modelled time to reach static EP's loss at step T ÷ SYMI-dropless's",
+           title=f"equal quality (T = {args.target_step or 'last step'})")
+    ax.tick_params(labelsize=6.5)
+    if missing:
+        ax.text(0.02, -0.16, "not reached on every seed: " + ", ".join(missing), transform=ax.transAxes,
+                fontsize=5.5, wrap=True, va="top")
+    fig.suptitle("Time against quality from two scales: time = paper-scale simulator, loss = CPU training of the "
+                 "debug model (joined by system name only)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def markdown_report(table: pd.DataFrame, h: dict, scale: dict, curves: pd.DataFrame, figure: str) -> str:
+    """The table, the headline and both scales' conditions, as Markdown (written beside the results file)."""
+    seeds = sorted(int(s) for s in curves.seed.unique())
+    steps = int(curves.step.max())
+    return "\n".join([
+        "# Time against quality: the retention budget's frontier", "",
+        f"![frontier]({figure})", "",
+        "**Two scales.** Time: modelled MoE-layer time per iteration from the simulator at paper scale "
+        f"({scale['model']}, {scale['cluster']}: {scale['ranks']} ranks on {scale['nodes']} nodes, "
+        f"{scale['mem_gb']:.0f} GB MoE budget per rank, synthetic Zipf {scale['skew']:g} trace, "
+        f"{scale['tokens_per_rank']} tokens per rank per micro-batch, {scale['micro_batches']} micro-batches, "
+        f"{scale['layers_simulated']} layers simulated, {scale['sim_steps']} iterations, the first warm-up). "
+        f"Loss: validation loss of the debug model trained on 4 CPU ranks for {steps} steps, seeds {seeds}; the gap "
+        "to dropless static EP is taken seed by seed (same data order), then averaged; min/max over seeds. "
+        "Neither scale measures the other quantity: the two are joined by system name only.", "",
+        table.sort_values("time_vs_dropless").to_markdown(index=False, floatfmt=".3f"), "",
+        "**Headline** (mean gap over the seeds; `time_vs_*`: modelled time per iteration):", "",
+        *[f"* {line.strip()}" for line in headline_text(h).splitlines()], "",
+    ])
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--convergence", default="outputs/convergence.jsonl", help="the convergence results file")
+    parser.add_argument("--target-step", type=int, default=None, help="equal-quality step T (default: the last)")
+    parser.add_argument("--max-gap-pct", type=float, default=MAX_GAP_PCT)
+    parser.add_argument("--model", default="qwen3-30b-a3b")
+    parser.add_argument("--cluster", default="a100-40gb-x8")
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--skew", type=float, default=0.8, help="Zipf s of the synthetic trace")
+    parser.add_argument("--tokens-per-rank", type=int, default=4096)
+    parser.add_argument("--mem-gb", type=float, default=None, help="per-rank MoE budget, GB (default: the device)")
+    parser.add_argument("--sim-steps", type=int, default=3, help="simulated iterations (the first is warm-up)")
+    parser.add_argument("--layers", type=int, default=None, help="simulated MoE layers (default all)")
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--eps", type=float, default=0.1)
+    parser.add_argument("--gamma", type=float, default=0.1)
+    parser.add_argument("--symi-headroom", type=float, default=1.5)
+    parser.add_argument("--sim-seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="4 simulated layers, 2 iterations")
+    add_tracking_args(parser, "outputs/frontier.jsonl")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.sim_steps = args.layers or 4, 2
+    if args.sim_steps < 2:
+        parser.error("--sim-steps must be at least 2 (the first is warm-up)")
+    return args
+
+
+def main(argv=None) -> pd.DataFrame:
+    args = parse_args(argv)
+    curves = curves_from(args.convergence)
+    if BASELINE not in set(curves.policy):
+        raise SystemExit(f"frontier.py: error: {args.convergence} has no {BASELINE} run (the loss reference)")
+    policies = list(dict.fromkeys(curves.policy))
+    with Tracker("frontier", vars(args), results=args.out, seed=args.sim_seed, overwrite=args.overwrite,
+                 resume=args.resume, wandb=not args.no_wandb) as run:
+        times, sim_rows = modelled_times(policies, args)
+        runs = per_run(curves)
+        table = frontier_table(summarise(curves), time_to_reach(curves, args.target_step), times)
+        h = headline(table, args.max_gap_pct, runs)
+        for rec in table.to_dict("records"):
+            run.log({k: v for k, v in rec.items() if v == v}, step=None)
+        run.log_table("simulated", sim_rows)
+        run.log_table("per_run", runs.to_dict("records"))
+        val = curves.dropna(subset=["val_loss"])[["policy", "seed", "step", "val_loss", "time_s"]]
+        run.log_table("val_curves", val.to_dict("records"))
+        run.log_summary({"headline": h, "headline_text": headline_text(h),
+                         "scales": "time: paper-scale simulator; loss: CPU training of the debug model",
+                         "simulated": sim_rows[0] if sim_rows else {}})
+        figure = run.log_figure("frontier", plot(table, h, args, sim_rows[0]))
+        cols = ["policy", "rho", "selection", "seeds", "val_loss", "val_loss_std", "gap_pct", "gap_pct_min",
+                "gap_pct_max", "hot_rank_bwd_cut_pct", "dropped_pct", "iter_ms", "time_vs_dropless", "time_vs_cf1",
+                "step_to_reach", "time_to_reach_vs_dropless"]
+        print("Time (paper-scale simulator) against loss (CPU training of the debug model): two scales\n")
+        print(table[cols].sort_values("time_vs_dropless").to_markdown(index=False, floatfmt=".3f"))
+        print()
+        print(headline_text(h))
+        report = Path(args.out).with_suffix(".md")
+        report.write_text(markdown_report(table[cols], h, sim_rows[0], curves, figure[0].name))
+        print(f"results: {args.out}; figure: {figure[0]}; report: {report}")
+    return table
+
+
+if __name__ == "__main__":
+    main()
