@@ -427,15 +427,16 @@ class HFExpertParallel:
 
     # -- per-rank training state (resume) -------------------------------------------------------------------------
     def expert_state_dict(self) -> list[dict]:
-        """This rank's state of every swapped layer: slots, fp32 master and Adam shards, placement, Adam step,
-        planning state and backward generator (no collective; save one per rank beside ``model.state_dict()``)."""
+        """This rank's state of every swapped layer after an optimizer step: slots, fp32 master and Adam shards,
+        placement, Adam step, previous counts and backward generator, as tensors and ints (``torch.load(...,
+        weights_only=True)`` reads it). No collective; save one per rank beside ``model.state_dict()``."""
         out = []
         for layer in self.layers:
             store = layer.store
             out.append({"slots_SP": store.slots_SP.detach().clone(), "master_EP": store.master_EP.clone(),
                         "exp_avg_EP": store.exp_avg_EP.clone(), "exp_avg_sq_EP": store.exp_avg_sq_EP.clone(),
                         "placement_NS": store.placement_NS.clone(), "adam_steps": store.adam_steps,
-                        "prev_counts_E": layer.prev_counts_E, "last_plan": layer.last_plan,
+                        "prev_counts_E": layer.prev_counts_E,
                         "bwd_generator": None if layer.bwd_generator is None else layer.bwd_generator.get_state()})
         return out
 
@@ -450,7 +451,7 @@ class HFExpertParallel:
                 getattr(store, key).copy_(state[key])
             store.placement_NS = state["placement_NS"].clone()
             store.adam_steps = state["adam_steps"]
-            layer.prev_counts_E, layer.last_plan = state["prev_counts_E"], state["last_plan"]
+            layer.prev_counts_E, layer.last_plan = state["prev_counts_E"], None
             if layer.bwd_generator is not None and state["bwd_generator"] is not None:
                 layer.bwd_generator.set_state(state["bwd_generator"])
 

@@ -12,6 +12,7 @@ norm_topk_prob=True.
 """
 
 import copy
+import io
 
 import pytest
 import torch
@@ -215,3 +216,32 @@ def test_a_recorded_trace_equals_the_planned_counts_and_replays_in_the_simulator
     result = simulate(counts, spec.simulator_system(SystemContext(num_experts=8, num_ranks=RANKS)), cfg, cluster)
     assert result.routed_SL.tolist() == [[BATCH * SEQ * TINY.top_k * RANKS] * 2] * 3
     assert torch.isfinite(result.phase_SLP).all() and (result.phase_SLP.sum(-1) > 0).all()
+
+
+def _resume(rank: int, family: str, system: str) -> None:
+    model = tiny_model(family)
+    ep = swap_moe_blocks(model, system)
+    opt = torch.optim.AdamW(ep.dense_parameters(), lr=1e-2)
+    _train_step(model, ep, opt, 0, rank)
+    buffer = io.BytesIO()  # a checkpoint file, read back without pickle's arbitrary objects
+    torch.save((model.state_dict(), ep.expert_state_dict(), opt.state_dict()), buffer)  # HF state dict: collective
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    _train_step(model, ep, opt, 1, rank)
+    again = tiny_model(family)
+    ep2 = swap_moe_blocks(again, system)
+    opt2 = torch.optim.AdamW(ep2.dense_parameters(), lr=1e-2)
+    again.load_state_dict(saved[0])
+    ep2.load_expert_state_dict(saved[1])
+    opt2.load_state_dict(saved[2])
+    _train_step(again, ep2, opt2, 1, rank)
+    x = batches(2)[rank]
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, again(x).logits)
+    for a, b in zip(ep.layers, ep2.layers):
+        assert torch.equal(a.placement_NS, b.placement_NS) and torch.equal(a.store.exp_avg_EP, b.store.exp_avg_EP)
+
+
+@pytest.mark.parametrize("family,system", [("glm", "lrmoe")])
+def test_resuming_from_the_state_dicts_continues_exactly(family, system):
+    launch(_resume, RANKS, family, system, timeout_s=120)
