@@ -14,6 +14,7 @@ g % S; ``-1`` marks an empty slot. Three layouts:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,8 @@ import torch
 from torch import Tensor
 
 from lrmoe.checks import non_negative_int, positive_int
+from lrmoe.layout import plan_selects
+from lrmoe.memory import Footprint, LayerLoads, layer_memory, plan_loads, plan_memory, slot_capacity, uniform_peak
 from lrmoe.quotas import memory_cap_pairs
 
 
@@ -165,29 +168,128 @@ def slots_that_fit(mem_budget_bytes, slot_bytes: float, pair_buffer_bytes: float
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Per-rank memory of one MoE layer as LRMoE's placement sees it (DESIGN.md §4 step 1; the model is ours).
+    """Per-rank memory of the MoE layers as the planner sees it (DESIGN.md §4 step 1, §5.4): the one model of
+    :mod:`lrmoe.memory`, shared with the simulator's accounting.
 
-    budget_bytes: memory a rank gives this layer's expert slots and token buffers;
-    slot_bytes: one expert replica slot (weights + gradients);
-    pair_bytes: buffers per retained pair (dispatch/combine rows and saved activations of the backward).
+    budget_bytes   memory a rank gives its ``num_layers`` MoE layers together (``num_layers=1``: one layer's);
+    slot_bytes     one replica slot (weights + gradients), ``footprint.slot``;
+    pair_bytes     resident bytes per pair a rank computes, ``footprint.expert_pair`` (with a lumped footprint: the
+                   backward buffers of one retained pair);
+    footprint      every buffer's bytes (:func:`lrmoe.memory.footprint`); None: the lumped two-number model
+                   ``Footprint.lumped(slot_bytes, pair_bytes)``;
+    num_layers     MoE layers sharing the budget; the planner assumes they all look like the layer it plans;
+    fixed_bytes    bytes outside the layers that count against the budget (the optimizer shard, when it does).
+
+    Build it from a model with :meth:`for_model`; :meth:`peak_bytes` is the whole model's peak that the simulator
+    checks, so "the planner says it fits" and "the simulator reports no OOM" are one statement (tests/test_memory.py).
     """
 
     budget_bytes: float
     slot_bytes: float
     pair_bytes: float
+    footprint: Footprint | None = None
+    num_layers: int = 1
+    fixed_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("budget_bytes", "slot_bytes", "pair_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"MemoryModel.{name} must be positive, got {getattr(self, name)!r}")
+        positive_int("num_layers", self.num_layers)
+        if not self.fixed_bytes >= 0:
+            raise ValueError(f"MemoryModel.fixed_bytes must be non-negative, got {self.fixed_bytes!r}")
+        if self.footprint is None:
+            object.__setattr__(self, "footprint", Footprint.lumped(self.slot_bytes, self.pair_bytes))
+        elif (self.footprint.slot, self.footprint.expert_pair) != (self.slot_bytes, self.pair_bytes):
+            raise ValueError(f"MemoryModel.slot_bytes / pair_bytes ({self.slot_bytes}, {self.pair_bytes}) disagree "
+                             f"with its footprint ({self.footprint.slot}, {self.footprint.expert_pair}); build it "
+                             f"with MemoryModel.for_model")
 
-    def extra_slots(self, planned_pairs_per_rank, base_slots: int, max_extra: int) -> int:
-        return slots_that_fit(self.budget_bytes, self.slot_bytes, self.pair_bytes, planned_pairs_per_rank,
-                              base_slots, max_extra)
+    @classmethod
+    def for_model(cls, footprint: Footprint, budget_bytes: float, num_layers: int = 1,
+                  fixed_bytes: float = 0.0) -> "MemoryModel":
+        """The full model: ``footprint`` (:func:`lrmoe.memory.footprint`) over ``num_layers`` layers."""
+        return cls(budget_bytes=float(budget_bytes), slot_bytes=footprint.slot, pair_bytes=footprint.expert_pair,
+                   footprint=footprint, num_layers=num_layers, fixed_bytes=float(fixed_bytes))
 
-    def pair_cap(self, slots_per_rank: int) -> int:
-        """Retained pairs whose buffers fit beside ``slots_per_rank`` slots: Q^mem of DESIGN.md §4 step 3."""
-        return int(memory_cap_pairs(self.budget_bytes, slots_per_rank, self.slot_bytes, self.pair_bytes))
+    @property
+    def layer_budget_bytes(self) -> float:
+        """One layer's share of the budget."""
+        return self.budget_bytes / self.num_layers
+
+    def peak_bytes(self, slots_per_rank, expert_rows, home_rows=None) -> Tensor:
+        """float64, like the inputs: the model's peak on a rank with ``slots_per_rank`` slots, ``expert_rows`` pairs
+        computed and ``home_rows`` pairs of its own tokens (default ``expert_rows``) in every layer, all retained."""
+        home = expert_rows if home_rows is None else home_rows
+        return uniform_peak(layer_memory(self.footprint, LayerLoads.planned(slots_per_rank, expert_rows, home)),
+                            self.num_layers, self.fixed_bytes)
+
+    def plan_peak_bytes(self, plan, compact: bool = True, slot_capacity_rows: int | None = None) -> Tensor:
+        """float64 [N]: the model's peak if every layer ran ``plan`` (the simulator's accounting of it)."""
+        return uniform_peak(plan_memory(self.footprint, plan, compact, slot_capacity_rows), self.num_layers,
+                            self.fixed_bytes)
+
+    def spare_slots_for(self, plan_with: Callable[[int], object], base_slots: int, max_spare: int, *,
+                        compact: bool = True, capacity_cf: float | None = None,
+                        load_margin: float = 0.0) -> tuple[int, float]:
+        """The headroom rule every system follows (DESIGN.md §5.4): the most spare slots (at most ``max_spare``)
+        whose own plan fits, every layer alike, with ``load_margin`` more rows in every buffer.
+
+        ``plan_with(spare)`` is the system's plan of reference counts with ``base_slots + spare`` slots per rank;
+        ``capacity_cf``: its fixed-size capacity buffers. Returns (spare slots, that plan's peak forward load over
+        the mean: the headroom its buffers are sized for); (0, ...) when not even the base slots fit.
+        """
+        non_negative_int("max_spare", max_spare)
+        if not load_margin >= 0:
+            raise ValueError(f"load_margin must be non-negative, got {load_margin!r}")
+        for spare in range(max_spare, -1, -1):
+            plan = plan_with(spare)
+            cap = None if capacity_cf is None else slot_capacity(plan, capacity_cf)
+            loads = plan_loads(plan, compact, cap).scaled(1.0 + load_margin)
+            peak_N = uniform_peak(layer_memory(self.footprint, loads, plan_selects(plan)), self.num_layers,
+                                  self.fixed_bytes)
+            if spare == 0 or bool((peak_N <= self.budget_bytes).all()):
+                load_N = loads.expert_N
+                return spare, float(load_N.max() / load_N.mean().clamp(min=1e-12))
+        raise AssertionError("unreachable")
+
+    def fits(self, slots_per_rank, expert_rows, home_rows=None) -> bool:
+        """Whether every rank's :meth:`peak_bytes` is within the budget."""
+        return bool((self.peak_bytes(slots_per_rank, expert_rows, home_rows) <= self.budget_bytes).all())
+
+    def extra_slots(self, planned_pairs_per_rank, base_slots: int, max_extra: int, home_pairs_per_rank=None) -> int:
+        """How many slots beyond ``base_slots`` fit beside the buffers of the planned load, at most ``max_extra``.
+
+        ``planned_pairs_per_rank``: the pairs the tightest rank is planned to compute (scalar or [N]);
+        ``home_pairs_per_rank``: its own tokens' pairs (default: the planned pairs). Every rank has the same slot
+        count, so the tightest rank decides. Raises ``ValueError`` when not even the base slots fit.
+        """
+        non_negative_int("base_slots", base_slots)
+        non_negative_int("max_extra", max_extra)
+        planned = torch.as_tensor(planned_pairs_per_rank, dtype=torch.float64)
+        if (planned < 0).any():
+            raise ValueError(f"planned_pairs_per_rank must be non-negative, got {planned_pairs_per_rank!r}")
+        free = float((self.budget_bytes - self.peak_bytes(base_slots, planned, home_pairs_per_rank)).min())
+        if free < 0:
+            raise ValueError(f"the budget of {self.budget_bytes:.6g} bytes cannot hold {base_slots} slots of "
+                             f"{self.slot_bytes:.6g} bytes beside the buffers of {planned_pairs_per_rank!r} planned "
+                             f"pairs per rank (short by {-free:.6g} bytes)")
+        return min(max_extra, int(free // (self.num_layers * self.slot_bytes)))
+
+    def pair_cap(self, slots_per_rank: int, fwd_load_N=None, home_pairs_N=None) -> Tensor | int:
+        """Q^mem of DESIGN.md §4 step 3: retained pairs whose backward buffers fit on a rank beside its slots and
+        saved activations (``fwd_load_N`` pairs computed, ``home_pairs_N`` of its own tokens, every layer alike;
+        both default 0) and its home side's backward buffers. An int without loads, else a LongTensor [N]."""
+        fp, n_l = self.footprint, self.num_layers
+        load = torch.as_tensor(0.0 if fwd_load_N is None else fwd_load_N, dtype=torch.float64)
+        home = torch.as_tensor(0.0 if home_pairs_N is None else home_pairs_N, dtype=torch.float64)
+        # budget left beside the activations every layer saves and the home side's backward buffers; the slots of
+        # every layer and the expert side's backward buffers (grad row in, dX row out, gate / up gradients, index)
+        # per retained pair are memory_cap_pairs's two terms
+        besides = n_l * (load * fp.expert_pair + home * fp.home_pair) + home * (2 * fp.row + fp.index)
+        cap = memory_cap_pairs(self.budget_bytes - self.fixed_bytes - besides, slots_per_rank, n_l * fp.slot,
+                               2 * fp.row + fp.bwd_act + fp.index)
+        return int(cap) if fwd_load_N is None and home_pairs_N is None else cap
 
 
 def lrmoe_placement(popularity_E: Tensor, num_ranks: int, base_slots: int, extra_slots: int) -> Tensor:

@@ -230,28 +230,32 @@ class LRMoE:
         if self.memory is None:
             return self.extra_slots
         m = self.memory
-        if m.budget_bytes < base_slots * m.slot_bytes:
+        if m.budget_bytes < m.num_layers * base_slots * m.slot_bytes:
             raise ValueError(f"MemoryModel.budget_bytes={m.budget_bytes} cannot hold the {base_slots} home slots "
-                             f"of {m.slot_bytes} bytes")
+                             f"of {m.slot_bytes} bytes in each of its {m.num_layers} layers")
         planned = math.ceil((1.0 + self.eps) * total_pairs / num_ranks - 1e-9)
-        if m.budget_bytes < base_slots * m.slot_bytes + planned * m.pair_bytes:
+        try:  # the rank's own tokens' pairs: the mean
+            return m.extra_slots(planned, base_slots, self.extra_slots, total_pairs / num_ranks)
+        except ValueError:  # not even the planned load beside the home slots
             return 0
-        return m.extra_slots(planned, base_slots, self.extra_slots)
 
-    def _mem_cap(self, num_ranks: int, slots_per_rank: int):
+    def _mem_cap(self, fwd_load_N: Tensor, slots_per_rank: int, home_pairs_N: Tensor | None):
+        num_ranks = fwd_load_N.numel()
         caps = []
         if self.memory is not None:
-            caps.append(torch.full((num_ranks,), self.memory.pair_cap(slots_per_rank), dtype=torch.long))
+            home = fwd_load_N if home_pairs_N is None else home_pairs_N
+            caps.append(self.memory.pair_cap(slots_per_rank, fwd_load_N, home).expand(num_ranks))
         if self.mem_cap_pairs_N is not None:
             caps.append(torch.as_tensor(self.mem_cap_pairs_N, dtype=torch.long).expand(num_ranks))
         if not caps:
             return None
         return caps[0] if len(caps) == 1 else torch.minimum(caps[0], caps[1])
 
-    def caps(self, fwd_load_N: Tensor, slots_per_rank: int) -> Tensor:
+    def caps(self, fwd_load_N: Tensor, slots_per_rank: int, home_pairs_N: Tensor | None = None) -> Tensor:
         """[N] backward cap per rank from the exact forward loads: the budget or the balance cap, and the
-        memory cap."""
-        mem = self._mem_cap(fwd_load_N.numel(), slots_per_rank)
+        memory cap (which also needs each rank's own tokens' computed pairs, ``home_pairs_N``; default: the
+        forward loads)."""
+        mem = self._mem_cap(fwd_load_N, slots_per_rank, home_pairs_N)
         if self.quota_mode == "budget":
             return budget_caps(fwd_load_N, self.rho, mem)
         return rank_caps(fwd_load_N, self.eps, mem)
@@ -274,7 +278,7 @@ class LRMoE:
         plan = _dropless(self.name, placements, fwd_NG, E)
         if not (self.quotas or self.backward_routing):
             return plan
-        cap_N = self.caps(plan.fwd_load_N, placement_NS.shape[1])
+        cap_N = self.caps(plan.fwd_load_N, placement_NS.shape[1], fwd_NG.sum(1))
         flows_F4 = backward_on(fwd_NG, table, cap_N, self.backward_rounds) if self.backward_routing else no_flows()
         if self.quotas:
             keep_NG, floor_excess_N = retention_quotas(fwd_NG, placement_NS.reshape(-1), cap_N, self.gamma,

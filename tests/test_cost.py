@@ -2,6 +2,7 @@
 monotonicity (more bytes or rows, never less time), compaction, out-of-memory detection, the sanity relation of
 DESIGN.md §5, and the calibration seams."""
 
+import dataclasses
 import json
 
 import pytest
@@ -59,11 +60,14 @@ def test_hand_computed_times_bytes_and_memory():
         # sending its updated shard of its own expert to the other host
         "grad_collect": [0.98, 0.98], "redistribute": [0.98, 0.98],
         "adam": [0.0, 0.0],  # hbm_bw = 0: not modelled
+        # the counts all-gather: each rank sends its 2 int64 counts (16 B) to the other, 0.16 s + 0.5 s; a
+        # hand-made plan (no policy label) pays no planner
+        "plan": [0.66, 0.66], "recalibrate": [0.0, 0.0],
     }
     for phase, values in want.items():
         torch.testing.assert_close(t.time_NP[:, PHASES.index(phase)], torch.tensor(values, dtype=torch.float64),
                                    msg=phase)
-    assert t.total_s == pytest.approx(4 * 0.82 + 8.1 + 16.1 + 2 * 0.98)
+    assert t.total_s == pytest.approx(4 * 0.82 + 8.1 + 16.1 + 2 * 0.98 + 0.66)
     assert t.straggler_rank_P[PHASES.index("expert_fwd")] == 1
     sent = {"dispatch_a2a": [16, 32], "combine_a2a": [32, 16], "combine_a2a_bwd": [16, 32],
             "dispatch_a2a_bwd": [32, 16], "grad_collect": [48, 48], "redistribute": [48, 48]}
@@ -72,13 +76,17 @@ def test_hand_computed_times_bytes_and_memory():
     cats = t.category_s()
     assert cats["forward"] == pytest.approx(8.1) and cats["backward"] == pytest.approx(16.1)
     assert cats["communication"] == pytest.approx(4 * 0.82) and cats["sync"] == pytest.approx(1.96)
-    # memory: slot 24 x (4 + 4) B; saved rows x (4 + 2·2) x 4 B; buffers (home 2 x own pairs + expert side
-    # 2 x rows) x 16 B: rank 0 (8 + 10) x 16, rank 1 (14 + 12) x 16
+    assert cats["overhead"] == pytest.approx(0.66)
+    # memory (lrmoe.memory): slot 24 x (4 + 4) B; rows of 16 B; expert side 5 and 6 pairs, home side 4 and 7.
+    # saved: expert pairs x (row 16 + gate, up, h 3·2·4) + home pairs x row 16: 5·40 + 4·16, 6·40 + 7·16.
+    # forward in flight: (home + expert) x 16; backward: every pair's grad row out and in, on both sides, 2·(4 + 5)
+    # and 2·(7 + 6) rows, + 2F·4 = 16 B per backward GEMM row: 288 + 80, 416 + 96.
     assert t.slot_bytes_N.tolist() == [192.0, 192.0]
-    assert t.saved_bytes_N.tolist() == [160.0, 192.0]
-    assert t.buffer_bytes_N.tolist() == [288.0, 416.0]
-    assert t.peak_bytes_N.tolist() == [640.0, 800.0]
-    assert t.fwd_rows_N.tolist() == [5, 6] and t.bwd_rows_N.tolist() == [5, 6]
+    assert t.saved_bytes_N.tolist() == [264.0, 352.0]
+    assert t.fwd_buffer_bytes_N.tolist() == [144.0, 208.0]
+    assert t.bwd_buffer_bytes_N.tolist() == [368.0, 512.0]
+    assert t.buffer_bytes_N.tolist() == [368.0, 512.0]
+    assert t.peak_bytes_N.tolist() == [824.0, 1056.0]  # one MoE layer: resident + in flight
 
 
 def test_intra_and_inter_node_links_run_concurrently():
@@ -244,7 +252,7 @@ def test_more_pairs_never_less_time(seed, n, g, extra, compaction):
     plan = Symi(2).plan(counts, counts.sum(0) + 1)
     more_NG = plan.fwd_NG.clone()
     more_NG[n, g] += extra
-    bigger = dropless(plan.placement_NS, more_NG, e)
+    bigger = dataclasses.replace(plan, fwd_NG=more_NG, keep_NG=more_NG.clone())  # same policy, same planner
     base, more = cm.cost(plan), cm.cost(bigger)
     assert (more.straggler_P >= base.straggler_P - 1e-12).all()
     assert (more.time_NP >= base.time_NP - 1e-12).all()
@@ -313,8 +321,8 @@ def test_moved_pairs_carry_their_input_rows_and_recompute():
 
 # -- memory -----------------------------------------------------------------------------------------------------
 def test_out_of_memory_is_flagged_against_the_budget():
-    t_fit = CostModel(TINY, TOY, gemm=CURVE, mem_budget_bytes=800).cost(HAND_PLAN)
-    t_oom = CostModel(TINY, TOY, gemm=CURVE, mem_budget_bytes=799).cost(HAND_PLAN)
+    t_fit = CostModel(TINY, TOY, gemm=CURVE, mem_budget_bytes=1056).cost(HAND_PLAN)  # rank 1's peak
+    t_oom = CostModel(TINY, TOY, gemm=CURVE, mem_budget_bytes=1055).cost(HAND_PLAN)
     assert not t_fit.oom and t_oom.oom
     # more replica slots, same tokens: more memory
     model, cluster = model_preset("qwen3-30b-a3b"), cluster_preset("a100-40gb-x8")
@@ -322,7 +330,7 @@ def test_out_of_memory_is_flagged_against_the_budget():
     few, many = Symi(16).plan(counts, counts.sum(0)), Symi(24).plan(counts, counts.sum(0))
     cm = CostModel(model, cluster)
     assert (cm.cost(many).slot_bytes_N > cm.cost(few).slot_bytes_N).all()
-    budget = float(cm.cost(few).peak_bytes_N.max()) + 1
+    budget = (float(cm.cost(few).peak_bytes_N.max()) + 1) / model.num_moe_layers  # one layer's share
     tight = CostModel(model, cluster, mem_budget_bytes=budget)
     assert not tight.cost(few).oom and tight.cost(many).oom
 
@@ -343,8 +351,11 @@ def test_optimizer_state_counts_only_when_asked():
 def test_memory_model_sizes_match_the_cost_model():
     cm = CostModel(model_preset("qwen3-30b-a3b"), cluster_preset("a100-40gb-x8"))
     assert cm.slot_bytes == 4 * 2048 * 768 * 3  # bf16 weights and bf16 gradients
-    assert cm.pair_bytes == (3 * 2048 + 2 * 768) * 2
-    MemoryModel(cm.mem_budget_bytes, cm.slot_bytes, cm.pair_bytes)  # valid inputs for the planner
+    assert cm.pair_bytes == (2048 + 3 * 768) * 2  # the received (= saved) input row, gate, up and h
+    mm = cm.memory_model()  # the planner's view of the same accounting: the whole budget over all 48 layers
+    assert (mm.slot_bytes, mm.pair_bytes, mm.num_layers) == (cm.slot_bytes, cm.pair_bytes, 48)
+    assert mm.budget_bytes == pytest.approx(cm.mem_budget_bytes * 48)
+    assert isinstance(mm, MemoryModel)
 
 
 # -- the sanity relation of DESIGN.md §5 ------------------------------------------------------------------------
@@ -354,7 +365,7 @@ def test_sanity_relation_lrmoe_over_symi_dropless(extra_slots, forward):
     exactly without moved pairs, and within the recompute of moved pairs with them."""
     model = model_preset("qwen3-30b-a3b")
     cluster = free_comm(cluster_preset("a100-40gb-x8"))
-    cm = CostModel(model, cluster, gemm=GemmCurve(eff_max=1.0, m_half=0.0))
+    cm = CostModel(model, cluster, gemm=GemmCurve(eff_max=1.0, m_half=0.0), overheads=())
     g = torch.Generator().manual_seed(4)
     pop = torch.rand(128, generator=g) ** 4 + 0.02  # a few hot experts
     counts = (pop / pop.sum() * 4096 * 8).round().long().expand(8, -1)  # 8 ranks, 4096 tokens, top-8
@@ -377,8 +388,12 @@ def test_sanity_relation_lrmoe_over_symi_dropless(extra_slots, forward):
 
 # -- presets and errors -----------------------------------------------------------------------------------------
 def test_gemm_presets_and_calibration_file(tmp_path):
-    assert "placeholder" in gemm_preset("h200x8").source
+    assert "published" in gemm_preset("h200x8").source and "MAMF" in gemm_preset("h200x8").source
     assert gemm_preset("a100-40gb-x8@2n").m_half == gemm_preset("a100-80gb-x16").m_half
+    # with the cluster known, m_half is the roofline's: eff_max · peak / HBM bandwidth for bf16 weights
+    a100 = cluster_preset("a100-40gb-x8")
+    assert gemm_preset(a100.name, cluster=a100).m_half == pytest.approx(0.86 * 312e12 / 1.555e12)
+    assert CostModel(model_preset("qwen3-30b-a3b"), a100).gemm.m_half == pytest.approx(172.55, abs=0.01)
     path = tmp_path / "h200_gemm.json"
     path.write_text(json.dumps({"provenance": {"date": "2026-01-01", "device": "NVIDIA H200", "torch": "2.11",
                                                "triton": "3.6"},
@@ -466,3 +481,65 @@ def test_calibration_script_without_gpu_and_on_cpu(tmp_path, capsys):
     assert 0 < curve.eff_max <= 1 and curve.m_half >= 0 and "calibrated" in curve.source
     with pytest.raises(FileExistsError):
         cal.main(["--cpu", "--peak-tflops", "1", "--preset-out", str(out), "--no-wandb"])
+
+
+# -- overheads (lrmoe.sim.overheads) and sensitivity --------------------------------------------------------------
+def _qwen_plans():
+    model, cluster = model_preset("qwen3-30b-a3b"), cluster_preset("a100-40gb-x8")
+    g = torch.Generator().manual_seed(3)
+    pop = torch.arange(1, 129, dtype=torch.float64) ** -0.8
+    counts = torch.stack([torch.bincount(torch.multinomial(pop, 4096 * 8, replacement=True, generator=g),
+                                         minlength=128) for _ in range(8)])
+    prev = counts.sum(0)
+    plans = {"lrmoe": LRMoE(rho=0.75, extra_slots=2).plan(counts, prev), "symi-dl": Symi(18).plan(counts, prev),
+             "symi-cf1": Symi(18, 1.0).plan(counts, prev)}
+    return model, cluster, plans
+
+
+def test_every_overhead_is_charged_and_can_be_switched_off():
+    model, cluster, plans = _qwen_plans()
+    on, off = CostModel(model, cluster), CostModel(model, cluster, overheads=())
+    lr_on, lr_off = on.cost(plans["lrmoe"]), off.cost(plans["lrmoe"])
+    assert lr_off.category_s()["overhead"] == 0.0
+    assert lr_on.phase_s("plan") > 0.5e-3  # LRMoE's measured planner, 0.54 ms at 8 ranks, plus the counts
+    assert lr_on.phase_s("recalibrate") > 0  # scoring, selection and the compaction passes
+    for name in ("planning", "counts", "selection", "compaction"):
+        without = CostModel(model, cluster, overheads=tuple(o for o in on.overheads if o != name))
+        assert without.cost(plans["lrmoe"]).total_s < lr_on.total_s, name
+    # SYMI-dropless selects nothing: its overhead is its own (smaller) planner and the counts all-gather
+    dl = on.cost(plans["symi-dl"])
+    assert dl.phase_s("recalibrate") == 0.0 and 0 < dl.phase_s("plan") < lr_on.phase_s("plan")
+    # a hand-made plan's policy label names no planner benchmark: an unknown one is an error, not a free pass
+    with pytest.raises(ValueError, match="no planner benchmark"):
+        on.cost(dataclasses.replace(plans["symi-dl"], policy="mystery"))
+
+
+def test_capacity_buffers_pad_memory_and_compute():
+    """SYMI-cf1's fixed-size buffers: every slot holds and multiplies ceil(cf · pairs / slots) rows."""
+    model, cluster, plans = _qwen_plans()
+    plan = plans["symi-cf1"]
+    padded = CostModel(model, cluster, capacity_cf=1.0).cost(plan)
+    bare = CostModel(model, cluster, capacity_cf=1.0, overheads=("planning", "counts")).cost(plan)
+    assert padded.phase_s("expert_fwd") > bare.phase_s("expert_fwd")
+    assert (padded.saved_bytes_N > bare.saved_bytes_N).any() and (padded.saved_bytes_N >= bare.saved_bytes_N).all()
+    cap = -(-int(plan.routed_NE.sum()) // plan.num_slots)
+    assert padded.fwd_rows_N.tolist() == bare.fwd_rows_N.tolist()  # the counted pairs stay the real ones
+    assert CostModel(model, cluster, capacity_cf=1.0).slot_capacity_rows(plan) == cap
+    assert CostModel(model, cluster).slot_capacity_rows(plan) is None  # dropless systems have no capacity
+
+
+def test_variants_move_only_time_and_in_the_expected_direction():
+    model, cluster, plans = _qwen_plans()
+    cm = CostModel(model, cluster)
+    work = cm.work(plans["symi-dl"])
+    base = cm.price(work)
+    slow_gemm = cm.variant(eff_max=0.5).price(work)
+    fast_gemm = cm.variant(eff_max=0.9).price(work)
+    assert slow_gemm.phase_s("expert_fwd") > base.phase_s("expert_fwd") > fast_gemm.phase_s("expert_fwd")
+    assert cm.variant(m_half=512).price(work).phase_s("expert_fwd") > cm.variant(m_half=32).price(work).phase_s(
+        "expert_fwd")
+    slow_link = cm.variant(bw_scale=0.7).price(work)
+    assert slow_link.phase_s("dispatch_a2a") > base.phase_s("dispatch_a2a")
+    assert slow_link.phase_s("expert_fwd") == base.phase_s("expert_fwd")
+    assert torch.equal(slow_link.peak_bytes_N, base.peak_bytes_N)
+    assert torch.equal(cm.cost(plans["symi-dl"]).time_NP, base.time_NP)  # cost = price(work)

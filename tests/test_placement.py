@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lrmoe.memory import Footprint
 from lrmoe.placement import (MemoryModel, lrmoe_placement, replica_table, slots_that_fit, static_placement,
                              symi_placement, symi_replica_counts)
 
@@ -203,6 +204,24 @@ def test_memory_model():
     assert m.pair_cap(3) == 35  # (100 - 30) / 2
     with pytest.raises(ValueError, match="slot_bytes"):
         MemoryModel(budget_bytes=100, slot_bytes=0, pair_bytes=2)
+
+
+def test_memory_model_of_a_footprint_over_layers():
+    """The full model (lrmoe.memory): slots and saved activations in every layer, in-flight buffers once."""
+    fp = Footprint(slot=10.0, row=2.0, expert_act=1.0, bwd_act=1.0, index=0.5)
+    m = MemoryModel.for_model(fp, budget_bytes=1000, num_layers=4, fixed_bytes=20)
+    assert (m.slot_bytes, m.pair_bytes) == (10.0, 3.0)  # pair: the received (= saved) row and its activations
+    # 3 slots, 20 expert pairs, 10 home pairs: 4 x (30 + 60 + 20) resident; in flight max(forward 2·(10 + 20),
+    # backward 2·(2·10 + 2·20) + 20) = 140; plus 20 fixed
+    assert float(m.peak_bytes(3, 20, 10)) == 4 * 110 + 140 + 20
+    assert m.fits(3, 20, 10) and not m.fits(3, 60, 10)
+    # free after the base slots: 1000 - 600 = 400 bytes = 10 more slots across 4 layers
+    assert m.extra_slots(20, 3, 20, 10) == 10
+    # Q^mem per rank: beside 3 slots, the loads' saved activations and the home side's backward buffers
+    # (4.5 per home pair), retained pairs take 2·2 + 1 + 0.5 = 5.5 bytes each
+    cap = m.pair_cap(3, torch.tensor([20, 40]), torch.tensor([10, 10]))
+    assert cap.tolist() == [int((1000 - 20 - 4 * (30 + 60 + 20) - 45) // 5.5),
+                            int((1000 - 20 - 4 * (30 + 120 + 20) - 45) // 5.5)]
 
 
 # --- lookups --------------------------------------------------------------------------------------------------

@@ -45,19 +45,26 @@ Timing assumptions (all ours; they are what "time per phase set by the slowest r
   (``sharded_optimizer=False``) keeps each expert's optimizer state on its one host: no collection, no
   redistribution, and no shard owners for ``replica_grad="shard"`` (it is priced as ``"range"``).
 
-Memory per rank (one layer): expert slots (weights + gradients per hosted replica), the optimizer shard, the
-activations saved for the backward on the rank that computed a pair's forward (input row, gate and up
-projections), and the larger of the forward and backward transient buffers (send, receive and output rows on
-both sides of each all-to-all, plus recomputed activations of moved pairs). The budget is one layer's share of
-the rank's memory (by default the cluster's budget over the model's MoE layers); ``oom`` flags a layer whose
-peak exceeds it, and :mod:`lrmoe.sim.simulator` adds up the layers of a model against the whole budget. The
-optimizer shard is reported but, by default, not counted: it is the same E/N experts' worth of fp32 state on
-every rank for every system (statically sharded), and at paper scale it lives outside the MoE layers' budget
-(offloaded, or sharded further over data-parallel replicas).
+* **Overheads** (:mod:`lrmoe.sim.overheads`, each with its source and a switch, ``overheads=``): the counts
+  all-gather and the host's planning (phase ``plan``), scoring, selection and the compaction passes of a plan that
+  selects (phase ``recalibrate``), and SYMI-cf1's / the capacity systems' fixed-size buffers (``capacity_cf``:
+  every slot multiplies and holds its capacity).
+* **GEMM constants** are published figures until a GPU calibrates them (see ``_GEMM_DEFAULTS``); :meth:`CostModel.
+  variant` swaps the uncertain ones (GEMM efficiency, half-efficiency rows, link bandwidth) for sensitivity bands.
+
+Memory per rank is :mod:`lrmoe.memory`'s one model, the planner's too (:meth:`CostModel.memory_model`): slots
+(weights + gradients of every allocated slot) and saved activations for every layer, in-flight buffers for the
+layer in flight, each buffer counted once. The budget is one layer's share of the rank's memory (by default the
+cluster's budget over the model's MoE layers); ``oom`` flags a layer that would not fit if every MoE layer were
+like it, and :mod:`lrmoe.sim.simulator` adds up the layers of a model against the whole budget. The optimizer
+shard is reported but, by default, not counted: it is the same E/N experts' worth of fp32 state on every rank for
+every system (statically sharded), and at paper scale it lives outside the MoE layers' budget (offloaded, or
+sharded further over data-parallel replicas).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass, field
@@ -67,21 +74,27 @@ import torch
 
 from ..checks import non_negative_fields
 from ..config import ClusterConfig, MoEConfig
-from ..layout import A2A_PHASES, STEP_PHASES, backward_counts, layer_traffic
+from ..layout import A2A_PHASES, STEP_PHASES, backward_counts, layer_traffic, plan_selects, uses_compact
 from ..layout import PHASES as LAYOUT_PHASES
+from ..memory import (STATE_BYTES_PER_PARAM, Footprint, LayerMemory, footprint, layer_memory, optimizer_shard_bytes,
+                      plan_loads, slot_capacity)
+from ..placement import MemoryModel
 from ..sync_model import check_replica_grad, hosts_mask, shard_sizes, step_bytes
+from .overheads import OVERHEADS, check_overheads, planner_seconds, selection_seconds
 
 # The modelled phases, named as the layer names them (one vocabulary: lrmoe.layout.PHASES), in execution order. The
 # backward all-to-alls are named for the forward one they invert: combine_a2a_bwd carries output gradients from
 # the home ranks to the experts, dispatch_a2a_bwd carries input gradients back.
 PHASES = tuple(p for p in LAYOUT_PHASES if p in (
-    "dispatch_a2a", "expert_fwd", "shared_fwd", "combine_a2a", "combine_a2a_bwd", "bwd_index_a2a", "expert_bwd",
-    "shared_bwd", "dispatch_a2a_bwd", "replica_sync", "grad_collect", "adam", "redistribute"))
+    "plan", "recalibrate", "dispatch_a2a", "expert_fwd", "shared_fwd", "combine_a2a", "combine_a2a_bwd",
+    "bwd_index_a2a", "expert_bwd", "shared_bwd", "dispatch_a2a_bwd", "replica_sync", "grad_collect", "adam",
+    "redistribute"))
 CATEGORIES = {
     "forward": ("expert_fwd", "shared_fwd"),
     "backward": ("expert_bwd", "shared_bwd"),
     "communication": A2A_PHASES,
     "sync": STEP_PHASES,
+    "overhead": ("plan", "recalibrate"),  # the counts all-gather and planning; scoring, selection, compaction
 }
 _P = {name: i for i, name in enumerate(PHASES)}
 
@@ -110,20 +123,38 @@ class GemmCurve:
         return torch.where(rows > 0, (rows + self.m_half) * (flops_per_row / (self.eff_max * peak_flops)), 0.0)
 
 
-# Placeholder constants (ours) until experiments/calibrate_gpu.py measures them: large bf16 GEMMs reach about
-# 70-80 % of the datasheet peak on A100 / H100-class GPUs (vendor GEMM benchmarks); the half-efficiency row
-# counts are our guess, larger on the faster GPU because it needs more rows to fill its SMs.
+# Published figures until experiments/calibrate_gpu.py measures a GPU:
+# * eff_max: the largest bf16 matmul throughput measured on the GPU ("maximum achievable matmul FLOPS", MAMF),
+#   S. Bekman, ml-engineering, compute/accelerator/README.md, MAMF comparison table: A100 SXM 267.9 of 312
+#   TFLOP/s (85.9 %), H100 SXM 792.1 of 989 (80.1 %; the H200 is the same GH100 chip), CUDA 12.1. A ceiling: expert
+#   shapes reach less, which the sensitivity band (eff_max 0.5-0.9) covers.
+# * m_half: the roofline's weight-read term. A group of m rows reads its expert's weights once (2 bytes each in
+#   bf16) and does 2 FLOPs per weight per row, so its time is about weights / HBM bandwidth + FLOPs / (eff_max ·
+#   peak), which is the curve's (m + m_half) form with m_half = eff_max · peak · bytes / (2 · HBM bandwidth):
+#   from the cluster's datasheet peak and bandwidth (:func:`roofline_m_half`; A100-40GB 173, A100-80GB 134,
+#   H200 165 rows). Band: 32-512 rows.
+# * launch_s: a few microseconds per kernel launch (NVIDIA technical blog, "Getting Started with CUDA Graphs",
+#   2019); the same for every system.
+_MAMF = {"h200": (0.80, "H100 SXM MAMF 792.1/989 TFLOP/s (same GH100 chip)"),
+         "a100": (0.86, "A100 SXM MAMF 267.9/312 TFLOP/s")}
+_LAUNCH_S = 5e-6
 _GEMM_DEFAULTS = {
-    "h200": GemmCurve(eff_max=0.70, m_half=256.0, launch_s=5e-6,
-                      source="ours (placeholder): 70 % of datasheet peak for large groups, m_half=256 rows"),
-    "a100": GemmCurve(eff_max=0.75, m_half=128.0, launch_s=5e-6,
-                      source="ours (placeholder): 75 % of datasheet peak for large groups, m_half=128 rows"),
+    gpu: GemmCurve(eff_max=eff, m_half=256.0 if gpu == "h200" else 128.0, launch_s=_LAUNCH_S,
+                   source=f"published: eff_max {eff} ({what}; S. Bekman, ml-engineering); m_half from the "
+                          f"roofline when the cluster is known; launch 5 us (NVIDIA, CUDA Graphs blog)")
+    for gpu, (eff, what) in _MAMF.items()
 }
 
 
+def roofline_m_half(eff_max: float, peak_flops: float, hbm_bw: float, weight_bytes: int = 2) -> float:
+    """Rows at which a group of one expert's GEMM reaches half of ``eff_max``: eff_max · peak · bytes / (2 · bw)."""
+    return eff_max * peak_flops * weight_bytes / (2.0 * hbm_bw)
+
+
 def gemm_preset(cluster_name: str, model_name: str | None = None,
-                calibration: str | Path | None = None) -> GemmCurve:
-    """The GEMM curve for a cluster preset's GPU: a calibration file's fit if there is one, else the default.
+                calibration: str | Path | None = None, cluster: ClusterConfig | None = None) -> GemmCurve:
+    """The GEMM curve for a cluster preset's GPU: a calibration file's fit if there is one, else the published
+    default (its m_half from ``cluster``'s datasheet peak and HBM bandwidth when given).
 
     ``calibration`` defaults to ``presets/<gpu>_gemm.json`` beside this module (written by
     ``experiments/calibrate_gpu.py``); a fit for ``model_name``'s expert shape wins over the file's pooled fit.
@@ -137,7 +168,13 @@ def gemm_preset(cluster_name: str, model_name: str | None = None,
     if gpu not in _GEMM_DEFAULTS:
         raise ValueError(f"no GEMM curve for cluster {cluster_name!r} (GPU {gpu!r}); known: {sorted(_GEMM_DEFAULTS)}"
                          f"; pass CostModel(gemm=GemmCurve(...))")
-    return _GEMM_DEFAULTS[gpu]
+    curve = _GEMM_DEFAULTS[gpu]
+    if cluster is not None and cluster.hbm_bw > 0:
+        m_half = roofline_m_half(curve.eff_max, cluster.peak_flops, cluster.hbm_bw)
+        curve = GemmCurve(eff_max=curve.eff_max, m_half=m_half, launch_s=curve.launch_s,
+                          source=curve.source.replace("m_half from the roofline when the cluster is known",
+                                                      f"m_half {m_half:.0f} rows from the roofline (datasheet)"))
+    return curve
 
 
 def load_gemm_calibration(path: str | Path, model_name: str | None = None) -> GemmCurve:
@@ -187,19 +224,27 @@ def cpu_gloo_preset(calibration_json: str | Path, num_ranks: int,
 
 @dataclass(frozen=True)
 class PhaseTimes:
-    """Seconds, bytes and memory of one layer-iteration, per rank; phase ``p`` is ``PHASES[p]``."""
+    """Seconds, bytes and memory of one layer-iteration, per rank; phase ``p`` is ``PHASES[p]``.
+
+    Memory follows :mod:`lrmoe.memory`: what the layer keeps from its forward to its backward (slots, saved
+    activations), what it holds only while it runs (the larger of its forward and backward in-flight buffers),
+    and the optimizer shard. ``peak_bytes_N`` is the whole model's peak if all ``num_layers`` MoE layers looked
+    like this one, which is what the planner checks; ``oom`` compares it with the whole budget.
+    """
 
     time_NP: torch.Tensor  # float64 [N, P] seconds each rank spends in each phase
     bytes_NP: torch.Tensor  # float64 [N, P] bytes each rank sends in each phase
     fwd_rows_N: torch.Tensor  # long [N] forward pairs computed on each rank
     bwd_rows_N: torch.Tensor  # long [N] backward rows multiplied on each rank (padded when compaction is off)
-    slot_bytes_N: torch.Tensor  # float64 [N] weights + gradients of the hosted replicas
+    slot_bytes_N: torch.Tensor  # float64 [N] weights + gradients of the allocated slots
     state_bytes_N: torch.Tensor  # float64 [N] optimizer state (fp32 master weights and Adam moments)
-    saved_bytes_N: torch.Tensor  # float64 [N] activations saved for the backward
-    buffer_bytes_N: torch.Tensor  # float64 [N] peak transient all-to-all / GEMM buffers
-    mem_budget_bytes: float
+    saved_bytes_N: torch.Tensor  # float64 [N] activations kept from the forward to the backward
+    fwd_buffer_bytes_N: torch.Tensor  # float64 [N] forward in-flight buffers
+    bwd_buffer_bytes_N: torch.Tensor  # float64 [N] backward in-flight buffers
+    mem_budget_bytes: float  # one MoE layer's share of a rank's budget
     dropped_pairs: int
     routed_pairs: int
+    num_layers: int = 1  # MoE layers sharing the budget
     optimizer_in_budget: bool = False  # whether state_bytes_N counts towards the peak
     phases: tuple[str, ...] = field(default=PHASES)
 
@@ -224,7 +269,7 @@ class PhaseTimes:
         return float(self.straggler_P[self.phases.index(name)])
 
     def category_s(self) -> dict[str, float]:
-        """Seconds of forward compute, backward compute, all-to-all communication and sync."""
+        """Seconds of forward compute, backward compute, all-to-all communication, sync and overheads."""
         strag = self.straggler_P
         return {cat: float(sum(strag[self.phases.index(p)] for p in names)) for cat, names in CATEGORIES.items()}
 
@@ -235,18 +280,56 @@ class PhaseTimes:
 
     @property
     def resident_bytes_N(self) -> torch.Tensor:
-        """Memory this layer holds from its forward to the end of the iteration: slots, activations (and the
-        optimizer shard when it counts against the budget)."""
-        resident_N = self.slot_bytes_N + self.saved_bytes_N
-        return resident_N + self.state_bytes_N if self.optimizer_in_budget else resident_N
+        """Memory this layer holds from its forward to the end of its backward: slots and saved activations."""
+        return self.slot_bytes_N + self.saved_bytes_N
+
+    @property
+    def buffer_bytes_N(self) -> torch.Tensor:
+        """In-flight buffers while this layer runs: the larger of its forward's and its backward's."""
+        return torch.maximum(self.fwd_buffer_bytes_N, self.bwd_buffer_bytes_N)
+
+    @property
+    def fixed_bytes_N(self) -> torch.Tensor:
+        """Bytes outside the layers that count against the budget: the optimizer shard, if it counts."""
+        return self.state_bytes_N if self.optimizer_in_budget else torch.zeros_like(self.state_bytes_N)
 
     @property
     def peak_bytes_N(self) -> torch.Tensor:
-        return self.resident_bytes_N + self.buffer_bytes_N
+        """The model's peak per rank if every one of its ``num_layers`` MoE layers were this one."""
+        return self.num_layers * self.resident_bytes_N + self.buffer_bytes_N + self.fixed_bytes_N
+
+    @property
+    def model_budget_bytes(self) -> float:
+        return self.num_layers * self.mem_budget_bytes
 
     @property
     def oom(self) -> bool:
-        return bool((self.peak_bytes_N > self.mem_budget_bytes).any())
+        return bool((self.peak_bytes_N > self.model_budget_bytes).any())
+
+
+@dataclass(frozen=True)
+class PlanWork:
+    """What one plan asks of a cluster, before any clock: rows, bytes, memory (:meth:`CostModel.work`). Pricing it
+    (:meth:`CostModel.price`) is cheap, so the sensitivity variants of a cost model share one."""
+
+    num_experts: int
+    placement_NS: torch.Tensor
+    a2a_NN: dict  # phase -> long [N, N] bytes of each all-to-all (the counts all-gather under "plan")
+    fwd_rows_NS: torch.Tensor  # GEMM rows per slot, forward (padded to the capacity with fixed buffers)
+    bwd_rows_NS: torch.Tensor  # GEMM rows per slot, backward
+    moved_NS: torch.Tensor | None  # moved pairs recomputed per slot
+    tokens_N: torch.Tensor  # tokens per rank (the shared expert's rows)
+    step: object  # lrmoe.sync_model.StepBytes of the optimizer step
+    memory: LayerMemory
+    state_N: torch.Tensor
+    planner_s: float  # host seconds of the plan
+    select_pairs_N: torch.Tensor  # pairs scored and selected at each home rank (0 when the plan keeps all)
+    compact_bytes_N: torch.Tensor  # bytes the compaction passes read and write on each rank
+    compact_passes_N: torch.Tensor  # compaction kernels per rank
+    fwd_rows_N: torch.Tensor
+    bwd_rows_N: torch.Tensor
+    dropped: int
+    routed: int
 
 
 # --- the model ---------------------------------------------------------------------------------------------------
@@ -260,28 +343,34 @@ def _link_masks(num_ranks: int, ranks_per_node: int) -> tuple[torch.Tensor, torc
     return (same_NM & off_NM).double(), (~same_NM).double()
 
 
+COUNT_BYTES = 8  # the layer all-gathers int64 counts
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Turns a :class:`~lrmoe.plan.LayerPlan` into :class:`PhaseTimes` on ``cluster`` for ``model``."""
 
     model: MoEConfig
     cluster: ClusterConfig
-    gemm: GemmCurve | None = None  # None: gemm_preset(cluster.name, model.name)
+    gemm: GemmCurve | None = None  # None: gemm_preset(cluster.name, model.name, cluster=cluster)
     compaction: bool = True  # False: backward packets padded to forward sizes
     combine_cols: int = 0  # the recalibration metric's extra combine columns (m2: 1), when a plan selects
     sharded_optimizer: bool = True  # False: static EP, optimizer state stays with the one host of each expert
     grad_bytes: int | None = None  # bytes per gradient element of a replica; None: the model dtype (ours)
-    state_bytes_per_param: float = 12.0  # fp32 master weights + two fp32 Adam moments
+    state_bytes_per_param: float = STATE_BYTES_PER_PARAM  # fp32 master weights + two fp32 Adam moments
     optimizer_traffic_per_param: float = 32.0  # HBM bytes Adam reads and writes per parameter (ours)
     recompute_fraction: float = 2 / 3  # share of forward FLOPs a moved pair recomputes (gate and up GEMMs)
     mem_budget_bytes: float | None = None  # one layer's share of a rank's memory; None: cluster's / MoE layers
-    optimizer_in_budget: bool = False  # count the optimizer shard against the budget (ours: no, see below)
+    optimizer_in_budget: bool = False  # count the optimizer shard against the budget (ours: no, see the module doc)
     sync_groups: str = "range"  # "range": the layer's consecutive-range groups; "hosts": only the hosting ranks
     replica_grad: str = "range"  # "range": SYMI's group all-reduce + collection; "shard": straight to the owners
+    overheads: tuple[str, ...] = OVERHEADS  # the overheads charged (lrmoe.sim.overheads); () charges none
+    capacity_cf: float | None = None  # fixed-size capacity buffers of this factor per slot (SYMI-cf1, capacity)
+    planner: str | None = None  # the planner benchmark to charge; None: the plan's policy label
 
     def __post_init__(self) -> None:
         if self.gemm is None:
-            object.__setattr__(self, "gemm", gemm_preset(self.cluster.name, self.model.name))
+            object.__setattr__(self, "gemm", gemm_preset(self.cluster.name, self.model.name, cluster=self.cluster))
         if self.grad_bytes is None:
             object.__setattr__(self, "grad_bytes", self.model.dtype_bytes)
         if self.mem_budget_bytes is None:
@@ -290,21 +379,61 @@ class CostModel:
         if self.sync_groups not in ("range", "hosts"):
             raise ValueError(f"CostModel.sync_groups={self.sync_groups!r} is not 'range' or 'hosts'")
         check_replica_grad(self.replica_grad)
+        object.__setattr__(self, "overheads", check_overheads(self.overheads))
+        if self.capacity_cf is not None and not self.capacity_cf > 0:
+            raise ValueError(f"CostModel.capacity_cf must be positive or None, got {self.capacity_cf!r}")
         non_negative_fields(self, "grad_bytes", "state_bytes_per_param", "optimizer_traffic_per_param",
                             "recompute_fraction", "mem_budget_bytes")
 
-    # -- memory per slot and per pair (what LRMoE's placement MemoryModel should be given) ------------------------
+    # -- memory (lrmoe.memory): what LRMoE's placement MemoryModel is given ---------------------------------------
+    @property
+    def footprint(self) -> Footprint:
+        m = self.model
+        return footprint(m.hidden, m.expert_ffn, m.dtype_bytes, self.grad_bytes, self.combine_cols)
+
     @property
     def slot_bytes(self) -> float:
-        """One hosted replica: weights and gradients."""
-        return float(self.model.expert_params) * (self.model.dtype_bytes + self.grad_bytes)
+        """One replica slot: weights and gradients."""
+        return self.footprint.slot
 
     @property
     def pair_bytes(self) -> float:
-        """Buffers one pair occupies on the rank computing it: its input row received, its output row, and the
-        activations saved for the backward (input row, gate and up projections)."""
-        m = self.model
-        return float((2 * m.hidden + m.hidden + 2 * m.expert_ffn) * m.dtype_bytes)
+        """Resident bytes per pair a rank computes: its received input row (the saved GEMM input) and the saved
+        gate, up and h."""
+        return self.footprint.expert_pair
+
+    def state_bytes_N(self, placement_NS: torch.Tensor | None = None) -> torch.Tensor:
+        """float64 [N] optimizer state per rank (sharded: E/N experts' worth; static EP: its hosted experts')."""
+        m, n = self.model, self.cluster.num_ranks
+        hosted = None if placement_NS is None else hosts_mask(placement_NS, m.num_experts).sum(1)
+        return optimizer_shard_bytes(m.num_experts, m.expert_params, n, self.sharded_optimizer, hosted)
+
+    def memory_model(self) -> MemoryModel:
+        """The planner's :class:`~lrmoe.placement.MemoryModel` of this cost model's accounting: the whole budget of
+        the model's MoE layers, the footprint, and the optimizer shard when it counts."""
+        fixed = float(self.state_bytes_N().max()) if self.optimizer_in_budget else 0.0
+        n_l = self.model.num_moe_layers
+        return MemoryModel.for_model(self.footprint, self.mem_budget_bytes * n_l, n_l, fixed)
+
+    def slot_capacity_rows(self, plan) -> int | None:
+        """Rows of each slot's fixed-size buffer, or None (dropless, or capacity buffers not charged)."""
+        if self.capacity_cf is None or "capacity_buffers" not in self.overheads:
+            return None
+        return slot_capacity(plan, self.capacity_cf)
+
+    # -- sensitivity ---------------------------------------------------------------------------------------------
+    def variant(self, eff_max: float | None = None, m_half: float | None = None,
+                bw_scale: float | None = None) -> "CostModel":
+        """The same model with other uncertain constants: the GEMM curve's ``eff_max`` and ``m_half``, and every
+        link's bandwidth times ``bw_scale`` (1: the datasheet's)."""
+        g = self.gemm
+        gemm = GemmCurve(eff_max=g.eff_max if eff_max is None else eff_max,
+                         m_half=g.m_half if m_half is None else m_half, launch_s=g.launch_s,
+                         source=f"{g.source} (sensitivity variant)")
+        c = self.cluster
+        if bw_scale is not None:
+            c = c.replace(intra_bw=c.intra_bw * bw_scale, inter_bw=c.inter_bw * bw_scale)
+        return dataclasses.replace(self, gemm=gemm, cluster=c)
 
     # -- building blocks ---------------------------------------------------------------------------------------
     def a2a_seconds(self, bytes_NM: torch.Tensor) -> torch.Tensor:
@@ -334,6 +463,10 @@ class CostModel:
     # -- the plan's cost ----------------------------------------------------------------------------------------
     def cost(self, plan) -> PhaseTimes:
         """Seconds per rank and phase, bytes, and memory of one layer-iteration executing ``plan``."""
+        return self.price(self.work(plan))
+
+    def work(self, plan) -> PlanWork:
+        """Everything ``plan`` asks of the cluster, independent of its speeds (:class:`PlanWork`)."""
         m, c = self.model, self.cluster
         placement_NS = plan.placement_NS
         n, s = placement_NS.shape
@@ -346,64 +479,79 @@ class CostModel:
         # The layer's own packet layout (lrmoe.layout): the same rows it sends, compact or padded.
         traffic = layer_traffic(plan, m.hidden, m.dtype_bytes, compact=self.compaction,
                                 combine_cols=self.combine_cols)
+        a2a = {phase: t.bytes_NN for phase, t in traffic.items()}
+        if "counts" in self.overheads:  # every rank's E counts to every other rank
+            a2a["plan"] = torch.full((n, n), e * COUNT_BYTES, dtype=torch.long)
         _, grad_NG, _ = backward_counts(plan, self.compaction)  # backward rows per (source, slot): the GEMM's
-        moves = bool(len(plan.bwd_flows_F4))
-        carry_NG, moved_G = (plan.carry_NG, plan.moved_NG.sum(0)) if moves else (None, None)
         fwd_rows_NS = fwd_NG.sum(0).view(n, s)
         bwd_rows_NS = grad_NG.sum(0).view(n, s)
+        fwd_rows_N, bwd_rows_N = fwd_rows_NS.sum(1), bwd_rows_NS.sum(1)
+        cap = self.slot_capacity_rows(plan)
+        if cap is not None:  # fixed-size buffers: every hosted slot multiplies its capacity, forward and backward
+            hosted_NS = placement_NS >= 0
+            fwd_rows_NS = torch.where(hosted_NS, torch.clamp(fwd_rows_NS, min=cap), 0)
+            bwd_rows_NS = torch.where(hosted_NS, torch.clamp(bwd_rows_NS, min=cap), 0)
+        moved_NS = plan.moved_NG.sum(0).view(n, s) if len(plan.bwd_flows_F4) else None
+        pairs_N = fwd_NG.sum(1) + plan.dropped_NE.sum(1)  # routed pairs per source rank
+        tokens_N = pairs_N.double() / m.top_k
+        sb = step_bytes(placement_NS, placement_NS, e, m.expert_params, self.grad_bytes, m.dtype_bytes,
+                        self.replica_grad if self.sharded_optimizer else "range", self.sync_groups)
+        loads = plan_loads(plan, self.compaction, cap)
+        memory = layer_memory(self.footprint, loads, combine=plan_selects(plan))
+        planner_s = 0.0
+        if "planning" in self.overheads:
+            label = plan.policy if self.planner is None else self.planner
+            planner_s = planner_seconds(label, n, e)
+        zero_N = torch.zeros(n, dtype=torch.float64)
+        selects = plan_selects(plan)
+        select_N = loads.home_N if selects and "selection" in self.overheads else zero_N
+        compact_bytes_N, passes_N = zero_N, zero_N
+        if uses_compact(plan, self.compaction) and "compaction" in self.overheads:
+            fp = self.footprint
+            compact_bytes_N = 2.0 * (loads.bwd_home_send_N * fp.row + loads.bwd_gemm_N * fp.expert_pair)
+            passes_N = (loads.bwd_home_send_N > 0).double() + (loads.bwd_gemm_N > 0).double()
+        return PlanWork(num_experts=e, placement_NS=placement_NS, a2a_NN=a2a, fwd_rows_NS=fwd_rows_NS,
+                        bwd_rows_NS=bwd_rows_NS, moved_NS=moved_NS, tokens_N=tokens_N, step=sb, memory=memory,
+                        state_N=self.state_bytes_N(placement_NS), planner_s=planner_s, select_pairs_N=select_N,
+                        compact_bytes_N=compact_bytes_N, compact_passes_N=passes_N, fwd_rows_N=fwd_rows_N,
+                        bwd_rows_N=bwd_rows_N, dropped=int(plan.dropped_NE.sum()), routed=int(pairs_N.sum()))
 
+    def price(self, w: PlanWork) -> PhaseTimes:
+        """:class:`PhaseTimes` of a plan's :class:`PlanWork` on this model's cluster and GEMM curve."""
+        m, c = self.model, self.cluster
+        n = w.placement_NS.shape[0]
         time_NP = torch.zeros(n, len(PHASES), dtype=torch.float64)
         bytes_NP = torch.zeros_like(time_NP)
-        for phase, t in traffic.items():
-            time_NP[:, _P[phase]], bytes_NP[:, _P[phase]] = self._a2a(t.bytes_NN)
+        for phase, b_NN in w.a2a_NN.items():
+            time_NP[:, _P[phase]], bytes_NP[:, _P[phase]] = self._a2a(b_NN)
+        time_NP[:, _P["plan"]] += w.planner_s
 
         fwd_f, bwd_f = float(m.pair_fwd_flops), float(m.pair_bwd_flops)
-        time_NP[:, _P["expert_fwd"]] = self.gemm_seconds_N(fwd_rows_NS, fwd_f)
-        time_NP[:, _P["expert_bwd"]] = self.gemm_seconds_N(bwd_rows_NS, bwd_f)
-        if moved_G is not None:  # moved pairs recompute their gate and up projections where they land
-            time_NP[:, _P["expert_bwd"]] += self.gemm.seconds(
-                moved_G.view(n, s), self.recompute_fraction * fwd_f, c.peak_flops).sum(1)
-        pairs_N = fwd_NG.sum(1) + plan.dropped_NE.sum(1)  # routed pairs per source rank
+        time_NP[:, _P["expert_fwd"]] = self.gemm_seconds_N(w.fwd_rows_NS, fwd_f)
+        time_NP[:, _P["expert_bwd"]] = self.gemm_seconds_N(w.bwd_rows_NS, bwd_f)
+        if w.moved_NS is not None:  # moved pairs recompute their gate and up projections where they land
+            time_NP[:, _P["expert_bwd"]] += self.gemm.seconds(w.moved_NS, self.recompute_fraction * fwd_f,
+                                                              c.peak_flops).sum(1)
         if m.num_shared_experts:
-            tokens_N = pairs_N.double() / m.top_k
             shared_f = 6.0 * m.hidden * m.shared_ffn * m.num_shared_experts
-            time_NP[:, _P["shared_fwd"]] = self.gemm.seconds(tokens_N, shared_f, c.peak_flops)
-            time_NP[:, _P["shared_bwd"]] = self.gemm.seconds(tokens_N, 2 * shared_f, c.peak_flops)
-
-        used_N = self._sync(placement_NS, e, time_NP, bytes_NP)
-
-        # Memory.
-        w_b = float(m.dtype_bytes)
-        p_e = float(m.expert_params)
-        slot_bytes_N = used_N * self.slot_bytes
-        if self.sharded_optimizer:
-            state_bytes_N = torch.full((n,), e * p_e / n * self.state_bytes_per_param, dtype=torch.float64)
-        else:
-            state_bytes_N = used_N * p_e * self.state_bytes_per_param
-        fwd_rows_N, bwd_rows_N = fwd_rows_NS.sum(1), bwd_rows_NS.sum(1)
-        saved_bytes_N = fwd_rows_N.double() * (m.hidden + 2 * m.expert_ffn) * w_b
-        home_fwd_N = 2.0 * fwd_NG.sum(1)  # rows sent, then their outputs received back
-        dest_fwd_N = 2.0 * fwd_rows_N  # rows received, and their outputs
-        home_bwd_N = 2.0 * grad_NG.sum(1)  # output-gradient rows out, input-gradient rows back
-        dest_bwd_N = 2.0 * bwd_rows_N
-        bwd_extra_N = torch.zeros(n, dtype=torch.float64)
-        if carry_NG is not None:  # carried input rows on both sides, and the recomputed activations
-            home_bwd_N = home_bwd_N + carry_NG.sum(1)
-            dest_bwd_N = dest_bwd_N + carry_NG.sum(0).view(n, s).sum(1)
-            bwd_extra_N = moved_G.view(n, s).sum(1).double() * 2 * m.expert_ffn
-        fwd_buf_N = (home_fwd_N + dest_fwd_N).double() * m.hidden * w_b
-        bwd_buf_N = ((home_bwd_N + dest_bwd_N).double() * m.hidden + bwd_extra_N) * w_b
-        buffer_bytes_N = torch.maximum(fwd_buf_N, bwd_buf_N)
-
-        return PhaseTimes(time_NP=time_NP, bytes_NP=bytes_NP, fwd_rows_N=fwd_rows_N, bwd_rows_N=bwd_rows_N,
-                          slot_bytes_N=slot_bytes_N, state_bytes_N=state_bytes_N, saved_bytes_N=saved_bytes_N,
-                          buffer_bytes_N=buffer_bytes_N, mem_budget_bytes=float(self.mem_budget_bytes),
-                          dropped_pairs=int(plan.dropped_NE.sum()), routed_pairs=int(pairs_N.sum()),
+            time_NP[:, _P["shared_fwd"]] = self.gemm.seconds(w.tokens_N, shared_f, c.peak_flops)
+            time_NP[:, _P["shared_bwd"]] = self.gemm.seconds(w.tokens_N, 2 * shared_f, c.peak_flops)
+        launch = self.gemm.launch_s
+        recal_N = selection_seconds(w.select_pairs_N, w.tokens_N, m.hidden, c.hbm_bw, launch)
+        if c.hbm_bw > 0:
+            recal_N = recal_N + w.compact_bytes_N / c.hbm_bw
+        time_NP[:, _P["recalibrate"]] = recal_N + w.compact_passes_N * launch
+        self._sync(w, time_NP, bytes_NP)
+        mem = w.memory
+        return PhaseTimes(time_NP=time_NP, bytes_NP=bytes_NP, fwd_rows_N=w.fwd_rows_N, bwd_rows_N=w.bwd_rows_N,
+                          slot_bytes_N=mem.slot_N, state_bytes_N=w.state_N, saved_bytes_N=mem.saved_N,
+                          fwd_buffer_bytes_N=mem.fwd_N, bwd_buffer_bytes_N=mem.bwd_N,
+                          mem_budget_bytes=float(self.mem_budget_bytes), dropped_pairs=w.dropped,
+                          routed_pairs=w.routed, num_layers=m.num_moe_layers,
                           optimizer_in_budget=self.optimizer_in_budget)
 
-    def _sync(self, placement_NS: torch.Tensor, num_experts: int, time_NP: torch.Tensor,
-              bytes_NP: torch.Tensor) -> torch.Tensor:
-        """Replica sync, gradient collection, Adam and redistribution, in place; returns the used slots [N].
+    def _sync(self, w: PlanWork, time_NP: torch.Tensor, bytes_NP: torch.Tensor) -> None:
+        """Replica sync, gradient collection, Adam and redistribution, in place.
 
         The bytes are :func:`lrmoe.sync_model.step_bytes`'s, the layer's own byte model (the placement of this plan
         stands in for the next one); this only turns them into time, on the links of :meth:`_a2a`:
@@ -422,12 +570,10 @@ class CostModel:
         has no shard owners: its hosts all-reduce (range groups), and there is no collection or redistribution.
         """
         m, c = self.model, self.cluster
+        placement_NS, e, sb = w.placement_NS, w.num_experts, w.step
         n = placement_NS.shape[0]
-        e = num_experts
         p_e = m.expert_params
-        used_N = (placement_NS >= 0).sum(1).double()
         mode = self.replica_grad if self.sharded_optimizer else "range"
-        sb = step_bytes(placement_NS, placement_NS, e, p_e, self.grad_bytes, m.dtype_bytes, mode, self.sync_groups)
         if mode == "range":
             group_NE = sb.group_NE
             h_E = group_NE.sum(0)
@@ -448,11 +594,10 @@ class CostModel:
             if c.hbm_bw > 0:
                 hosted_N = hosts_mask(placement_NS, e).double().sum(1)
                 time_NP[:, _P["adam"]] = hosted_N * p_e * self.optimizer_traffic_per_param / c.hbm_bw
-            return used_N
+            return
         if mode == "range":
             time_NP[:, _P["grad_collect"]], bytes_NP[:, _P["grad_collect"]] = self._a2a(sb.collect_NM)
         if c.hbm_bw > 0:
             shard_N = torch.tensor(shard_sizes(p_e, n), dtype=torch.float64)
             time_NP[:, _P["adam"]] = e * shard_N * self.optimizer_traffic_per_param / c.hbm_bw
         time_NP[:, _P["redistribute"]], bytes_NP[:, _P["redistribute"]] = self._a2a(sb.redistribute_NM)
-        return used_N

@@ -11,10 +11,17 @@ micro-batch and the sync phases (replica sync, gradient collection, Adam, redist
 one: gradients accumulate locally in between and the placement is fixed for the whole iteration. The trace's
 counts of a step stand for every micro-batch of that iteration (ours: micro-batches of one step route alike).
 
-Whole-model memory per rank: every MoE layer's slots and saved activations are alive at the end of the forward,
-and one layer's transient buffers at a time on top of them. When a trace holds fewer layers than the model
-(quick runs), the simulated layers' mean stands for the missing ones (:attr:`SimResult.peak_SN`). The budget is
-the cost model's per-layer budget times the model's MoE layers (by default the cluster's whole budget).
+Whole-model memory per rank (:mod:`lrmoe.memory`, the planner's model too): every MoE layer's slots and saved
+activations are alive at the end of the forward, and one layer's in-flight buffers at a time on top of them,
+plus the optimizer shard when it counts: Σ_l resident + max_l in flight + fixed (:func:`lrmoe.memory.model_peak`).
+When a trace holds fewer layers than the model, the simulated layers' mean stands for the missing ones
+(:attr:`SimResult.peak_SN`; headlines simulate every layer). The budget is the cost model's per-layer budget times
+the model's MoE layers (by default the cluster's whole budget).
+
+Sensitivity: ``variants`` names other values of the cost model's uncertain constants
+(:meth:`~lrmoe.sim.cost.CostModel.variant`: GEMM efficiency, half-efficiency rows, link bandwidth); every plan is
+priced under each of them too, from the same counted work, and the number of micro-batches can be changed after
+the fact (:meth:`SimResult.summary`), since it only weights the phases.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ClusterConfig, MoEConfig
+from ..memory import model_peak
 from .cost import CATEGORIES, PHASES, CostModel, PhaseTimes
 
 
@@ -77,18 +85,30 @@ class SimResult:
     warmup: int = 1  # leading steps left out of the summary (no previous counts yet)
     micro_batches: int = 1  # all-to-all and GEMM phases run this many times per iteration, sync phases once
     phases: tuple[str, ...] = field(default=PHASES)
+    variant_SLP: dict = field(default_factory=dict)  # {variant name: float64 [S, L, P] straggler seconds}
+
+    def weights_P(self, micro_batches: int | None = None) -> torch.Tensor:
+        """float64 [P]: how many times each phase runs per iteration (default: this run's micro-batches)."""
+        mb = float(self.micro_batches if micro_batches is None else micro_batches)
+        sync = set(CATEGORIES["sync"])
+        return torch.tensor([1.0 if p in sync else mb for p in self.phases], dtype=torch.float64)
 
     @property
     def weight_P(self) -> torch.Tensor:
         """float64 [P]: how many times each phase runs per iteration."""
-        sync = set(CATEGORIES["sync"])
-        return torch.tensor([1.0 if p in sync else float(self.micro_batches) for p in self.phases],
-                            dtype=torch.float64)
+        return self.weights_P()
 
     @property
     def iteration_s(self) -> torch.Tensor:
         """float64 [S]: seconds per iteration of the simulated MoE layers (all phases, all micro-batches)."""
         return (self.phase_SLP * self.weight_P).sum(dim=(1, 2))
+
+    def time_s(self, variant: str | None = None, micro_batches: int | None = None) -> float:
+        """Mean seconds per iteration after warm-up, under a sensitivity ``variant`` (None: the base constants)
+        and a number of ``micro_batches`` (None: this run's)."""
+        s = slice(self.warmup, None) if self.phase_SLP.shape[0] > self.warmup else slice(None)
+        phase_SLP = self.phase_SLP if variant is None else self.variant_SLP[variant]
+        return float((phase_SLP[s].sum(dim=1).mean(dim=0) * self.weights_P(micro_batches)).sum())
 
     @property
     def oom(self) -> bool:
@@ -121,11 +141,13 @@ class SimResult:
 
 def simulate(trace_counts_SLNE: torch.Tensor, system: System, model: MoEConfig, cluster: ClusterConfig,
              cost_kwargs: dict | None = None, layers: list[int] | None = None, warmup: int = 1,
-             micro_batches: int = 1, progress: Callable[[int], None] | None = None) -> SimResult:
+             micro_batches: int = 1, progress: Callable[[int], None] | None = None,
+             variants: dict[str, dict] | None = None) -> SimResult:
     """Plan and cost every (step, layer) of a trace for one system. ``progress(1)`` is called per layer-step.
 
     ``trace_counts_SLNE`` is a trace's ``counts_SLNE``; its rank and expert dimensions must match the cluster
-    and the model. ``cost_kwargs`` go to :class:`CostModel` (e.g. ``gemm``, ``mem_budget_bytes``).
+    and the model. ``cost_kwargs`` go to :class:`CostModel` (e.g. ``gemm``, ``mem_budget_bytes``, ``overheads``).
+    ``variants``: {name: keyword arguments of :meth:`CostModel.variant`}, each priced from the same work.
     """
     num_steps, num_layers, n, e = trace_counts_SLNE.shape
     if n != cluster.num_ranks:
@@ -139,6 +161,7 @@ def simulate(trace_counts_SLNE: torch.Tensor, system: System, model: MoEConfig, 
     layers = list(range(num_layers)) if layers is None else list(layers)
     cm = CostModel(model, cluster, compaction=system.compaction, sharded_optimizer=system.sharded_optimizer,
                    **(cost_kwargs or {}))
+    priced = {name: cm.variant(**kw) for name, kw in (variants or {}).items()}
     num_l, p = len(layers), len(PHASES)
     phase_SLP = torch.zeros(num_steps, num_l, p, dtype=torch.float64)
     bytes_SLP = torch.zeros_like(phase_SLP)
@@ -150,11 +173,17 @@ def simulate(trace_counts_SLNE: torch.Tensor, system: System, model: MoEConfig, 
     oom_SL = torch.zeros(num_steps, num_l, dtype=torch.bool)
     resident_SLN = torch.zeros(num_steps, num_l, n, dtype=torch.float64)
     buffer_SLN = torch.zeros_like(resident_SLN)
+    variant_SLP = {name: torch.zeros_like(phase_SLP) for name in priced}
+    fixed_N = torch.zeros(n, dtype=torch.float64)
     where = {layer: i for i, layer in enumerate(layers)}
     for step, layer, plan in iter_plans(trace_counts_SLNE, system.make_policy, layers):
         li = where[layer]
-        t: PhaseTimes = cm.cost(plan)
+        work = cm.work(plan)
+        t: PhaseTimes = cm.price(work)
+        for name, vcm in priced.items():
+            variant_SLP[name][step, li] = vcm.price(work).straggler_P
         phase_SLP[step, li] = t.straggler_P
+        fixed_N = t.fixed_bytes_N
         bytes_SLP[step, li] = t.bytes_P
         dropped_SL[step, li] = t.dropped_pairs
         routed_SL[step, li] = t.routed_pairs
@@ -167,9 +196,10 @@ def simulate(trace_counts_SLNE: torch.Tensor, system: System, model: MoEConfig, 
         buffer_SLN[step, li] = t.buffer_bytes_N
         if progress is not None:
             progress(1)
-    peak_SN = resident_SLN.mean(dim=1) * model.num_moe_layers + buffer_SLN.max(dim=1).values
+    peak_SN = torch.stack([model_peak(resident_SLN[st], buffer_SLN[st], fixed_N, model.num_moe_layers)
+                           for st in range(num_steps)])
     return SimResult(system=system.name, model=model.name, cluster=cluster.name, phase_SLP=phase_SLP,
                      bytes_SLP=bytes_SLP, dropped_SL=dropped_SL, routed_SL=routed_SL, fwd_imbalance_SL=imb_SL,
                      bwd_ratio_SL=rho_SL, peak_SN=peak_SN, layer_oom_SL=oom_SL, slots_used_SL=slots_SL,
                      mem_budget_bytes=float(cm.mem_budget_bytes) * model.num_moe_layers, warmup=warmup,
-                     micro_batches=micro_batches)
+                     micro_batches=micro_batches, variant_SLP=variant_SLP)
