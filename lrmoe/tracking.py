@@ -2,19 +2,37 @@
 
 A :class:`Tracker` does two things with every record:
 
-* appends it, as one JSON line, to a local results file (flushed record by record, so a crash loses nothing).
-  The first line of a run is a header holding the config, seed, git commit, package versions and device;
-* logs it to W&B: online when the user configured W&B (``WANDB_MODE`` or an API key), otherwise offline. When
-  it chooses offline it says so once, with where the run lies and how to sync it. ``wandb=False`` (or
-  ``WANDB_MODE=disabled``) switches W&B off.
+* appends it, as one JSON line, to a local results file (flushed and fsynced record by record, so a crash loses at
+  most the line being written; readers ignore an unterminated last line). The first line of a run is a header
+  holding the config, seed, git commit, package versions and device;
+* logs it to W&B at the record's step: online when the user configured W&B (``WANDB_MODE`` or an API key),
+  otherwise offline. When it chooses offline it says so once, with where the run lies and how to sync it.
+  ``wandb=False`` (or ``WANDB_MODE=disabled``) switches W&B off.
 
-An existing results file is never overwritten: pass ``overwrite=True`` to replace it, or ``resume=True`` to
-append to it (how a resumed experiment continues its file).
+An existing results file is never overwritten: pass ``overwrite=True`` to replace it, or ``resume=True`` to continue
+the run it holds. One process writes a results file at a time (a lock beside it, released when the process dies).
+
+**Resuming: a killed run reads as if it had never died.** A results file holds one run; each record is identified
+by its ``step``. ``resume=True`` continues that run from a checkpoint at ``resume_step``:
+
+1. every record with ``step > resume_step`` is superseded: before anything is appended, the file is rewritten with
+   only the run headers and the records with ``step <= resume_step`` (``resume_step=None``: the script has no
+   checkpoint and redoes its work, so no record is kept). Summaries and figures go too: the resumed run writes
+   them again when it ends. The rewrite is atomic (a temporary file in the same folder, fsynced, then
+   ``os.replace``), so a crash during it leaves the old file whole, and a second resume does the same again;
+2. the resumed run keeps the run id (a new header line with the same ``run_id``, its ``attempt`` number and
+   ``resumed_from_step``), and continues the same W&B run (``id=run_id``, ``resume="allow"``; offline too, where
+   ``wandb sync`` uploads the attempts' folders in order as one run). W&B's history is append-only: steps that an
+   earlier attempt already logged there are not sent again (on an exact resume they are the same values).
+
+So every reader sees each step once, with the values of the attempt that completed it, and needs no rule of its
+own. ``--resume`` is not a way to add a second run to a file: give that run its own ``--out``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -95,12 +113,90 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see either the old file or the whole new one, never a part: a
+    temporary file in the same folder, fsynced, then renamed over ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (POSIX; a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """The lines of a results file that were written completely (each ends with a newline): a run killed while
+    writing a record leaves at most one unterminated last line, which is not a record."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    return [line for line in lines[:-1] if line.strip()]
+
+
+def _parse(path: Path, lines: list[str]) -> list[dict]:
+    records = []
+    for i, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}, line {i}: not a JSON record ({exc})") from None
+    return records
+
+
+class _FileLock:
+    """An exclusive lock on a hidden file beside ``path`` (``flock``: the kernel drops it when its holder dies,
+    even by SIGKILL). Two live writers of one results file would interleave their records."""
+
+    def __init__(self, path: Path):
+        self.path = path.with_name(f".{path.name}.lock")
+        self._file = open(self.path, "a")
+        try:
+            import fcntl
+
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # no flock on this platform: no protection, as before
+            pass
+        except OSError as exc:
+            self._file.close()
+            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise RuntimeError(f"results file {path} is being written by another live process (lock "
+                                   f"{self.path}); wait for it or stop it before resuming") from None
+            raise
+
+    def release(self) -> None:
+        if not self._file.closed:
+            self._file.close()  # closing the only descriptor releases the flock
+
+
 class Tracker:
-    """Log an experiment's records to a JSON-lines results file and to W&B. Use as a context manager."""
+    """Log an experiment's records to a JSON-lines results file and to W&B. Use as a context manager.
+
+    ``resume=True`` continues the run in an existing results file from ``resume_step`` (the step of the checkpoint
+    the script resumed from; ``None``: the script starts its work again): see the module docstring.
+    """
 
     def __init__(self, name: str, config: dict | None = None, results: str | os.PathLike | None = None,
                  *, seed: int | None = None, overwrite: bool = False, resume: bool = False,
-                 wandb: bool = True, project: str = "lrmoe", group: str | None = None, quiet: bool = False):
+                 resume_step: int | None = None, wandb: bool = True, project: str = "lrmoe",
+                 group: str | None = None, quiet: bool = False):
         if overwrite and resume:
             raise ValueError("Tracker: overwrite=True and resume=True contradict each other; choose one")
         self.name = name
@@ -108,19 +204,66 @@ class Tracker:
         self.results = Path(results) if results is not None else Path("outputs") / f"{name}.jsonl"
         if self.results.exists() and not (overwrite or resume):
             raise FileExistsError(f"results file {self.results} exists; pass overwrite=True (--overwrite) to "
-                                  f"replace it or resume=True (--resume) to append to it")
+                                  f"replace it or resume=True (--resume) to continue the run it holds")
         self.results.parent.mkdir(parents=True, exist_ok=True)
-        self.run_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.quiet = quiet
-        self._step = 0
-        self._file = open(self.results, "a" if resume else "w", encoding="utf-8")
-        self._write({"kind": "run", "run_id": self.run_id, "name": name, "config": self.config, "seed": seed,
-                     "git_commit": git_commit(), "versions": package_versions(), "device": device_description(),
-                     "argv": sys.argv, "time": time.time()})
+        self._lock = _FileLock(self.results)
+        self._file = None
         self.wandb_run = None
         self.wandb_dir: Path | None = None
-        if wandb:
-            self._init_wandb(project, group)
+        try:
+            self.run_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+            self.attempt = 1
+            self.resumed_from_step = None
+            self._wandb_logged_to = -1  # W&B already holds every step up to this one (an earlier attempt's)
+            self._step = 0
+            self._last_step = 0
+            if resume and self.results.exists():
+                self._supersede(resume_step)
+            self._file = open(self.results, "a" if resume else "w", encoding="utf-8")
+            header = {"kind": "run", "run_id": self.run_id, "name": name, "config": self.config, "seed": seed,
+                      "git_commit": git_commit(), "versions": package_versions(), "device": device_description(),
+                      "argv": sys.argv, "time": time.time(), "attempt": self.attempt}
+            if self.attempt > 1:
+                header["resumed_from_step"] = self.resumed_from_step
+            self._write(header)
+            if wandb:
+                self._init_wandb(project, group)
+        except BaseException:
+            self.finish()
+            raise
+
+    # -- resuming -----------------------------------------------------------------------------------------
+    def _supersede(self, resume_step: int | None) -> None:
+        """Continue the file's run: rewrite it (atomically) without the records past ``resume_step``."""
+        lines = _complete_lines(self.results)
+        records = _parse(self.results, lines)
+        headers = [r for r in records if r.get("kind") == "run"]
+        if headers:
+            self.run_id = headers[-1]["run_id"]
+            self.attempt = sum(h.get("run_id") == self.run_id for h in headers) + 1
+        else:  # a file with no header (not written by a Tracker): a new run that replaces its records
+            self.attempt = 1
+
+        def kept(rec: dict) -> bool:
+            if rec.get("kind") == "run":
+                return True
+            step = rec.get("step")
+            return (rec.get("kind") == "record" and resume_step is not None and isinstance(step, (int, float))
+                    and step <= resume_step)
+
+        keep = [line for line, rec in zip(lines, records) if kept(rec)]
+        steps = [r["step"] for r in records if r.get("kind") == "record" and isinstance(r.get("step"), (int, float))]
+        self._wandb_logged_to = int(max(steps)) if steps and self.attempt > 1 else -1
+        self.resumed_from_step = resume_step
+        self._step = 0 if resume_step is None else resume_step + 1
+        self._last_step = max(self._step - 1, 0)
+        atomic_write_text(self.results, "".join(line + "\n" for line in keep))
+        dropped = len(records) - len(keep)
+        if not self.quiet and self.attempt > 1:
+            where = "the start" if resume_step is None else f"step {resume_step}"
+            print(f"resuming run {self.run_id} (attempt {self.attempt}) from {where}: {dropped} superseded "
+                  f"line(s) removed from {self.results}", flush=True)
 
     # -- W&B ----------------------------------------------------------------------------------------------
     def _init_wandb(self, project: str, group: str | None) -> None:
@@ -131,14 +274,19 @@ class Tracker:
 
         self.wandb_dir = Path(os.environ.get("WANDB_DIR", self.results.parent))
         self.wandb_dir.mkdir(parents=True, exist_ok=True)
-        self.wandb_run = wandb.init(project=project, name=self.run_id, group=group, config=self.config,
-                                    mode=mode, dir=str(self.wandb_dir), reinit="create_new",
+        self.wandb_run = wandb.init(project=project, id=self.run_id, name=self.run_id, group=group,
+                                    config=self.config, mode=mode, dir=str(self.wandb_dir), reinit="create_new",
+                                    resume="allow" if self.attempt > 1 else None,
                                     settings=wandb.Settings(console="off", silent=True))
         if mode == "offline" and not self.quiet:
             where = getattr(self.wandb_run, "dir", None) or str(self.wandb_dir)
             run_folder = Path(where).parent if where else self.wandb_dir
             print(f"W&B: offline ({why}); run saved in {run_folder}; upload it with `wandb sync {run_folder}`",
                   flush=True)
+
+    def _wandb_log(self, values: dict, step: int) -> None:
+        if self.wandb_run is not None and values and step > self._wandb_logged_to:
+            self.wandb_run.log(values, step=step)
 
     # -- records ------------------------------------------------------------------------------------------
     def _write(self, record: dict) -> None:
@@ -147,9 +295,11 @@ class Tracker:
         os.fsync(self._file.fileno())
 
     def log(self, record: dict, step: int | None = None) -> None:
-        """Append one record to the results file and log its scalar fields to W&B."""
-        step = self._step if step is None else step
+        """Append one record to the results file and log its scalar fields to W&B at ``step`` (default: one past
+        the previous record's)."""
+        step = self._step if step is None else int(step)
         self._step = step + 1
+        self._last_step = step
         self._write({"kind": "record", "run_id": self.run_id, "step": step, **record})
         if self.wandb_run is not None:
             scalars = {k: v for k, v in _jsonable(record).items() if isinstance(v, (int, float)) and
@@ -157,8 +307,7 @@ class Tracker:
             labels = [str(v) for v in record.values() if isinstance(v, str)]
             if labels:  # a record labelled by strings (policy, metric...) logs under those labels
                 scalars = {"/".join(labels) + "/" + k: v for k, v in scalars.items()}
-            if scalars:
-                self.wandb_run.log(scalars)
+            self._wandb_log(scalars, step)
 
     def log_table(self, name: str, rows, **extra) -> None:
         """Log every row of a table (a DataFrame or a list of dicts) as a record labelled ``table=name``."""
@@ -181,15 +330,19 @@ class Tracker:
         if self.wandb_run is not None:
             import wandb
 
-            self.wandb_run.log({f"figure/{name}": wandb.Image(str(paths[0]))})
+            # beside the last record, or past what an earlier attempt logged (a redone run's records are not resent)
+            step = max(self._last_step, self._wandb_logged_to + 1)
+            self._last_step = step
+            self._wandb_log({f"figure/{name}": wandb.Image(str(paths[0]))}, step)
         return paths
 
     def finish(self) -> None:
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self._file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+        self._lock.release()
 
     def __enter__(self) -> "Tracker":
         return self
@@ -199,14 +352,20 @@ class Tracker:
 
 
 def read_results(path: str | os.PathLike, kind: str = "record") -> list[dict]:
-    """The records of one kind ("run", "record", "summary", "figure") from a results file."""
-    with open(path, encoding="utf-8") as f:
-        return [rec for rec in map(json.loads, f) if rec.get("kind") == kind]
+    """The records of one kind ("run", "record", "summary", "figure") from a results file, in file order.
+
+    A resumed run has already superseded the records of its killed attempt (see the module docstring), so each
+    step appears once; a run still being written (or killed while writing) may end in an unterminated line,
+    which is skipped."""
+    path = Path(path)
+    return [rec for rec in _parse(path, _complete_lines(path)) if rec.get("kind") == kind]
 
 
 def add_tracking_args(parser, default_results: str) -> None:
     """The command-line flags every experiment script shares."""
     parser.add_argument("--out", default=default_results, help="results file (JSON lines)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing results file")
-    parser.add_argument("--resume", action="store_true", help="append to an existing results file")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in an existing results file: records past the point it resumes "
+                             "from (its checkpoint, else the start) are replaced, never duplicated")
     parser.add_argument("--no-wandb", action="store_true", help="do not log to W&B")

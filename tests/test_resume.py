@@ -1,0 +1,270 @@
+"""A killed run resumes as if it had never died: one rank of train.py killed by SIGKILL, and the main job killed in
+the middle of a stage. After --resume each step is in the results file once, the losses are bit-identical to an
+unbroken run's, the W&B run is one run, and the main job's SUMMARY.md equals an uninterrupted run's up to timings.
+
+The mechanism these rely on (the tracker's rewrite on resume) is tested in test_tracking.py."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from _scripts import load_experiment
+
+from lrmoe.tracking import read_results
+
+ROOT = Path(__file__).resolve().parent.parent
+train = load_experiment("train")
+
+TRAIN = ["--preset", "qwen3-30b-a3b-debug", "--policy", "symi-cf1", "--ranks", "2", "--batch", "2", "--seq-len", "32",
+         "--eval-every", "100", "--eval-batches", "1", "--max-bytes", "300000", "--steps", "24", "--ckpt-every", "7",
+         "--timeout", "120", "--quiet"]
+
+
+def offline_run_ids(wandb_dir: Path) -> list[str]:
+    """The run id of every offline W&B run folder (one per attempt of a run) under ``wandb_dir``."""
+    return sorted(f.name[len("run-"):-len(".wandb")] for f in (wandb_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def steps_in(path: Path) -> list[int]:
+    try:
+        return [r["step"] for r in read_results(path)]
+    except FileNotFoundError:
+        return []
+
+
+def wait_until(ready, proc: subprocess.Popen, what: str, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (exit status {proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def holds_open(pid: int, path: Path) -> bool:
+    try:
+        return any(os.readlink(fd) == str(path) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+
+
+def job_env(**extra) -> dict:
+    """The environment of a job started from a shell: not attached to the W&B service of this test process (which
+    would outlive the job, holding a killed attempt's run open)."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    return {**env, **extra}
+
+
+def spawn(argv: list[str], env: dict) -> subprocess.Popen:
+    """A process in its own session, so a test can kill it and everything it started."""
+    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def reap(proc: subprocess.Popen) -> str:
+    """Kill whatever is left of a spawned process's session; its output."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    out, _ = proc.communicate(timeout=60)
+    return out
+
+
+@pytest.mark.timeout(900)  # about 30 s on an idle 2-core machine; much more on a loaded one
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks through /proc")
+def test_a_rank_killed_mid_run_resumes_with_each_step_once_and_the_same_losses(tmp_path):
+    unbroken = train.main([*TRAIN, "--out", str(tmp_path / "unbroken.jsonl"), "--ckpt-dir", str(tmp_path / "ck0"),
+                           "--no-wandb"])
+    out, ckpt = tmp_path / "killed.jsonl", tmp_path / "ck"
+    argv = ["-m", "lrmoe.experiments.train", *TRAIN, "--out", str(out), "--ckpt-dir", str(ckpt)]
+    env = job_env(WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wb"))
+    proc = spawn(argv, env)
+    try:
+        wait_until(lambda: any(s >= 9 for s in steps_in(out)), proc, "step 9 was logged")
+        ranks = children(proc.pid)
+        victim = next((r for r in ranks if not holds_open(r, out)), ranks[-1])  # a rank that does not log
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        proc.wait(timeout=120)
+        failed_after = time.monotonic() - killed_at
+    finally:
+        log = reap(proc)
+    assert proc.returncode != 0 and "died" in log, log[-2000:]
+    assert failed_after < 30, f"the launch took {failed_after:.0f} s to fail after a rank died"
+    left = steps_in(out)
+    checkpoint = train.latest_checkpoint(train.parse_args([*TRAIN, "--ckpt-dir", str(ckpt)]), 2)
+    assert checkpoint is not None and checkpoint < max(left) < 24, (checkpoint, left)  # steps past it to redo
+
+    resumed = spawn([*argv, "--resume"], env)
+    try:
+        resumed.wait(timeout=240)
+    finally:
+        log = reap(resumed)
+    assert resumed.returncode == 0, log[-3000:]
+    records = read_results(out)
+    assert [r["step"] for r in records] == list(range(1, 25)), "each step exactly once"
+    assert [r["loss"] for r in records] == [h["loss"] for h in unbroken], "bit-identical losses"
+    headers = read_results(out, "run")
+    assert [h.get("resumed_from_step") for h in headers] == [None, checkpoint]
+    assert len({r["run_id"] for r in headers + records}) == 1
+    assert offline_run_ids(tmp_path / "wb") == [headers[0]["run_id"]] * 2, "one W&B run (two attempts)"
+
+
+# -- every experiment with --resume: killed midway, resumed, the records of an unbroken run ------------------------
+SWEEPS = {  # (the smallest useful run, records compared exactly: False where they hold measured times)
+    "ablate": (["--quick", "--models", "qwen3-30b-a3b", "--ranks", "8", "--skews", "0.8", "--mem-gb", "40",
+                "--steps", "2", "--layers", "1"], True),
+    "metric_fidelity": (["--quick", "--presets", "qwen3-30b-a3b-debug", "--data", "gaussian", "--metrics", "m2",
+                         "random", "--rhos", "0.5"], True),
+    "layer_bench": (["--ranks", "2", "--tokens-per-rank", "32", "--steps", "2", "--warmup", "0", "--hidden", "32",
+                     "--ffn", "16", "--policies", "static-ep", "symi-dropless", "--no-grad-error"], False),
+}
+
+
+def comparable(records: list[dict], exact: bool) -> list:
+    """Records without their run id; where they hold measured times, only their step and labels."""
+    if exact:
+        return [{k: v for k, v in r.items() if k != "run_id"} for r in records]
+    return [(r["step"], sorted((k, v) for k, v in r.items() if isinstance(v, str) and k != "run_id")) for r in records]
+
+
+def kill_midway(clean: Path, killed: Path) -> int:
+    """What a SIGKILL halfway through writing ``clean`` leaves: its header, the first half of its records and half
+    of the next line; no summary. Returns how many records it kept."""
+    lines = clean.read_text().splitlines(keepends=True)
+    half = 1 + (len(lines) - 1) // 2
+    killed.write_text("".join(lines[:half]) + lines[half][: len(lines[half]) // 2])
+    return half - 1
+
+
+def check_resumed_sweep(name: str, args: list[str], exact: bool, tmp_path: Path) -> None:
+    script = load_experiment(name)
+    clean, killed = tmp_path / "clean.jsonl", tmp_path / "killed.jsonl"
+    script.main([*args, "--no-wandb", "--out", str(clean)])
+    assert kill_midway(clean, killed) >= 1
+    script.main([*args, "--no-wandb", "--resume", "--out", str(killed)])
+    assert comparable(read_results(killed), exact) == comparable(read_results(clean), exact)
+    for kind in ("summary", "figure"):
+        assert len(read_results(killed, kind)) == len(read_results(clean, kind)), kind
+    assert len({r["run_id"] for r in read_results(killed, "run")}) == 1
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_an_experiment_killed_midway_resumes_to_the_records_of_an_unbroken_run(name, tmp_path):
+    """Experiments without checkpoints redo their work on --resume; what the killed attempt left is superseded, so
+    the file holds the unbroken run's records, once (train and convergence: the kill tests here)."""
+    args, exact = SWEEPS[name]
+    check_resumed_sweep(name, args, exact, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_validate_sim_killed_midway_resumes_to_the_records_of_an_unbroken_run(tmp_path):
+    """validate_sim runs a small layer_bench and a CPU calibration first (about a minute), both resumed too."""
+    check_resumed_sweep("validate_sim", ["--quick"], False, tmp_path)
+
+
+# -- the main job --------------------------------------------------------------------------------------------------
+DRIVER = textwrap.dedent("""
+    import sys
+    from lrmoe.experiments import reproduce
+    from lrmoe.experiments.reproduce import Stage
+
+    STAGES = [  # the main job's first stage and its training stage, each a few seconds
+        Stage("trace_stats", "experiments/trace_stats.py",
+              quick=["--steps", "2", "--layers", "1", "--tokens-per-rank", "64", "--no-wandb"]),
+        Stage("convergence", "experiments/convergence.py",
+              quick=["--policies", "static-ep", "symi-cf1", "--ranks", "2", "--steps", "8", "--batch", "2",
+                     "--seq-len", "32", "--eval-every", "4"]),
+    ]
+    sys.exit(reproduce.main(sys.argv[1:], stages=STAGES))
+""")
+
+
+def up_to_timings(summary: str, timed_stages=()) -> str:
+    """SUMMARY.md without its wall times (and, in the sections of ``timed_stages``, without any number)."""
+    summary = re.sub(r"\(\d+ s; results", "(N s; results", summary)
+    summary = re.sub(r"Total wall time: \d+ s", "Total wall time: N s", summary)
+    parts = re.split(r"(?m)^(## .*)$", summary)
+    for i in range(1, len(parts) - 1, 2):
+        if parts[i][3:].strip() in timed_stages:
+            parts[i + 1] = re.sub(r"-?\d+(\.\d+)?(e[-+]?\d+)?", "#", parts[i + 1])
+    return "".join(parts)
+
+
+def kill_during_stage(argv: list[str], out: Path, stage: str, started) -> None:
+    """Start the main job, SIGKILL it (and everything it started, as a cluster's job kill does) once ``started()``
+    says ``stage`` is under way, and check that it was killed mid-stage."""
+    proc = spawn(argv, job_env())
+    try:
+        wait_until(started, proc, f"stage {stage} was under way", timeout=1800)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        reap(proc)
+    assert not (out / f"{stage}.done").exists() and not (out / "SUMMARY.md").exists()
+
+
+@pytest.mark.timeout(900)  # about 45 s on an idle 2-core machine; much more on a loaded one
+def test_the_main_job_killed_during_a_stage_resumes_to_the_same_summary(tmp_path):
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    only = ["--only", "trace_stats", "convergence"]  # no figures: their sources are the full job's
+    assert subprocess.run([sys.executable, str(driver), "--out-dir", str(clean), *only], cwd=ROOT, env=job_env(),
+                          capture_output=True, text=True).returncode == 0
+
+    argv = [str(driver), "--out-dir", str(killed), *only]
+    # killed while training the second policy: the first one's results are in, the stage's own file is half done
+    kill_during_stage(argv, killed, "convergence",
+                      lambda: len(steps_in(killed / "convergence" / "symi-cf1.jsonl")) >= 3)
+    assert (killed / "trace_stats.done").exists() and len(steps_in(killed / "convergence.jsonl")) == 8
+    proc = subprocess.run([sys.executable, *argv, "--resume"], cwd=ROOT, env=job_env(), capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "trace_stats: complete, skipped" in proc.stdout
+
+    assert up_to_timings((killed / "SUMMARY.md").read_text()) == up_to_timings((clean / "SUMMARY.md").read_text())
+    for name in ("trace_stats.jsonl", "convergence.jsonl", "convergence/symi-cf1.jsonl"):
+        mine, theirs = read_results(killed / name), read_results(clean / name)
+        assert [r["step"] for r in mine] == [r["step"] for r in theirs], name  # nothing twice, nothing missing
+    # one W&B run: the resumed stage continued its run (two attempts' folders)
+    assert len(offline_run_ids(killed)) == 2 and len(set(offline_run_ids(killed))) == len(offline_run_ids(clean)) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(7200)
+def test_the_quick_main_job_killed_during_a_stage_resumes_to_the_same_summary(tmp_path):
+    """The whole quick main job (minutes): killed while the simulated ablation sweep is half logged."""
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    job = ["-m", "lrmoe.experiments.reproduce", "--mode", "quick"]
+    assert subprocess.run([sys.executable, *job, "--out-dir", str(clean)], cwd=ROOT, env=job_env()).returncode == 0
+    argv = [*job, "--out-dir", str(killed)]
+    kill_during_stage(argv, killed, "ablate", lambda: len(steps_in(killed / "ablate.jsonl")) >= 5)
+    assert subprocess.run([sys.executable, *argv, "--resume"], cwd=ROOT, env=job_env()).returncode == 0
+    timed = ("layer_bench", "validate_sim", "layer_bench_constrained")  # measured CPU times: only the layout compares
+    assert (up_to_timings((killed / "SUMMARY.md").read_text(), timed) ==
+            up_to_timings((clean / "SUMMARY.md").read_text(), timed))
+    assert [r["step"] for r in read_results(killed / "ablate.jsonl")] == \
+        [r["step"] for r in read_results(clean / "ablate.jsonl")]
