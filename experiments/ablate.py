@@ -57,7 +57,8 @@ SYSTEMS = ["static-ep", "capacity-cf1", "capacity-cf1.25", "symi-cf1", "symi-dro
            "symi-dropless-lrmoe-slots", "lrmoe",
            "lrmoe-host-groups", "lrmoe-no-memplace", "lrmoe-no-bwd-routing", "lrmoe-even-fwd",
            "lrmoe-even-fwd-no-bwd-routing", "lrmoe-no-quotas", "lrmoe-padded",
-           "lrmoe-random", "lrmoe-gate", "lrmoe-m2-unbiased"]
+           "lrmoe-random", "lrmoe-gate", "lrmoe-m2-unbiased",
+           "online", "online-rho0.75"]  # online replication (lrmoe.online) and LRMoE's budget on top of it
 CATS = ["forward", "backward", "communication", "sync"]
 PLOTTED = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless-lrmoe-slots", "lrmoe", "lrmoe-host-groups",
            "lrmoe-no-memplace", "lrmoe-no-quotas", "lrmoe-padded"]
@@ -89,7 +90,8 @@ def system_context(cell: Cell, cm: CostModel, args) -> SystemContext:
     return SystemContext(num_experts=m.num_experts, num_ranks=c.num_ranks,
                          spare_slots=base if args.max_extra is None else args.max_extra, eps=args.eps,
                          gamma=args.gamma, memory=MemoryModel(cell.layer_budget, cm.slot_bytes, cm.pair_bytes),
-                         pairs_per_rank=cell.tokens * m.top_k, symi_headroom=args.symi_headroom)
+                         pairs_per_rank=cell.tokens * m.top_k, symi_headroom=args.symi_headroom,
+                         ranks_per_node=c.ranks_per_node)
 
 
 def build_systems(cell: Cell, names: list[str], args) -> tuple[dict[str, System], dict[str, str], dict[str, str]]:
@@ -264,7 +266,7 @@ def run_cells(args, run) -> pd.DataFrame:
                 rec = cell_rows.get(name)
                 if rec is None:
                     continue
-                for ref in ("symi-dropless", "symi-cf1"):
+                for ref in ("symi-dropless", "symi-cf1", "online"):
                     other = cell_rows.get(ref, {})
                     if "iter_s" in rec and "iter_s" in other:
                         rec[f"vs_{ref.replace('-', '_')}"] = rec["iter_s"] / other["iter_s"]

@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from .backward import BackwardConfig
-from .placement import MemoryModel, slots_that_fit
+from .online import Online
+from .placement import MemoryModel
 from .policies import LRMoE, Capacity, StaticEP, Symi, Trimmed
 
 
@@ -41,6 +42,12 @@ class SystemContext:
     symi_headroom   None: SYMI uses every spare slot (its memory is not modelled). A number: SYMI keeps the spare
                     slots that fit ``memory`` beside token buffers for that many times the mean load (SYMI-cf1:
                     1.0, its capacity bound), as the simulator's fair-memory comparison does.
+    lrmoe_headroom  None: LRMoE's spare slots are ``spare_slots`` (its own memory rule may use fewer). A number:
+                    at most the spare slots that fit ``memory`` beside buffers for that many times the mean load.
+                    With ``symi_headroom``, the one headroom rule of DESIGN.md §5.4: each system's own planned
+                    peak load (:meth:`~lrmoe.placement.MemoryModel.spare_slots_for`), never a constant per system.
+    ranks_per_node  consecutive ranks that share a node (None: one node): online replication pushes weights only
+                    inside a node.
     """
 
     num_experts: int
@@ -51,6 +58,8 @@ class SystemContext:
     memory: MemoryModel | None = None
     pairs_per_rank: float | None = None
     symi_headroom: float | None = None
+    ranks_per_node: int | None = None
+    lrmoe_headroom: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "num_ranks"):
@@ -64,6 +73,15 @@ class SystemContext:
             raise ValueError(f"SystemContext.spare_slots must be a non-negative int, got {self.spare_slots!r}")
         if self.pairs_per_rank is not None and not self.pairs_per_rank >= 0:
             raise ValueError(f"SystemContext.pairs_per_rank must be non-negative, got {self.pairs_per_rank!r}")
+        if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool)
+                                                or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1
+                                                or self.num_ranks % self.ranks_per_node):
+            raise ValueError(f"SystemContext.ranks_per_node must be a positive int dividing num_ranks="
+                             f"{self.num_ranks}, got {self.ranks_per_node!r}")
+        if self.lrmoe_headroom is not None and not (self.lrmoe_headroom > 0 and self.memory is not None
+                                                    and self.pairs_per_rank is not None):
+            raise ValueError(f"SystemContext.lrmoe_headroom={self.lrmoe_headroom!r} must be positive, with memory "
+                             f"and pairs_per_rank")
         if self.symi_headroom is not None:
             if not self.symi_headroom > 0:
                 raise ValueError(f"SystemContext.symi_headroom must be positive, got {self.symi_headroom!r}")
@@ -97,8 +115,18 @@ class CapacityFactory:
 
 
 def lrmoe_headroom(ctx: SystemContext) -> float:
-    """The buffer headroom LRMoE's own memory rule plans for: (1 + eps) x the mean load."""
-    return 1.0 + ctx.eps
+    """The buffer headroom LRMoE plans for: the context's (its planned peak load), else (1 + eps) x the mean."""
+    return ctx.lrmoe_headroom if ctx.lrmoe_headroom is not None else 1.0 + ctx.eps
+
+
+def spare_at(ctx: SystemContext, headroom: float) -> int | None:
+    """The spare slots that fit ``ctx.memory`` beside buffers for ``headroom`` x the mean load (at most the
+    context's spare slots); None when not even the home slots fit."""
+    try:
+        return ctx.memory.extra_slots(headroom * ctx.pairs_per_rank, ctx.base_slots, ctx.spare_slots,
+                                      ctx.pairs_per_rank)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -116,11 +144,8 @@ class SymiFactory:
             return ctx.base_slots + ctx.spare_slots, ""
         h = ctx.symi_headroom if self.headroom is None else self.headroom
         h = h(ctx) if callable(h) else h
-        m = ctx.memory
-        try:
-            spare = slots_that_fit(m.budget_bytes, m.slot_bytes, m.pair_bytes, h * ctx.pairs_per_rank,
-                                   ctx.base_slots, ctx.spare_slots)
-        except ValueError:  # not even the home slots beside those buffers: no spare slot, and say so
+        spare = spare_at(ctx, h)
+        if spare is None:  # not even the home slots beside those buffers: no spare slot, and say so
             return ctx.base_slots, f"buffers for {h:g}x the mean load do not fit beside the home slots: no spare slot"
         return ctx.base_slots + spare, ""
 
@@ -142,6 +167,7 @@ class TrimmedFactory:
 
     base: Callable[[SystemContext], object]
     rho: float
+    gamma: float | None = 0.0  # the per-expert floor; None: the context's (LRMoE's own floor)
 
     @property
     def family(self) -> str:
@@ -152,7 +178,25 @@ class TrimmedFactory:
         return note(ctx) if note is not None else ""
 
     def __call__(self, ctx: SystemContext) -> Trimmed:
-        return Trimmed(self.base(ctx), self.rho)
+        return Trimmed(self.base(ctx), self.rho, ctx.gamma if self.gamma is None else self.gamma)
+
+
+@dataclass(frozen=True)
+class OnlineFactory:
+    """Online replication (:class:`~lrmoe.online.Online`) with the spare slots SYMI-dropless gets in this context
+    (``fit``: the same memory rule, so both replicate into the same memory), pushing inside the context's nodes."""
+
+    fit: SymiFactory = SymiFactory()
+    family = "online"
+
+    def spare_slots(self, ctx: SystemContext) -> int:
+        return self.fit.slots(ctx) - ctx.base_slots
+
+    def note(self, ctx: SystemContext) -> str:
+        return self.fit.note(ctx)
+
+    def __call__(self, ctx: SystemContext) -> Online:
+        return Online(spare_slots=self.spare_slots(ctx), ranks_per_node=ctx.ranks_per_node)
 
 
 @dataclass(frozen=True)
@@ -185,6 +229,8 @@ class LRMoEFactory:
 
     def kwargs(self, ctx: SystemContext) -> dict:
         kw = {"eps": ctx.eps, "gamma": ctx.gamma, "extra_slots": ctx.spare_slots, "memory": ctx.memory}
+        if ctx.lrmoe_headroom is not None:  # the headroom rule: at most the slots its planned peak leaves
+            kw["extra_slots"] = spare_at(ctx, ctx.lrmoe_headroom) or 0
         for key, value in self.options:
             kw[key] = value(ctx) if callable(value) else value
         return kw
@@ -228,7 +274,7 @@ class SystemSpec:
 
     @property
     def family(self) -> str:
-        """"static-ep", "capacity", "symi" or "lrmoe": the policy family of the factory."""
+        """"static-ep", "capacity", "symi", "lrmoe" or "online": the policy family of the factory."""
         return self.make.family
 
     def make_policy(self, ctx: SystemContext):
@@ -255,7 +301,8 @@ class SystemSpec:
 
     def cost_options(self) -> dict:
         """Keyword arguments of :class:`~lrmoe.sim.cost.CostModel` that this system sets."""
-        return {"sync_groups": self.sync_groups}
+        cf = getattr(self.make, "cf", None)  # fixed-size capacity buffers (SYMI-cf1, capacity systems)
+        return {"sync_groups": self.sync_groups, **({"capacity_cf": cf} if cf is not None else {})}
 
     @property
     def plan_key(self) -> tuple:
@@ -293,6 +340,12 @@ SYSTEMS: dict[str, SystemSpec] = dict([
     # SYMI-dropless with its backward trimmed at random to the same budget as LRMoE's at each rho (the control)
     *[_system(f"symi-dropless-rho{rho:g}", TrimmedFactory(SymiFactory(), rho), f"SYMI-dropless, random trim ρ={rho:g}",
               "#4a90c2", backward=BackwardConfig(metric="random"), recalibrated=True) for rho in RHOS],
+    # -- online replication (lrmoe.online; the MoonEP / Megatron-Core virtual-expert way): this forward's hottest
+    # experts copied into SYMI-dropless's spare slots inside a node; optimizer state stays with the home experts.
+    # "online-rho0.75": LRMoE's retention budget (m2, top-k, LRMoE's floor) on top of online replication.
+    _system("online", OnlineFactory(), "online replication", "#e6550d", **_UNSHARDED),
+    _system("online-rho0.75", TrimmedFactory(OnlineFactory(), 0.75, gamma=None), "online + LRMoE budget ρ=0.75",
+            "#fd8d3c", backward=BackwardConfig(metric="m2"), recalibrated=True, **_UNSHARDED),
     # -- LRMoE (DESIGN.md §4): "lrmoe" is the cap-mode configuration (eps), m2 metric, top-k, compacted -------
     _lrmoe("lrmoe", "LRMoE", "#d62728"),
     _lrmoe("lrmoe-m1", "LRMoE, m1 metric", "#ff9896", metric="m1"),

@@ -16,6 +16,11 @@ Timing assumptions (all ours; they are what "time per phase set by the slowest r
   ``t = max(send, recv) + latency`` with ``send = max(intra_bytes / intra_bw, inter_bytes / inter_bw)``. The
   latency is charged once per link kind a rank uses (messages to many peers are pipelined). Rows a rank keeps
   for itself cost nothing (the local permutation is not modelled).
+* **Weight push** (online replication, :mod:`lrmoe.online`): a plan's ``push_src_G`` copies whole experts into
+  spare slots before the dispatch (bytes: :func:`lrmoe.sync_model.push_bytes`, the layer's accounting's), priced as
+  an all-to-all on the links it uses (the policy pushes inside nodes only: NVLink). Not overlapped with the
+  dispatch, like every phase here (the anchor can overlap it with the permutation; conservative for online). The
+  pushed copies hold no optimizer state: unsharded Adam and state count the home placement only.
 * **Expert GEMM.** A group of m rows on one slot reaches ``eff(m) = eff_max * m / (m + m_half)`` of peak, so its
   time is ``flops_per_row * (m + m_half) / (eff_max * peak)`` for m > 0 and nothing for an empty slot, plus a
   fixed ``launch_s`` per grouped-GEMM call on a rank with any rows. The backward (input and weight gradients)
@@ -79,20 +84,20 @@ from ..layout import PHASES as LAYOUT_PHASES
 from ..memory import (STATE_BYTES_PER_PARAM, Footprint, LayerMemory, footprint, layer_memory, optimizer_shard_bytes,
                       plan_loads, slot_capacity)
 from ..placement import MemoryModel
-from ..sync_model import check_replica_grad, hosts_mask, shard_sizes, step_bytes
+from ..sync_model import check_replica_grad, hosts_mask, push_bytes, shard_sizes, step_bytes
 from .overheads import OVERHEADS, check_overheads, planner_seconds, selection_seconds
 
 # The modelled phases, named as the layer names them (one vocabulary: lrmoe.layout.PHASES), in execution order. The
 # backward all-to-alls are named for the forward one they invert: combine_a2a_bwd carries output gradients from
 # the home ranks to the experts, dispatch_a2a_bwd carries input gradients back.
 PHASES = tuple(p for p in LAYOUT_PHASES if p in (
-    "plan", "recalibrate", "dispatch_a2a", "expert_fwd", "shared_fwd", "combine_a2a", "combine_a2a_bwd",
+    "plan", "weight_push", "recalibrate", "dispatch_a2a", "expert_fwd", "shared_fwd", "combine_a2a", "combine_a2a_bwd",
     "bwd_index_a2a", "expert_bwd", "shared_bwd", "dispatch_a2a_bwd", "replica_sync", "grad_collect", "adam",
     "redistribute"))
 CATEGORIES = {
     "forward": ("expert_fwd", "shared_fwd"),
     "backward": ("expert_bwd", "shared_bwd"),
-    "communication": A2A_PHASES,
+    "communication": A2A_PHASES + ("weight_push",),  # weight_push: online replication's copies (lrmoe.online)
     "sync": STEP_PHASES,
     "overhead": ("plan", "recalibrate"),  # the counts all-gather and planning; scoring, selection, compaction
 }
@@ -330,6 +335,7 @@ class PlanWork:
     bwd_rows_N: torch.Tensor
     dropped: int
     routed: int
+    resident_NS: torch.Tensor | None = None  # the slots' placement before a weight push (None: placement_NS)
 
 
 # --- the model ---------------------------------------------------------------------------------------------------
@@ -480,6 +486,9 @@ class CostModel:
         traffic = layer_traffic(plan, m.hidden, m.dtype_bytes, compact=self.compaction,
                                 combine_cols=self.combine_cols)
         a2a = {phase: t.bytes_NN for phase, t in traffic.items()}
+        push_src_G, resident_NS = getattr(plan, "push_src_G", None), getattr(plan, "resident_NS", placement_NS)
+        if push_src_G is not None:  # online replication: whole experts into spare slots before the expert compute
+            a2a["weight_push"] = push_bytes(placement_NS, push_src_G, m.expert_params, m.dtype_bytes)
         if "counts" in self.overheads:  # every rank's E counts to every other rank
             a2a["plan"] = torch.full((n, n), e * COUNT_BYTES, dtype=torch.long)
         _, grad_NG, _ = backward_counts(plan, self.compaction)  # backward rows per (source, slot): the GEMM's
@@ -512,9 +521,10 @@ class CostModel:
             passes_N = (loads.bwd_home_send_N > 0).double() + (loads.bwd_gemm_N > 0).double()
         return PlanWork(num_experts=e, placement_NS=placement_NS, a2a_NN=a2a, fwd_rows_NS=fwd_rows_NS,
                         bwd_rows_NS=bwd_rows_NS, moved_NS=moved_NS, tokens_N=tokens_N, step=sb, memory=memory,
-                        state_N=self.state_bytes_N(placement_NS), planner_s=planner_s, select_pairs_N=select_N,
+                        state_N=self.state_bytes_N(resident_NS), planner_s=planner_s, select_pairs_N=select_N,
                         compact_bytes_N=compact_bytes_N, compact_passes_N=passes_N, fwd_rows_N=fwd_rows_N,
-                        bwd_rows_N=bwd_rows_N, dropped=int(plan.dropped_NE.sum()), routed=int(pairs_N.sum()))
+                        bwd_rows_N=bwd_rows_N, dropped=int(plan.dropped_NE.sum()), routed=int(pairs_N.sum()),
+                        resident_NS=resident_NS)
 
     def price(self, w: PlanWork) -> PhaseTimes:
         """:class:`PhaseTimes` of a plan's :class:`PlanWork` on this model's cluster and GEMM curve."""
@@ -592,7 +602,8 @@ class CostModel:
 
         if not self.sharded_optimizer:
             if c.hbm_bw > 0:
-                hosted_N = hosts_mask(placement_NS, e).double().sum(1)
+                resident_NS = placement_NS if w.resident_NS is None else w.resident_NS  # pushed copies: no state
+                hosted_N = hosts_mask(resident_NS, e).double().sum(1)
                 time_NP[:, _P["adam"]] = hosted_N * p_e * self.optimizer_traffic_per_param / c.hbm_bw
             return
         if mode == "range":

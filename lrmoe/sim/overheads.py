@@ -90,6 +90,8 @@ def planner_family(label: str) -> tuple[str, bool] | None:
         return None
     if label.startswith("lrmoe"):
         return "lrmoe", False
+    if label.startswith("online"):  # ours, a proxy: its greedy placement + LRMoE's balanced forward, timed as LRMoE's
+        return "lrmoe", "-rho" in label
     base, trimmed = (label.split("-rho")[0], True) if "-rho" in label else (label, False)
     for family in ("symi-dropless", "symi-cf", "static-ep", "capacity"):
         if base.startswith(family):
