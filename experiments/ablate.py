@@ -1,6 +1,6 @@
 """Trace-driven ablations of LRMoE against SYMI at paper scale, on the simulator (lrmoe.sim): the planner code of
-the real layer runs on synthetic routing traces for every simulated MoE layer and iteration, and the cost model
-turns each plan into time, bytes and memory on a cluster preset.
+the real layer runs on synthetic routing traces for every MoE layer and iteration, and the cost model turns each
+plan into time, bytes and memory on a cluster preset.
 
 Systems: static EP (dropless), capacity cf 1.0 / 1.25, SYMI-cf1, SYMI-dropless (and SYMI-dropless given LRMoE's
 slot count), LRMoE, LRMoE with host-only replica-sync groups, and LRMoE minus each component: memory-aware
@@ -8,22 +8,32 @@ placement, backward replica routing (with the balanced and with an even forward 
 compaction (padded packets). The recalibration metric (random / gate-only) and the selection mode (unbiased)
 keep the same counts, so their rows repeat LRMoE's time by construction: their effect is on the gradient
 (experiments/metric_fidelity.py).
-Swept over model, routing skew (Zipf s, DESIGN.md §5), per-rank memory budget and number of ranks. Systems are
-named as in ``lrmoe.systems`` (``--systems`` takes any of them).
+Swept over model, routing skew (``--skews zipf:0.8 dirichlet:0.5``; every record and table carries the skew the
+trace measurably has: per-rank max/mean under static EP, hottest expert / mean, Gini), per-rank memory budget and
+number of ranks. Systems are named as in ``lrmoe.systems`` (``--systems`` takes any of them).
 
-    python experiments/ablate.py --quick            # small sweep (6 iterations, 4 layers, 8 and 16 ranks,
-                                                    # 2 budgets, 4 skews): about 20 s on 2 CPU cores
+The fair-comparison rules of DESIGN.md §5.4: one memory model for the planners and the simulator
+(:mod:`lrmoe.memory`); one headroom rule for every dropless system (each sizes its replica slots from its own
+plans of the warm-up iteration's counts, ``--headroom-rule planned``); every overhead on the critical path charged
+(``--no-overheads`` to show each one's effect; :mod:`lrmoe.sim.overheads`); every MoE layer simulated, quick mode
+included; and the headline systems priced again at the corners of the uncertain constants (GEMM efficiency,
+half-efficiency rows, link bandwidth, micro-batches per iteration) for a low / high band beside every ratio.
+
+    python experiments/ablate.py --quick            # small sweep (3 iterations, every layer, 8 and 16 ranks,
+                                                    # 2 budgets, 4 skews, the headline systems and components)
     python experiments/ablate.py                    # full sweep: 100 iterations x all MoE layers x 3 rank
-                                                    # counts x 4 skews x 3 budgets x 2 models (~1.5 h here)
-    python experiments/ablate.py --models qwen3-30b-a3b --ranks 64 --skews 0.6 --steps 100   # one cell
+                                                    # counts x 4 skews x 3 budgets x 2 models
+    python experiments/ablate.py --models qwen3-30b-a3b --ranks 16 --skews zipf:0.8 dirichlet:0.5   # two cells
 
-Every assumption that shapes the numbers is a flag (tokens per rank, budgets, SYMI's buffer headroom, LRMoE's
-eps / gamma, the most extra slots); the headline table prints them beside the ratios. Traces are synthetic.
+Every assumption that shapes the numbers is a flag default, fixed once for every cell (tokens per rank, budgets,
+the headroom margin, LRMoE's eps / gamma, the most extra slots, micro-batches); the headline table prints them
+beside the ratios. Traces are synthetic.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from dataclasses import dataclass
 
@@ -33,11 +43,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
+import torch
 from tqdm import tqdm
 
 from lrmoe.config import ClusterConfig, MoEConfig, cluster_preset, model_preset
-from lrmoe.placement import MemoryModel
 from lrmoe.sim.cost import CostModel
+from lrmoe.sim.overheads import OVERHEADS
 from lrmoe.sim.simulator import System, simulate
 from lrmoe.systems import SystemContext, check_systems, get_system, plan_twins, system_arg, system_names_help
 from lrmoe.tracking import Tracker, add_tracking_args
@@ -46,9 +57,10 @@ from lrmoe.traces import generate_trace, gini, max_over_mean
 MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
 # Tokens per rank per micro-batch (ours). Qwen3: one 4096-token sequence per GPU. GLM-4.5-Air: its expert
 # weights and gradients alone need 50 GB per GPU on one 8-GPU node, and 25 GB on two, which leaves 40 GB A100s
-# room for about 1024 tokens per GPU. Both leave the 40 GB budget with no or few spare replica slots.
+# room for about 1024 tokens per GPU.
 TOKENS = {"qwen3-30b-a3b": 4096, "glm-4.5-air": 1024}
-SKEWS = [0.2, 0.4, 0.6, 0.8]  # Zipf s: Gini 0.10-0.50 before top-k (DESIGN.md §5)
+SKEW_FAMILIES = ("zipf", "dirichlet")
+SKEWS = ["zipf:0.2", "zipf:0.4", "zipf:0.6", "zipf:0.8"]  # Gini 0.10-0.50 of the popularity (DESIGN.md §5.7)
 # The default systems (lrmoe.systems). The metric and selection-mode variants (lrmoe-random, lrmoe-gate,
 # lrmoe-m2-unbiased) have LRMoE's plan by construction: they choose *which* pairs fill the quotas, never how many,
 # so their counted work (and simulated time) is LRMoE's, and the simulator runs LRMoE once for them
@@ -59,9 +71,39 @@ SYSTEMS = ["static-ep", "capacity-cf1", "capacity-cf1.25", "symi-cf1", "symi-dro
            "lrmoe-even-fwd-no-bwd-routing", "lrmoe-no-quotas", "lrmoe-padded",
            "lrmoe-random", "lrmoe-gate", "lrmoe-m2-unbiased",
            "online", "online-rho0.75"]  # online replication (lrmoe.online) and LRMoE's budget on top of it
-CATS = ["forward", "backward", "communication", "sync"]
+# Quick mode simulates every MoE layer (fewer iterations instead), so it runs the headline systems and the
+# components of LRMoE the figures take apart; the metric variant lrmoe-random is LRMoE's plan twin (free).
+QUICK_SYSTEMS = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "symi-dropless-lrmoe-slots", "lrmoe",
+                 "lrmoe-host-groups", "lrmoe-no-memplace", "lrmoe-no-bwd-routing", "lrmoe-no-quotas", "lrmoe-padded",
+                 "lrmoe-random", "online"]
+CATS = ["forward", "backward", "communication", "sync", "overhead"]
 PLOTTED = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless-lrmoe-slots", "lrmoe", "lrmoe-host-groups",
            "lrmoe-no-memplace", "lrmoe-no-quotas", "lrmoe-padded"]
+# The headline's systems, priced again at every corner of the uncertain constants (the sensitivity band).
+BANDED = ["lrmoe", "symi-dropless", "symi-cf1", "symi-dropless-lrmoe-slots"]
+# The uncertain constants and their ranges (DESIGN.md §5.4; issue 15): GEMM efficiency 0.5-0.9 of peak,
+# half-efficiency rows 32-512, links at 70-100 % of the datasheet, 1-32 micro-batches per iteration.
+SENSITIVITY = {"eff_max": (0.5, 0.9), "m_half": (32.0, 512.0), "bw_scale": (0.7, 1.0)}
+MICRO_BATCH_BAND = (1, 32)
+
+
+def skew_arg(value: str) -> tuple[str, float]:
+    """``family:param`` (``zipf:0.8``, ``dirichlet:0.5``), or a bare number for Zipf s."""
+    family, _, param = value.rpartition(":")
+    family = family or "zipf"
+    try:
+        number = float(param)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--skews {value!r}: expected family:number, e.g. zipf:0.8") from None
+    if family not in SKEW_FAMILIES:
+        raise argparse.ArgumentTypeError(f"--skews {value!r}: family must be one of {SKEW_FAMILIES}")
+    if not number >= 0 or (family == "dirichlet" and not number > 0):
+        raise argparse.ArgumentTypeError(f"--skews {value!r}: the parameter must be positive (Zipf: non-negative)")
+    return family, number
+
+
+def skew_label(skew: tuple[str, float]) -> str:
+    return f"{skew[0]}:{skew[1]:g}"
 
 
 @dataclass(frozen=True)
@@ -70,49 +112,106 @@ class Cell:
 
     model: MoEConfig
     cluster: ClusterConfig
-    skew: float
+    skew: tuple[str, float]  # (family, parameter)
     mem_gb: float
     tokens: int
 
     @property
     def layer_budget(self) -> float:
-        """One MoE layer's share of a rank's budget (the planner's MemoryModel and the cost model's)."""
+        """One MoE layer's share of a rank's budget (the cost model's; the planner's MemoryModel is the whole)."""
         return self.mem_gb * 1e9 / self.model.num_moe_layers
 
 
-def system_context(cell: Cell, cm: CostModel, args) -> SystemContext:
-    """What every system of a cell is built from: the cell's per-layer budget as a MemoryModel (the cost model's
-    slot and pair bytes), at most ``--max-extra`` spare slots (default E/N), LRMoE's eps and gamma, and SYMI's
-    slots sized from that memory: the spare slots that fit beside buffers for ``--symi-headroom`` x the mean load
-    (SYMI-cf1: 1x, its capacity bound; lrmoe.systems)."""
+def skew_stats(counts_SLNE: torch.Tensor, warmup: int = 1) -> dict[str, float]:
+    """The skew a trace measurably has, means over its iterations after warm-up and its layers: the per-rank
+    max / mean of the pairs static expert parallelism would compute (expert e on rank e // (E/N)), the hottest
+    expert over the mean, and the Gini coefficient of the per-expert pairs."""
+    counts = counts_SLNE[warmup:] if counts_SLNE.shape[0] > warmup else counts_SLNE
+    per_expert_SLE = counts.sum(2).double()
+    n = counts.shape[2]
+    rank_SLN = per_expert_SLE.view(*per_expert_SLE.shape[:2], n, -1).sum(-1)
+    return {"rank_max_over_mean": float(max_over_mean(rank_SLN).mean()),
+            "expert_max_over_mean": float(max_over_mean(per_expert_SLE).mean()),
+            "gini": float(gini(per_expert_SLE).mean())}
+
+
+def planned_headrooms(cell: Cell, cm: CostModel, reference_LNE: torch.Tensor, args) -> dict[str, float]:
+    """The headroom rule (DESIGN.md §5.4): each dropless system's planned peak load over the mean, from its own
+    plans (every layer) of the reference counts with the most spare slots whose plans fit the memory model, times
+    1 + ``--headroom-margin``. Keys "symi" (SYMI-dropless) and "lrmoe"."""
     m, c = cell.model, cell.cluster
     base = m.num_experts // c.num_ranks
+    max_spare = base if args.max_extra is None else args.max_extra
+    mm = cm.memory_model()
+    out = {}
+    for key, name in (("symi", "symi-dropless"), ("lrmoe", "lrmoe")):
+        spec = get_system(name)
+
+        def plans(spare: int, spec=spec) -> list:
+            policy = spec.make_policy(SystemContext(m.num_experts, c.num_ranks, spare_slots=spare, eps=args.eps,
+                                                    gamma=args.gamma))
+            return [policy.plan(counts, counts.sum(0)) for counts in reference_LNE]
+
+        _, h = mm.spare_slots_for(plans, base, max_spare, load_margin=args.headroom_margin)
+        out[key] = h * (1.0 + args.headroom_margin)
+    # LRMoE's own memory rule plans its balanced forward at ceil((1 + eps) x the mean) every iteration
+    # (lrmoe.policies.LRMoE), so that is its planned peak wherever its plans of the reference come out lower
+    out["lrmoe"] = max(out["lrmoe"], 1.0 + args.eps)
+    return out
+
+
+def system_context(cell: Cell, cm: CostModel, args, headrooms: dict[str, float] | None = None) -> SystemContext:
+    """What every system of a cell is built from: the memory model of the cost model's accounting (the whole
+    budget over every MoE layer), at most ``--max-extra`` spare slots (default E/N), LRMoE's eps and gamma, and the
+    headroom each system's buffers are sized for: with ``--headroom-rule planned`` (the default) each dropless
+    system's own planned peak (``headrooms``, :func:`planned_headrooms`); with ``fixed``, ``--symi-headroom`` x the
+    mean load for SYMI-dropless and LRMoE's own (1 + eps). SYMI-cf1 sizes for its capacity (1x; lrmoe.systems)."""
+    m, c = cell.model, cell.cluster
+    base = m.num_experts // c.num_ranks
+    planned = args.headroom_rule == "planned" and headrooms is not None
     return SystemContext(num_experts=m.num_experts, num_ranks=c.num_ranks,
                          spare_slots=base if args.max_extra is None else args.max_extra, eps=args.eps,
-                         gamma=args.gamma, memory=MemoryModel(cell.layer_budget, cm.slot_bytes, cm.pair_bytes),
-                         pairs_per_rank=cell.tokens * m.top_k, symi_headroom=args.symi_headroom,
-                         ranks_per_node=c.ranks_per_node)
+                         gamma=args.gamma, memory=cm.memory_model(), pairs_per_rank=cell.tokens * m.top_k,
+                         symi_headroom=headrooms["symi"] if planned else args.symi_headroom,
+                         lrmoe_headroom=headrooms["lrmoe"] if planned else None, ranks_per_node=c.ranks_per_node)
 
 
-def build_systems(cell: Cell, names: list[str], args) -> tuple[dict[str, System], dict[str, str], dict[str, str]]:
-    """The systems of one cell (each name's first plan twin only), why those that cannot run there cannot, and
-    notes on those that run (e.g. SYMI left without a spare slot)."""
+def build_systems(cell: Cell, names: list[str], args, reference_LNE: torch.Tensor | None = None
+                  ) -> tuple[dict[str, System], dict[str, str], dict[str, str], dict[str, float]]:
+    """The systems of one cell (each name's first plan twin only), why those that cannot run there cannot, notes on
+    those that run (e.g. SYMI left without a spare slot), and the planned headrooms."""
     m, c = cell.model, cell.cluster
     cm = CostModel(m, c, mem_budget_bytes=cell.layer_budget)
     base = m.num_experts // c.num_ranks
     if cell.layer_budget < base * cm.slot_bytes:
         why = (f"the {base} home slots ({base * cm.slot_bytes / 1e6:.0f} MB per layer) exceed the per-layer "
                f"budget ({cell.layer_budget / 1e6:.0f} MB)")
-        return {}, {name: why for name in names}, {}
-    ctx = system_context(cell, cm, args)
+        return {}, {name: why for name in names}, {}, {}
+    headrooms = {}
+    if args.headroom_rule == "planned" and reference_LNE is not None:
+        headrooms = planned_headrooms(cell, cm, reference_LNE, args)
+    ctx = system_context(cell, cm, args, headrooms or None)
     twins = plan_twins(names)
     specs = {name: get_system(name) for name in names if name not in twins}
     notes = {name: spec.note(ctx) for name, spec in specs.items()}
-    return {name: spec.simulator_system(ctx) for name, spec in specs.items()}, {}, {k: v for k, v in notes.items() if v}
+    systems = {name: spec.simulator_system(ctx) for name, spec in specs.items()}
+    return systems, {}, {k: v for k, v in notes.items() if v}, headrooms
 
 
-def cost_kwargs(name: str, cell: Cell) -> dict:
-    return {"mem_budget_bytes": cell.layer_budget, **get_system(name).cost_options()}
+def overheads(args) -> tuple[str, ...]:
+    off = set(OVERHEADS) if "all" in args.no_overheads else set(args.no_overheads)
+    return tuple(o for o in OVERHEADS if o not in off)
+
+
+def cost_kwargs(name: str, cell: Cell, args) -> dict:
+    return {"mem_budget_bytes": cell.layer_budget, "overheads": overheads(args), **get_system(name).cost_options()}
+
+
+def corners() -> dict[str, dict]:
+    """{name: CostModel.variant keyword arguments} of every corner of :data:`SENSITIVITY`."""
+    keys = list(SENSITIVITY)
+    return {"|".join(f"{k}={v:g}" for k, v in zip(keys, values)): dict(zip(keys, values))
+            for values in itertools.product(*(SENSITIVITY[k] for k in keys))}
 
 
 def parse_args(argv=None):
@@ -121,35 +220,47 @@ def parse_args(argv=None):
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--cluster", default="a100-40gb-x8", help="cluster preset (its node is replicated)")
     parser.add_argument("--ranks", nargs="+", type=int, default=None, help="default 8 16 64 (quick: 8 16)")
-    parser.add_argument("--skews", nargs="+", type=float, default=None, help="Zipf s (default 0.2 0.4 0.6 0.8)")
+    parser.add_argument("--skews", nargs="+", type=skew_arg, default=None,
+                        help="routing skews, family:param (zipf:s, dirichlet:alpha; a bare number is Zipf s); "
+                             f"default {' '.join(SKEWS)}")
     parser.add_argument("--mem-gb", nargs="+", type=float, default=None,
                         help="per-rank budget for all MoE layers, GB (default 0.8x, 1x, 2x the device; quick 1x, 2x)")
     parser.add_argument("--tokens-per-rank", type=int, default=None, help="default per model: " + str(TOKENS))
-    parser.add_argument("--steps", type=int, default=None, help="iterations (default 100; quick 6)")
+    parser.add_argument("--steps", type=int, default=None, help="iterations (default 100; quick 3)")
     parser.add_argument("--micro-batches", type=int, default=8,
-                        help="micro-batches per iteration: the sync phases run once per iteration (ours)")
-    parser.add_argument("--layers", type=int, default=None, help="simulated MoE layers (default all; quick 4)")
-    parser.add_argument("--systems", nargs="+", default=SYSTEMS, type=system_arg, help=system_names_help())
+                        help="micro-batches per iteration: the sync phases run once per iteration (ours); the "
+                             f"headline's band spans {MICRO_BATCH_BAND[0]}-{MICRO_BATCH_BAND[1]}")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="simulated MoE layers (default all, quick too; fewer: their mean stands for the rest)")
+    parser.add_argument("--systems", nargs="+", default=None, type=system_arg,
+                        help=f"default: {' '.join(SYSTEMS)} (quick: {' '.join(QUICK_SYSTEMS)}); {system_names_help()}")
     parser.add_argument("--eps", type=float, default=0.1, help="LRMoE balance slack")
     parser.add_argument("--gamma", type=float, default=0.1, help="LRMoE per-expert floor")
     parser.add_argument("--max-extra", type=int, default=None, help="most extra slots per rank (default E/N)")
+    parser.add_argument("--headroom-rule", choices=["planned", "fixed"], default="planned",
+                        help="planned: every dropless system sizes its buffers for its own planned peak load "
+                             "(DESIGN.md §5.4); fixed: SYMI-dropless for --symi-headroom x the mean, LRMoE for 1 + eps")
+    parser.add_argument("--headroom-margin", type=float, default=0.0,
+                        help="planned rule: buffers for this much more than the planned peak, every system alike")
     parser.add_argument("--symi-headroom", type=float, default=1.5,
-                        help="SYMI-dropless reserves buffers for this x the mean load (ours)")
+                        help="fixed rule only: SYMI-dropless reserves buffers for this x the mean load")
+    parser.add_argument("--no-overheads", nargs="*", default=[], choices=[*OVERHEADS, "all"],
+                        help="overheads not to charge (lrmoe.sim.overheads), to show their effect")
+    parser.add_argument("--no-band", action="store_true", help="skip the sensitivity corners (faster)")
     parser.add_argument("--headline-mem-gb", type=float, default=None, help="budget of the headline (default 1x)")
     parser.add_argument("--seed", type=int, default=0)
     add_tracking_args(parser, "outputs/ablate.jsonl")
     args = parser.parse_args(argv)
     base = cluster_preset(args.cluster)
     device_gb = base.mem_budget_bytes / 1e9
+    args.skews = args.skews or [skew_arg(s) for s in SKEWS]
+    args.systems = args.systems or (QUICK_SYSTEMS if args.quick else SYSTEMS)
     if args.quick:
         args.ranks = args.ranks or [8, 16]
-        args.skews = args.skews or SKEWS
         args.mem_gb = args.mem_gb or [device_gb, 2 * device_gb]
-        args.steps = args.steps or 6
-        args.layers = args.layers or 4
+        args.steps = args.steps or 3
     else:
         args.ranks = args.ranks or [8, 16, 64]
-        args.skews = args.skews or SKEWS
         args.mem_gb = args.mem_gb or [0.8 * device_gb, device_gb, 2 * device_gb]
         args.steps = args.steps or 100
     args.headline_mem_gb = args.headline_mem_gb or device_gb
@@ -166,18 +277,18 @@ def parse_args(argv=None):
 
 def check_args(args) -> None:
     """What would otherwise fail cell by cell, hours into a sweep, raised once up front (ValueError naming the
-    flag): the model presets, the sizes, the skews, and every system in the first cell of each model."""
+    flag): the model presets, the sizes, and every system in the first cell of each model."""
     models = [model_preset(name) for name in args.models]
     if any(r < 1 for r in args.ranks):
         raise ValueError(f"--ranks must be positive, got {args.ranks}")
     if any(not v > 0 for v in args.mem_gb):
         raise ValueError(f"--mem-gb must be positive, got {args.mem_gb}")
-    if any(not v >= 0 for v in args.skews):
-        raise ValueError(f"--skews (Zipf s) must be non-negative, got {args.skews}")
     for name in ("tokens_per_rank", "layers", "symi_headroom"):
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if not args.headroom_margin >= 0:
+        raise ValueError(f"--headroom-margin must be non-negative, got {args.headroom_margin}")
     if args.max_extra is not None and args.max_extra < 0:
         raise ValueError(f"--max-extra must be non-negative, got {args.max_extra}")
     base = cluster_preset(args.cluster)
@@ -190,6 +301,30 @@ def check_args(args) -> None:
                     args.tokens_per_rank or TOKENS.get(model.name, 2048))
         cm = CostModel(model, cluster, mem_budget_bytes=cell.layer_budget)
         check_systems(args.systems, system_context(cell, cm, args))
+
+
+def _record(common: dict, name: str, res, layers: int, model: MoEConfig, note: str, banded: bool) -> dict:
+    """One system's record: whole-model seconds per iteration, per-layer ms by category, bytes, memory, and (for
+    the headline's systems) the seconds at every sensitivity corner."""
+    s = res.summary()
+    scale = model.num_moe_layers / layers  # whole model from the simulated layers (1 when all are simulated)
+    rec = {**common, "system": name, "fits": not s["oom"], "note": note,
+           "iter_s": s["time_s"] * scale,
+           # per MoE layer and iteration (all micro-batches)
+           **{f"{k}_ms_per_layer": s[f"{k}_s"] / layers * 1e3 for k in ["time"] + CATS},
+           "a2a_gb_per_layer": s["a2a_bytes"] / layers / 1e9,
+           "sync_gb_per_layer": s["sync_bytes"] / layers / 1e9,
+           "peak_mem_gb": s["peak_mem_bytes"] / 1e9, "oom": s["oom"], "drop_rate": s["drop_rate"],
+           "fwd_imbalance": s["fwd_imbalance"], "rho": s["rho"],
+           "slots_per_rank": s["slots_per_rank"], "layer_over_share": s["layer_over_share"]}
+    if banded:
+        band = {}
+        for variant in [None, *res.variant_SLP]:
+            for mb in (res.micro_batches, *MICRO_BATCH_BAND):
+                key = f"{variant or 'base'}|mb={mb}"
+                band[key] = res.time_s(variant, mb) * scale
+        rec["iter_s_corners"] = band
+    return rec
 
 
 def run_cells(args, run) -> pd.DataFrame:
@@ -208,6 +343,7 @@ def run_cells(args, run) -> pd.DataFrame:
     twins = plan_twins(args.systems)  # {name: the system it shares its plans with}: simulated once
     per_cell = sum(1 for s in args.systems if s not in twins)
     total = sum(per_cell * args.steps * layers for _, layers in plan)
+    variants = {} if args.no_band else corners()
     rows = []
     traces = {}
     errors: list[str] = []
@@ -217,15 +353,21 @@ def run_cells(args, run) -> pd.DataFrame:
             key = (m.name, c.num_ranks, cell.skew, cell.tokens, layers)
             if key not in traces:
                 traces[key] = generate_trace(args.steps, layers, c.num_ranks, m.num_experts, m.top_k, cell.tokens,
-                                             skew="zipf", skew_param=cell.skew, seed=args.seed, model=m.name)
+                                             skew=cell.skew[0], skew_param=cell.skew[1], seed=args.seed,
+                                             model=m.name)
             trace = traces[key]
-            per_expert = trace.counts_SLNE.sum(2).double()
+            measured = skew_stats(trace.counts_SLNE)
             common = {"model": m.name, "cluster": c.name, "ranks": c.num_ranks, "nodes": c.num_nodes,
-                      "skew": cell.skew, "mem_gb": cell.mem_gb, "tokens_per_rank": cell.tokens,
-                      "layers_simulated": layers, "steps": args.steps,
-                      "trace_gini": float(gini(per_expert).mean()),
-                      "trace_max_over_mean": float(max_over_mean(per_expert).mean()), "trace": "synthetic zipf"}
-            systems, skipped, notes = build_systems(cell, args.systems, args)
+                      "skew": cell.skew[1], "skew_family": cell.skew[0], "skew_label": skew_label(cell.skew),
+                      "mem_gb": cell.mem_gb, "tokens_per_rank": cell.tokens, "layers_simulated": layers,
+                      "steps": args.steps, "micro_batches": args.micro_batches,
+                      "trace_gini": measured["gini"], "trace_max_over_mean": measured["expert_max_over_mean"],
+                      "trace_rank_max_over_mean": measured["rank_max_over_mean"],
+                      "trace": f"synthetic {cell.skew[0]}", "headroom_rule": args.headroom_rule,
+                      "headroom_margin": args.headroom_margin, "overheads": list(overheads(args))}
+            # the warm-up iteration's counts, which no summary includes, are what every system sizes its slots from
+            systems, skipped, notes, headrooms = build_systems(cell, args.systems, args, trace.counts_SLNE[0])
+            common.update({f"planned_headroom_{k}": v for k, v in headrooms.items()})
             cell_rows = {}
             for name in args.systems:
                 if name in twins:
@@ -234,34 +376,26 @@ def run_cells(args, run) -> pd.DataFrame:
                     rec = {**common, "system": name, "fits": False, "note": skipped[name]}
                     bar.update(args.steps * layers)
                 else:
-                    system = systems[name]
+                    banded = name in BANDED and cell.mem_gb == args.headline_mem_gb
                     try:
-                        res = simulate(trace.counts_SLNE, system, m, c, cost_kwargs=cost_kwargs(name, cell),
-                                       micro_batches=args.micro_batches, progress=bar.update)
+                        res = simulate(trace.counts_SLNE, systems[name], m, c,
+                                       cost_kwargs=cost_kwargs(name, cell, args), micro_batches=args.micro_batches,
+                                       progress=bar.update, variants=variants if banded else None)
                     except Exception as exc:  # noqa: BLE001 - one failing cell must not lose an hours-long sweep
                         why = f"error: {type(exc).__name__}: {exc}"
-                        tqdm.write(f"{m.name} {c.name} s={cell.skew:g} {cell.mem_gb:g} GB {name}: {why}",
+                        tqdm.write(f"{m.name} {c.name} {skew_label(cell.skew)} {cell.mem_gb:g} GB {name}: {why}",
                                    file=sys.stderr)
                         errors.append(why)
                         cell_rows[name] = {**common, "system": name, "fits": False, "note": why}
                         continue
-                    s = res.summary()
-                    scale = m.num_moe_layers / layers  # whole model from the simulated layers
-                    rec = {**common, "system": name, "fits": not s["oom"], "note": notes.get(name, ""),
-                           "iter_s": s["time_s"] * scale,
-                           # per MoE layer and iteration (all micro-batches)
-                           **{f"{k}_ms_per_layer": s[f"{k}_s"] / layers * 1e3 for k in ["time"] + CATS},
-                           "a2a_gb_per_layer": s["a2a_bytes"] / layers / 1e9,
-                           "sync_gb_per_layer": s["sync_bytes"] / layers / 1e9,
-                           "peak_mem_gb": s["peak_mem_bytes"] / 1e9, "oom": s["oom"], "drop_rate": s["drop_rate"],
-                           "fwd_imbalance": s["fwd_imbalance"], "rho": s["rho"],
-                           "slots_per_rank": s["slots_per_rank"], "layer_over_share": s["layer_over_share"]}
+                    rec = _record(common, name, res, layers, m, notes.get(name, ""), banded)
                 cell_rows[name] = rec
             for twin, source in twins.items():
                 if source in cell_rows:
                     src = cell_rows[source]
                     cell_rows[twin] = {**src, "system": twin, "note": src["note"] if "iter_s" not in src else
                                        f"same plan as {source} by construction"}
+                    cell_rows[twin].pop("iter_s_corners", None)
             for name in args.systems:
                 rec = cell_rows.get(name)
                 if rec is None:
@@ -270,6 +404,9 @@ def run_cells(args, run) -> pd.DataFrame:
                     other = cell_rows.get(ref, {})
                     if "iter_s" in rec and "iter_s" in other:
                         rec[f"vs_{ref.replace('-', '_')}"] = rec["iter_s"] / other["iter_s"]
+                        lo_hi = band(rec, other)
+                        if lo_hi is not None:
+                            rec[f"vs_{ref.replace('-', '_')}_lo"], rec[f"vs_{ref.replace('-', '_')}_hi"] = lo_hi
                 run.log(rec)
                 rows.append(rec)
     table = pd.DataFrame(rows)
@@ -277,28 +414,50 @@ def run_cells(args, run) -> pd.DataFrame:
     return table
 
 
+def band(rec: dict, ref: dict) -> tuple[float, float] | None:
+    """(lowest, highest) ratio of ``rec``'s time to ``ref``'s over the sensitivity corners both were priced at
+    (each corner on both sides alike), the base point included; None without corners."""
+    a, b = rec.get("iter_s_corners"), ref.get("iter_s_corners")
+    if not a or not b:
+        return None
+    ratios = [a[k] / b[k] for k in a if k in b and b[k] > 0]
+    return (min(ratios), max(ratios)) if ratios else None
+
+
+def _ratio(a, b, col: str = "iter_s") -> str:
+    """``a / b`` with the sensitivity band, as a table cell."""
+    if a is None or b is None or pd.isna(getattr(a, col, float("nan"))) or pd.isna(getattr(b, col, float("nan"))):
+        return "n/a"
+    value = f"{getattr(a, col) / getattr(b, col):.2f}"
+    ref = {"symi-dropless": "vs_symi_dropless", "symi-cf1": "vs_symi_cf1"}.get(b.system)
+    lo, hi = (getattr(a, f"{ref}_lo", float("nan")), getattr(a, f"{ref}_hi", float("nan"))) if ref else (None, None)
+    if ref and not pd.isna(lo) and not pd.isna(hi):
+        value += f" [{lo:.2f}–{hi:.2f}]"
+    return value
+
+
 def headline(table: pd.DataFrame, args) -> str:
-    """Markdown: LRMoE ÷ SYMI-dropless and ÷ SYMI-cf1 per model, on one node and on two, across skews."""
+    """Markdown: LRMoE ÷ SYMI-dropless and ÷ SYMI-cf1 per model, on one node and on two, across skews, each ratio
+    with its sensitivity band, beside the skew the traces measurably have."""
     ranks_per_node = cluster_preset(args.cluster).ranks_per_node
     sel = table[(table.mem_gb == args.headline_mem_gb) & table.ranks.isin([ranks_per_node, 2 * ranks_per_node])]
-    lines = ["| model | nodes x GPUs | Zipf s | Gini | LRMoE / SYMI-dropless | LRMoE / SYMI-cf1 | "
-             "LRMoE / SYMI-dropless with LRMoE's slots | LRMoE host groups / SYMI-dropless | SYMI-cf1 drops | "
-             "slots LRMoE / SYMI-dl / SYMI-cf1 | OOM |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (model, ranks, skew), cell in sel.groupby(["model", "ranks", "skew"], sort=True):
+    lines = ["| model | nodes x GPUs | skew | rank max/mean | expert max/mean | Gini | LRMoE / SYMI-dropless | "
+             "LRMoE / SYMI-cf1 | LRMoE / SYMI-dropless with LRMoE's slots | LRMoE host groups / SYMI-dropless | "
+             "SYMI-cf1 drops | slots LRMoE / SYMI-dl / SYMI-cf1 | OOM |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (model, ranks, label), cell in sel.groupby(["model", "ranks", "skew_label"], sort=True):
         by = {r.system: r for r in cell.itertuples()}
         lr, dl, cf = by.get("lrmoe"), by.get("symi-dropless"), by.get("symi-cf1")
         hosts, same = by.get("lrmoe-host-groups"), by.get("symi-dropless-lrmoe-slots")
         nodes = f"{ranks // ranks_per_node} x {ranks_per_node}"
+        first = cell.iloc[0]
+        skew = f"{label} | {first.trace_rank_max_over_mean:.2f} | {first.trace_max_over_mean:.1f} | " \
+               f"{first.trace_gini:.2f}" if "trace_rank_max_over_mean" in cell else f"{label} | | |"
         if lr is None or not hasattr(lr, "iter_s") or pd.isna(getattr(lr, "iter_s", float("nan"))):
             note = lr.note if lr is not None else "not run"
             what = "failed" if note.startswith("error") else "does not fit"
-            lines.append(f"| {model} | {nodes} | {skew:g} | | {what}: {note} | | | | | | |")
+            lines.append(f"| {model} | {nodes} | {skew} | {what}: {note} | | | | | | |")
             continue
-
-        def ratio(a, b):
-            return "n/a" if a is None or b is None or pd.isna(getattr(b, "iter_s", float("nan"))) else \
-                f"{a.iter_s / b.iter_s:.2f}"
 
         def slots(r):
             return "-" if r is None or pd.isna(getattr(r, "slots_per_rank", float("nan"))) else \
@@ -306,22 +465,28 @@ def headline(table: pd.DataFrame, args) -> str:
 
         oom = ", ".join(r.system for r in (lr, dl, cf) if r is not None and getattr(r, "oom", False) is True)
         drops = "n/a" if cf is None or pd.isna(getattr(cf, "drop_rate", float("nan"))) else f"{cf.drop_rate:.1%}"
-        lines.append(f"| {model} | {nodes} | {skew:g} | {lr.trace_gini:.2f} | {ratio(lr, dl)} | {ratio(lr, cf)} | "
-                     f"{ratio(lr, same)} | {ratio(hosts, dl)} | {drops} | {slots(lr)} / {slots(dl)} / {slots(cf)} | "
+        lines.append(f"| {model} | {nodes} | {skew} | {_ratio(lr, dl)} | {_ratio(lr, cf)} | "
+                     f"{_ratio(lr, same)} | {_ratio(hosts, dl)} | {drops} | {slots(lr)} / {slots(dl)} / {slots(cf)} | "
                      f"{oom or 'none'} |")
     return "\n".join(lines)
 
 
 def assumptions(args) -> str:
     c = cluster_preset(args.cluster)
+    cm = CostModel(model_preset(args.models[0]), c)
+    rule = ("each dropless system's buffers for its own planned peak load (its plans of the warm-up iteration), "
+            f"+{args.headroom_margin:g}" if args.headroom_rule == "planned" else
+            f"SYMI-dropless buffers for {args.symi_headroom}x the mean load, LRMoE for 1 + eps")
+    corner = ", ".join(f"{k} {lo:g}-{hi:g}" for k, (lo, hi) in SENSITIVITY.items())
     return (f"Assumptions: {args.cluster} nodes ({c.ranks_per_node} GPUs, {c.intra_bw / 1e9:.0f} GB/s intra, "
             f"{c.inter_bw / 1e9:.0f} GB/s inter per GPU, {c.peak_flops / 1e12:.0f} TFLOP/s); per-rank MoE budget "
-            f"{args.headline_mem_gb:g} GB over all MoE layers; tokens per rank {args.tokens_per_rank or TOKENS}; "
-            f"synthetic Zipf traces ({args.steps} iterations, first one warm-up); {args.micro_batches} micro-batches "
-            f"per iteration (sync phases once per iteration); LRMoE eps={args.eps}, "
-            f"gamma={args.gamma}; SYMI-dropless buffers for {args.symi_headroom}x the mean load, SYMI-cf1 for 1x; "
-            f"phases serial, each set by its slowest rank; GEMM curve constants are placeholders until "
-            f"calibrated (lrmoe/sim/cost.py). Ratio < 1: LRMoE faster.")
+            f"{args.headline_mem_gb:g} GB over all MoE layers (one memory model, lrmoe.memory); tokens per rank "
+            f"{args.tokens_per_rank or TOKENS}; synthetic traces ({args.steps} iterations, first one warm-up, every "
+            f"MoE layer unless --layers); {args.micro_batches} micro-batches per iteration (sync phases once per "
+            f"iteration); LRMoE eps={args.eps}, gamma={args.gamma}; headroom: {rule}; SYMI-cf1 sized for its "
+            f"capacity; overheads charged: {', '.join(overheads(args)) or 'none'}; phases serial, each set by its "
+            f"slowest rank; GEMM curve {cm.gemm.source}. Band [low-high]: the ratio at every corner of {corner}, "
+            f"micro-batches {MICRO_BATCH_BAND[0]}-{MICRO_BATCH_BAND[1]}. Ratio < 1: LRMoE faster.")
 
 
 def plot(table: pd.DataFrame, run, args) -> list:
@@ -332,10 +497,10 @@ def plot(table: pd.DataFrame, run, args) -> list:
     ok = ok[(ok.mem_gb == args.headline_mem_gb) & ok.system.isin(PLOTTED)]
     if len(ok):
         sns.set_theme(style="whitegrid", context="paper")
-        grid = sns.relplot(ok, x="skew", y="vs_symi_dropless", hue="system", style="system", col="model",
+        grid = sns.relplot(ok, x="skew_label", y="vs_symi_dropless", hue="system", style="system", col="model",
                            row="ranks", kind="line", markers=True, dashes=True, height=2.6, aspect=1.3,
                            facet_kws={"sharey": False})
-        grid.set_axis_labels("Zipf s (routing skew)", "time / SYMI-dropless")
+        grid.set_axis_labels("routing skew (generator parameter)", "time / SYMI-dropless")
         for ax in grid.axes.flat:
             ax.axhline(1.0, color="grey", lw=0.8, ls="--")
             if not ax.lines[:-1]:
@@ -343,8 +508,8 @@ def plot(table: pd.DataFrame, run, args) -> list:
         grid.figure.suptitle("MoE-layer time per iteration relative to SYMI-dropless (simulated)", y=1.02)
         figs += run.log_figure("ratio_vs_symi", grid.figure)
         plt.close(grid.figure)
-        top = float(ok["skew"].max())
-        split = table[(table.mem_gb == args.headline_mem_gb) & (table["skew"] == top) & table["iter_s"].notna()
+        top = ok.sort_values("trace_gini")["skew_label"].iloc[-1]  # the most skewed cell, as measured
+        split = table[(table.mem_gb == args.headline_mem_gb) & (table["skew_label"] == top) & table["iter_s"].notna()
                       & table.system.isin(["static-ep", "symi-cf1", "symi-dropless", "lrmoe", "lrmoe-host-groups"])]
         long = split.melt(id_vars=["model", "ranks", "system"], value_vars=[f"{c}_ms_per_layer" for c in CATS],
                           var_name="part", value_name="ms")
@@ -356,7 +521,7 @@ def plot(table: pd.DataFrame, run, args) -> list:
             ax.tick_params(axis="x", rotation=30)
             if not ax.patches:
                 ax.text(0.5, 0.5, "does not fit", ha="center", va="center", transform=ax.transAxes)
-        grid.figure.suptitle(f"Where the time goes (Zipf s = {top:g})", y=1.02)
+        grid.figure.suptitle(f"Where the time goes ({top})", y=1.02)
         figs += run.log_figure("time_split", grid.figure)
         plt.close(grid.figure)
     return figs
@@ -368,10 +533,10 @@ def main(argv=None) -> pd.DataFrame:
     with Tracker("ablate", vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
         table = run_cells(args, run)
-        cols = ["model", "ranks", "skew", "mem_gb", "system", "iter_s", "forward_ms_per_layer",
-                "backward_ms_per_layer", "communication_ms_per_layer", "sync_ms_per_layer", "a2a_gb_per_layer",
-                "peak_mem_gb", "oom", "drop_rate", "fwd_imbalance", "rho", "slots_per_rank", "vs_symi_dropless",
-                "vs_symi_cf1"]
+        cols = ["model", "ranks", "skew_label", "trace_rank_max_over_mean", "mem_gb", "system", "iter_s",
+                "forward_ms_per_layer", "backward_ms_per_layer", "communication_ms_per_layer", "sync_ms_per_layer",
+                "overhead_ms_per_layer", "a2a_gb_per_layer", "peak_mem_gb", "oom", "drop_rate", "fwd_imbalance",
+                "rho", "slots_per_rank", "vs_symi_dropless", "vs_symi_cf1"]
         shown = table[[c for c in cols if c in table]]
         print("## All runs\n")
         print(shown.to_markdown(index=False, floatfmt=".3g"))

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from lrmoe.checks import non_negative_int, positive_int
 from lrmoe.layout import plan_selects
-from lrmoe.memory import Footprint, LayerLoads, layer_memory, plan_loads, plan_memory, slot_capacity, uniform_peak
+from lrmoe.memory import (Footprint, LayerLoads, layer_memory, model_peak, plan_loads, plan_memory, slot_capacity,
+                          uniform_peak)
 from lrmoe.quotas import memory_cap_pairs
 
 
@@ -229,27 +230,34 @@ class MemoryModel:
         return uniform_peak(plan_memory(self.footprint, plan, compact, slot_capacity_rows), self.num_layers,
                             self.fixed_bytes)
 
-    def spare_slots_for(self, plan_with: Callable[[int], object], base_slots: int, max_spare: int, *,
+    def spare_slots_for(self, plans_with: Callable[[int], object], base_slots: int, max_spare: int, *,
                         compact: bool = True, capacity_cf: float | None = None,
                         load_margin: float = 0.0) -> tuple[int, float]:
         """The headroom rule every system follows (DESIGN.md §5.4): the most spare slots (at most ``max_spare``)
-        whose own plan fits, every layer alike, with ``load_margin`` more rows in every buffer.
+        with which the system's own plans fit, with ``load_margin`` more rows in every buffer.
 
-        ``plan_with(spare)`` is the system's plan of reference counts with ``base_slots + spare`` slots per rank;
-        ``capacity_cf``: its fixed-size capacity buffers. Returns (spare slots, that plan's peak forward load over
-        the mean: the headroom its buffers are sized for); (0, ...) when not even the base slots fit.
+        ``plans_with(spare)`` is the system's plan (or one plan per layer) of reference counts with
+        ``base_slots + spare`` slots per rank; fewer plans than ``num_layers`` stand for the rest by their mean.
+        ``capacity_cf``: fixed-size capacity buffers. Returns (spare slots, the planned headroom: the busiest
+        rank's forward load summed over the plans, over the mean); (0, ...) when not even the base slots fit.
         """
         non_negative_int("max_spare", max_spare)
         if not load_margin >= 0:
             raise ValueError(f"load_margin must be non-negative, got {load_margin!r}")
         for spare in range(max_spare, -1, -1):
-            plan = plan_with(spare)
-            cap = None if capacity_cf is None else slot_capacity(plan, capacity_cf)
-            loads = plan_loads(plan, compact, cap).scaled(1.0 + load_margin)
-            peak_N = uniform_peak(layer_memory(self.footprint, loads, plan_selects(plan)), self.num_layers,
-                                  self.fixed_bytes)
+            plans = plans_with(spare)
+            plans = list(plans) if isinstance(plans, (list, tuple)) else [plans]
+            resident, inflight, expert = [], [], []
+            for plan in plans:
+                cap = None if capacity_cf is None else slot_capacity(plan, capacity_cf)
+                loads = plan_loads(plan, compact, cap).scaled(1.0 + load_margin)
+                mem = layer_memory(self.footprint, loads, plan_selects(plan))
+                resident.append(mem.resident_N)
+                inflight.append(mem.inflight_N)
+                expert.append(loads.expert_N)
+            peak_N = model_peak(torch.stack(resident), torch.stack(inflight), self.fixed_bytes, self.num_layers)
             if spare == 0 or bool((peak_N <= self.budget_bytes).all()):
-                load_N = loads.expert_N
+                load_N = torch.stack(expert).sum(0)
                 return spare, float(load_N.max() / load_N.mean().clamp(min=1e-12))
         raise AssertionError("unreachable")
 

@@ -218,12 +218,18 @@ def test_ablation_runner_writes_results_headline_and_figures(tmp_path, capsys):
 
     ablate = _ablate_module()
     out = tmp_path / "ablate.jsonl"
-    argv = ["--quick", "--models", "qwen3-30b-a3b", "glm-4.5-air", "--ranks", "8", "--skews", "0.8",
-            "--mem-gb", "40", "--steps", "3", "--layers", "2", "--out", str(out)]
+    systems = ["capacity-cf1", "symi-cf1", "symi-dropless", "symi-dropless-lrmoe-slots", "lrmoe", "lrmoe-random"]
+    argv = ["--quick", "--models", "qwen3-30b-a3b", "glm-4.5-air", "--ranks", "8", "--skews", "zipf:0.8",
+            "dirichlet:0.5", "--mem-gb", "40", "--steps", "2", "--layers", "2", "--out", str(out),
+            "--systems", *systems]
     table = ablate.main(argv)  # W&B on, offline (tests/conftest.py)
     text = capsys.readouterr().out
     records = read_results(out)
-    assert len(records) == 2 * len(ablate.SYSTEMS)  # one per model x system, including the runs that cannot fit
+    assert len(records) == 2 * 2 * len(systems) == len(table)  # one per model x skew x system, fitting or not
+    # the skew as generated and as measured, in every record
+    assert {r["skew_label"] for r in records} == {"zipf:0.8", "dirichlet:0.5"}
+    assert all(r["trace_rank_max_over_mean"] > 1 and 0 < r["trace_gini"] < 1 for r in records)
+    records = [r for r in records if r["skew_label"] == "zipf:0.8"]
     qwen = {r["system"]: r for r in records if r["model"] == "qwen3-30b-a3b"}
     assert qwen["symi-dropless"]["vs_symi_dropless"] == pytest.approx(1.0)
     assert qwen["lrmoe-random"]["iter_s"] == qwen["lrmoe"]["iter_s"]  # same plan by construction
@@ -233,9 +239,13 @@ def test_ablation_runner_writes_results_headline_and_figures(tmp_path, capsys):
                                             "peak_mem_gb", "vs_symi_cf1"))
     glm = [r for r in records if r["model"] == "glm-4.5-air"]
     assert all(not r["fits"] and "home slots" in r["note"] for r in glm)  # 50 GB of experts on 8 x 40 GB
-    assert "| qwen3-30b-a3b | 1 x 8 | 0.8 |" in text and "does not fit" in text and "Assumptions:" in text
+    assert "| qwen3-30b-a3b | 1 x 8 | zipf:0.8 |" in text and "does not fit" in text and "Assumptions:" in text
+    # the headline's systems carry a sensitivity band around each ratio, the base point inside it
+    lr = qwen["lrmoe"]
+    assert lr["vs_symi_dropless_lo"] <= lr["vs_symi_dropless"] <= lr["vs_symi_dropless_hi"]
+    assert len(lr["iter_s_corners"]) == 8 * 3 + 3  # 8 corners and the base constants, at 3 micro-batch counts
+    assert "overhead_ms_per_layer" in lr and lr["overhead_ms_per_layer"] > 0
     assert (tmp_path / "ablate_ratio_vs_symi.png").exists() and (tmp_path / "ablate_time_split.pdf").exists()
-    assert len(table) == len(records)
     with pytest.raises(FileExistsError):
         ablate.main(argv)
 
@@ -246,3 +256,6 @@ def test_ablation_rejects_bad_arguments():
         ablate.parse_args(["--ranks", "12"])
     with pytest.raises(ValueError, match="--steps"):
         ablate.parse_args(["--steps", "1"])
+    with pytest.raises(SystemExit):  # argparse: a skew family that does not exist
+        ablate.parse_args(["--skews", "pareto:1.0"])
+    assert ablate.parse_args(["--skews", "0.6", "dirichlet:0.5"]).skews == [("zipf", 0.6), ("dirichlet", 0.5)]
