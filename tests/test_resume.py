@@ -142,11 +142,14 @@ SWEEPS = {  # (the smallest useful run, records compared exactly: False where th
 }
 
 
-def comparable(records: list[dict], exact: bool) -> list:
-    """Records without their run id; where they hold measured times, only their step and labels."""
+def comparable(records: list[dict], exact: bool, stem: str) -> list:
+    """Records without their run id, with "out" for ``stem`` (the results file's path, which names files beside it);
+    where they hold measured times, only their step and labels."""
+    records = [{k: v.replace(stem, "out") if isinstance(v, str) else v for k, v in r.items() if k != "run_id"}
+               for r in records]
     if exact:
-        return [{k: v for k, v in r.items() if k != "run_id"} for r in records]
-    return [(r["step"], sorted((k, v) for k, v in r.items() if isinstance(v, str) and k != "run_id")) for r in records]
+        return records
+    return [(r["step"], sorted((k, v) for k, v in r.items() if isinstance(v, str))) for r in records]
 
 
 def kill_midway(clean: Path, killed: Path) -> int:
@@ -164,7 +167,8 @@ def check_resumed_sweep(name: str, args: list[str], exact: bool, tmp_path: Path)
     script.main([*args, "--no-wandb", "--out", str(clean)])
     assert kill_midway(clean, killed) >= 1
     script.main([*args, "--no-wandb", "--resume", "--out", str(killed)])
-    assert comparable(read_results(killed), exact) == comparable(read_results(clean), exact)
+    assert (comparable(read_results(killed), exact, str(killed.with_suffix(""))) ==
+            comparable(read_results(clean), exact, str(clean.with_suffix(""))))
     for kind in ("summary", "figure"):
         assert len(read_results(killed, kind)) == len(read_results(clean, kind)), kind
     assert len({r["run_id"] for r in read_results(killed, "run")}) == 1
