@@ -86,7 +86,6 @@ MAIN_SYSTEMS = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe
 # LRMoE minus one component each and what the component is
 COMPONENTS = {"lrmoe-no-memplace": "memory-aware placement", "lrmoe-no-bwd-routing": "backward routing",
               "lrmoe-no-quotas": "retention quotas", "lrmoe-padded": "compaction"}
-SPLIT = ["forward_ms_per_layer", "backward_ms_per_layer", "communication_ms_per_layer", "sync_ms_per_layer"]
 
 
 def ablation_slice(path: str | Path) -> pd.DataFrame:
@@ -101,38 +100,73 @@ def ablation_slice(path: str | Path) -> pd.DataFrame:
     return data[(data.ranks == best.ranks) & (data.mem_gb == best.mem_gb)].copy()
 
 
+def _skew_labels(data: pd.DataFrame) -> pd.DataFrame:
+    """Records of older runs carry only the Zipf parameter: their skew label is ``zipf:<s>``."""
+    data = data.copy()
+    if "skew_label" not in data:
+        data["skew_label"] = [f"zipf:{s:g}" for s in data["skew"]]
+    data["skew_label"] = data["skew_label"].fillna(pd.Series([f"zipf:{s:g}" for s in data["skew"]], index=data.index))
+    return data
+
+
 def layer_time(path: str | Path):
-    """MoE-layer time per iteration, LRMoE against SYMI and the baselines, per model and skew, split into
-    forward, backward, communication and sync (stacked)."""
-    data = ablation_slice(path)
-    data = data[data.system.isin(MAIN_SYSTEMS)]
-    data = data[["model", "skew", "system", "ranks", "mem_gb", *SPLIT, "time_ms_per_layer"]].reset_index(drop=True)
-    models = list(dict.fromkeys(data.model))
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 3.6), squeeze=False)
-    colors = sns.color_palette("Set2", len(SPLIT))
-    for ax, model in zip(axes[0], models):
-        part = data[data.model == model]
-        labels = [f"{sys_}\ns={skew:g}" for skew, sys_ in zip(part['skew'], part.system)]
-        bottom = None
-        for color, col in zip(colors, SPLIT):
-            values = part[col].to_numpy()
-            ax.bar(range(len(part)), values, bottom=bottom, color=color, label=col.split("_")[0])
-            bottom = values if bottom is None else bottom + values
-        ax.set_xticks(range(len(part)), labels, rotation=90, fontsize=6)
-        ax.set(title=f"{model}: {int(part.ranks.iloc[0])} GPUs, {part.mem_gb.iloc[0]:g} GB MoE budget",
-               ylabel="ms per MoE layer per iteration")
-    axes[0][0].legend(loc="upper left")
-    fig.suptitle("MoE-layer time (simulated): LRMoE against SYMI and baselines, across routing skew")
+    """MoE-layer time per iteration of each main system as a ratio to SYMI-dropless in the same cell (model, GPUs,
+    memory budget, skew), with the sensitivity band of the headline's systems (GEMM efficiency, half-efficiency rows,
+    link bandwidth, micro-batches) as an error bar; one panel per model and GPU count at the budget where most
+    cells fit; skews ordered by their measured per-rank imbalance."""
+    data = _skew_labels(records(path))
+    data = data[data.fits.astype(bool) & data.get("time_ms_per_layer", pd.Series(dtype=float)).notna()]
+    if data.empty:
+        raise ValueError(f"{path}: no simulated cell fits in memory")
+    mem_gb = ablation_slice(path).mem_gb.iloc[0]
+    data = data[data.mem_gb == mem_gb]
+    keys = ["model", "ranks", "skew_label"]
+    ref = data[data.system == "symi-dropless"].set_index(keys)["time_ms_per_layer"].rename("ref")
+    data = data[data.system.isin(MAIN_SYSTEMS) & (data.system != "symi-dropless")].join(ref, on=keys)
+    data = data[data.ref.notna()]
+    order = "trace_rank_max_over_mean" if "trace_rank_max_over_mean" in data else "skew"
+    rows = []
+    for r in data.itertuples():
+        lo, hi = getattr(r, "vs_symi_dropless_lo", float("nan")), getattr(r, "vs_symi_dropless_hi", float("nan"))
+        rows.append({"model": r.model, "ranks": int(r.ranks), "skew_label": r.skew_label,
+                     "measured": float(getattr(r, order)), "system": r.system,
+                     "ratio": r.time_ms_per_layer / r.ref, "lo": lo, "hi": hi})
+    table = pd.DataFrame(rows)
+    panels = list(dict.fromkeys(zip(table.model, table.ranks)))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.5), squeeze=False, sharey=True)
+    colors = style.palette(MAIN_SYSTEMS)
+    systems = [s for s in MAIN_SYSTEMS if s in set(table.system)]
+    width = 0.8 / max(len(systems), 1)
+    for ax, (model, ranks) in zip(axes[0], panels):
+        part = table[(table.model == model) & (table.ranks == ranks)]
+        skews = part.groupby("skew_label").measured.first().sort_values().index.tolist()
+        for j, system in enumerate(systems):
+            rows_ = part[part.system == system].set_index("skew_label").reindex(skews)
+            x = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(skews))]
+            has = rows_.lo.notna() & rows_.hi.notna()
+            err = [(rows_.ratio - rows_.lo).where(has, 0.0).tolist(), (rows_.hi - rows_.ratio).where(has, 0.0).tolist()]
+            ax.errorbar(x, rows_.ratio.tolist(), yerr=err, fmt="o", ms=5, capsize=3, color=colors[system],
+                        label=style.SYSTEM_LABELS.get(system, system))
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        measured = order == "trace_rank_max_over_mean"  # older records: the generator's parameter only
+        labels = [f"{k}\n{part[part.skew_label == k].measured.iloc[0]:.2f}" if measured else k for k in skews]
+        ax.set_xticks(range(len(skews)), labels, fontsize=8)
+        ax.set(title=f"{model}, {ranks} GPUs, {mem_gb:g} GB", ylabel="time / SYMI-dropless",
+               xlabel="skew (generator), measured per-rank max/mean" if measured else "skew (generator)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.suptitle("MoE-layer time relative to SYMI-dropless (simulated); bars: sensitivity band")
     fig.tight_layout()
-    return fig, data
+    return fig, table
 
 
 def ablation_waterfall(path: str | Path, model: str | None = None):
-    """From SYMI-dropless to LRMoE at the highest skew, on the most memory-constrained setting where both fit
-    (fewest GPUs, then smallest budget): what each LRMoE component saves (the time of LRMoE minus that component,
-    less LRMoE's), and the rest (placement and forward routing differences, and the overlap of components that
-    only pay off together: compaction saves bytes only where quotas trim, so their savings double-count)."""
-    data = records(path)
+    """From SYMI-dropless to LRMoE at the highest measured skew, on the most memory-constrained setting where both
+    fit (fewest GPUs, then smallest budget), in two panels. Left, a waterfall that adds up exactly: LRMoE's
+    difference from SYMI-dropless in each category of time (forward compute, backward compute, communication,
+    sync, overheads), every bar named for what it is. Right, what each LRMoE component is worth on its own: the
+    time LRMoE loses without it (LRMoE minus that component, less LRMoE); these are not additive (compaction saves
+    bytes only where the quotas trim) and so are not stacked."""
+    data = _skew_labels(records(path))
     data = data[data.fits.astype(bool)]
     model = model or data.model.iloc[0]
     data = data[data.model == model]
@@ -141,31 +175,42 @@ def ablation_waterfall(path: str | Path, model: str | None = None):
         raise ValueError(f"{path}: no setting where LRMoE and SYMI-dropless both fit for {model}")
     ranks, mem_gb = both[both].index.min()
     data = data[(data.ranks == ranks) & (data.mem_gb == mem_gb)]
-    cell = data[data["skew"] == data["skew"].max()]
-    time = cell.set_index("system")["time_ms_per_layer"]
-    steps = [("SYMI-dropless", float(time["symi-dropless"]))]
-    saved = 0.0
-    for system, label in COMPONENTS.items():
-        if system in time:
-            delta = float(time[system] - time["lrmoe"])
-            steps.append((label, -delta))
-            saved += delta
-    steps.append(("rest", float(time["lrmoe"] - time["symi-dropless"]) + saved))
-    steps.append(("LRMoE", float(time["lrmoe"])))
-    table = pd.DataFrame(steps, columns=["step", "ms"])
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+    measure = "trace_rank_max_over_mean" if "trace_rank_max_over_mean" in data else "skew"
+    cells = data[data.system.isin(["lrmoe", "symi-dropless"])].groupby("skew_label").system.nunique()
+    data = data[data.skew_label.isin(cells[cells == 2].index)]
+    top = data.sort_values(measure).skew_label.iloc[-1]
+    cell = data[data.skew_label == top].set_index("system")
+    cats = [c for c in ("forward", "backward", "communication", "sync", "overhead")
+            if f"{c}_ms_per_layer" in cell and cell[f"{c}_ms_per_layer"].notna().all()]
+    sym, lr = cell.loc["symi-dropless"], cell.loc["lrmoe"]
+    steps = [("SYMI-dropless", "total", float(sym.time_ms_per_layer))]
+    steps += [(c, "category", float(lr[f"{c}_ms_per_layer"] - sym[f"{c}_ms_per_layer"])) for c in cats]
+    steps.append(("LRMoE", "total", float(lr.time_ms_per_layer)))
+    parts = [(label, "component", float(cell.loc[system, "time_ms_per_layer"] - lr.time_ms_per_layer))
+             for system, label in COMPONENTS.items() if system in cell.index]
+    table = pd.DataFrame(steps + parts, columns=["step", "kind", "ms"])
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [3, 2]})
     level = 0.0
-    for i, (label, value) in enumerate(steps):
-        if i in (0, len(steps) - 1):
+    for i, (label, kind, value) in enumerate(steps):
+        if kind == "total":
             ax.bar(i, value, color="#1f77b4" if i == 0 else "#d62728")
             level = value
         else:
             ax.bar(i, value, bottom=level, color="#2ca02c" if value < 0 else "#ff7f0e")
+            ax.annotate(f"{value:+.1f}", (i, level + max(value, 0.0)), ha="center", va="bottom", fontsize=7)
             level += value
-    ax.set_xticks(range(len(steps)), [s for s, _ in steps], rotation=30, ha="right")
-    ax.set(ylabel="ms per MoE layer per iteration",
-           title=f"Ablation waterfall, {model}, {ranks} GPUs, {mem_gb:g} GB, Zipf s={cell['skew'].iloc[0]:g} "
-                 "(simulated)")
+    ax.set_xticks(range(len(steps)), [s for s, _, _ in steps], rotation=30, ha="right")
+    ax.set(ylabel="ms per MoE layer per iteration", title="LRMoE - SYMI-dropless, by category (adds up)")
+    if parts:
+        bx.barh([p for p, _, _ in parts], [v for _, _, v in parts],
+                color=["#ff7f0e" if v > 0 else "#2ca02c" for _, _, v in parts])
+        bx.axvline(0.0, color="grey", lw=0.8)
+        bx.set(xlabel="ms LRMoE loses without it", title="each component alone (not additive)")
+    else:
+        bx.set_axis_off()
+        bx.text(0.5, 0.5, "LRMoE's components were not simulated here", ha="center", va="center",
+                transform=bx.transAxes)
+    fig.suptitle(f"{model}, {ranks} GPUs, {mem_gb:g} GB, {top} (simulated)")
     fig.tight_layout()
     return fig, table
 
