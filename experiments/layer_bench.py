@@ -48,6 +48,7 @@ from lrmoe.sync_model import REPLICA_GRAD_MODES
 from lrmoe.layout import BACKWARD_PHASES, BYTE_PHASES, FORWARD_PHASES, PHASES, STEP_PHASES
 from lrmoe.distributed.replica import RangeGroups
 from lrmoe.layer import EPMoELayer, initial_placement
+from lrmoe.memory import footprint
 from lrmoe.placement import MemoryModel
 from lrmoe.plan import LayerPlan, no_flows
 from lrmoe.reference import ReferenceMoE
@@ -161,14 +162,13 @@ class FullGradient:
 
 def memory_model(base: int, spare: int, tokens: int, top_k: int, hidden: int, ffn: int, elem: int,
                  buffer_load: float) -> MemoryModel:
-    """The per-rank budget every policy gets: base + spare slots (weights and gradients) plus the counted buffers
-    (forward token buffers 6D + 3F and backward packets 4D per pair, see lrmoe.distributed.accounting) of a load of
-    ceil(buffer_load · mean) pairs."""
-    slot_bytes = 2 * 3 * hidden * ffn * elem
-    pair_bytes = (10 * hidden + 3 * ffn) * elem
+    """The per-rank budget every policy gets, in the one memory model (lrmoe.memory, the simulator's too): base +
+    spare slots (weights and gradients) beside the buffers of a rank computing ceil(buffer_load · mean) pairs and
+    sending its own mean load (saved activations, and the larger of the forward and backward in-flight buffers)."""
+    fp = footprint(hidden, ffn, elem)
     planned = math.ceil(buffer_load * tokens * top_k - 1e-9)
-    return MemoryModel(budget_bytes=(base + spare) * slot_bytes + planned * pair_bytes, slot_bytes=slot_bytes,
-                       pair_bytes=pair_bytes)
+    budget = float(MemoryModel.for_model(fp, 1.0).peak_bytes(base + spare, planned, tokens * top_k))
+    return MemoryModel.for_model(fp, budget)
 
 
 def buffer_load(args) -> float:
