@@ -2,6 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -12,42 +17,76 @@
 # # Memory pressure: replicas against token buffers
 #
 # Replicating hot experts (SYMI) costs each replica its weights and gradients. On a memory-constrained node that
-# memory competes with the token buffers (dispatch / combine rows, saved activations), so as the budget shrinks
-# fewer replicas fit and the imbalance stays. LRMoE bounds the *backward* buffers by its retention quotas, so the
-# same budget holds more replica slots, or the same slots with less memory.
+# memory competes with the token buffers and saved activations, so as the budget shrinks fewer replicas fit and
+# the imbalance stays.
 #
-# Here the simulator (`experiments/ablate.py`: the real planner, the cost model's memory accounting) sweeps the
-# per-rank memory budget of the MoE layers, for Qwen3-30B-A3B on 8 A100-class GPUs at high skew, and shows for
-# SYMI and LRMoE: slots per rank, peak memory, imbalance, time and whether the layers still fit.
+# Every number here comes from **one memory model** (`lrmoe.memory`), the one the planners size their replica
+# slots with and the one the simulator checks for out-of-memory: each buffer counted once (the received input row
+# *is* the saved input), in-flight exchange buffers for the layer in flight only, saved activations for every
+# layer, weights and gradients per allocated slot. Every dropless system sizes its slots by the same rule: buffers
+# for its own planned peak load (its plans of the warm-up iteration), never a constant per system.
+#
+# The simulator (`experiments/ablate.py`: the real planner, the cost model) then sweeps the per-rank memory budget
+# of the MoE layers, for Qwen3-30B-A3B on 8 A100-class GPUs at high skew, and shows for SYMI and LRMoE: slots per
+# rank, peak memory, imbalance, time and whether the layers still fit.
 
 # %%
 import os
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import pandas as pd
 import seaborn as sns
 
 ROOT = Path.cwd().resolve().parent if Path.cwd().name == "notebooks" else Path.cwd().resolve()
+from lrmoe.config import cluster_preset, model_preset
 from lrmoe.experiments import ablate
 from lrmoe.paper_figures import figures
 from lrmoe.paper_figures import style
+from lrmoe.sim.cost import CostModel
 
 # %matplotlib inline
 
 QUICK = os.environ.get("LRMOE_NOTEBOOK_QUICK") == "1"
 OUT = Path(os.environ.get("LRMOE_NOTEBOOK_OUT", ROOT / "outputs" / "notebooks"))
+
+# %% [markdown]
+# ## The memory model, term by term (Qwen3-30B-A3B, bf16)
+#
+# Bytes per unit of each buffer, and what a rank holds when it computes the mean load of 4096 tokens x top-8 in
+# every one of the 48 MoE layers with its 16 home slots. The planner's `MemoryModel` and the simulator's accounting
+# are the same object (`CostModel.memory_model()`).
+
+# %%
+model, cluster = model_preset("qwen3-30b-a3b"), cluster_preset("a100-40gb-x8")
+cm = CostModel(model, cluster)
+fp, mm = cm.footprint, cm.memory_model()
+display(pd.DataFrame({"bytes": vars(fp)}).T)  # noqa: F821 - IPython's display
+pairs = 4096 * model.top_k
+resident = {"slots (16, weights + gradients)": 16 * fp.slot * mm.num_layers,
+            "saved at the expert (input row, gate, up, h)": pairs * fp.expert_pair * mm.num_layers,
+            "saved at home (the combine's output rows)": pairs * fp.home_pair * mm.num_layers}
+peak = float(mm.peak_bytes(16, pairs, pairs))
+resident["in flight (one layer)"] = peak - sum(resident.values())
+pd.Series(resident).div(1e9).round(2).rename("GB per rank").to_frame().assign(of_budget=lambda d: d["GB per rank"]
+                                                                                / (mm.budget_bytes / 1e9))
+
+# %% [markdown]
+# ## Shrinking the budget
+
+# %%
 BUDGETS = ["80", "40", "30"] if QUICK else ["120", "80", "60", "40", "30", "25"]
 path = OUT / "memory_pressure.jsonl"
-ablate.main(["--models", "qwen3-30b-a3b", "--ranks", "8", "--skews", "0.8", "--mem-gb", *BUDGETS,
-             "--steps", "3" if QUICK else "10", "--layers", "2" if QUICK else "8",
+ablate.main(["--models", "qwen3-30b-a3b", "--ranks", "8", "--skews", "zipf:0.8", "--mem-gb", *BUDGETS,
+             "--steps", "2" if QUICK else "3", *(["--layers", "2", "--no-band"] if QUICK else []),
              "--systems", "symi-cf1", "symi-dropless", "lrmoe", "lrmoe-no-quotas", "static-ep",
              "--out", str(path), "--no-wandb", "--overwrite"])
 style.apply()
 
 # %%
 data = figures.records(path)
-cols = ["mem_gb", "system", "fits", "slots_per_rank", "peak_mem_gb", "fwd_imbalance", "rho", "time_ms_per_layer",
-        "drop_rate", "note"]
+cols = ["mem_gb", "system", "fits", "slots_per_rank", "peak_mem_gb", "planned_headroom_symi", "planned_headroom_lrmoe",
+        "fwd_imbalance", "rho", "time_ms_per_layer", "drop_rate", "note"]
 data[[c for c in cols if c in data]].sort_values(["mem_gb", "system"], ascending=[False, True]).round(3)
 
 # %%
@@ -60,6 +99,8 @@ for ax, col, label in zip(axes, ["slots_per_rank", "peak_mem_gb", "time_ms_per_l
                  legend=col == "time_ms_per_layer")
     ax.set(xlabel="MoE memory budget per rank (GB)", ylabel=label)
     ax.invert_xaxis()
-fig.suptitle("Shrinking memory: replicas vs token buffers (Qwen3-30B-A3B, 8 GPUs, Zipf s = 0.8, simulated)")
+skew = data.iloc[0]
+fig.suptitle(f"Shrinking memory: replicas vs token buffers (Qwen3-30B-A3B, 8 GPUs, {skew.skew_label}: per-rank "
+             f"max/mean {skew.trace_rank_max_over_mean:.2f}, simulated)")
 fig.tight_layout()
 plt.show()
