@@ -81,7 +81,8 @@ def time_to_loss(steps, times, val_loss, target: float) -> tuple[float, float]:
 
 
 def per_run(curves: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
-    """One row per (policy, seed): final validation loss, its gap to the baseline of the same seed (%), and the
+    """One row per (policy, seed): final validation loss, its gap to the baseline of the same seed (%), how much
+    the validation loss still fell over the last 20 % of the steps (%: near 0 once the curve has flattened), and the
     run's mean hottest-rank backward cut, drop rate and modelled time per step."""
     val = curves.dropna(subset=["val_loss"]).sort_values("step")
     final = val.groupby(["policy", "seed"], sort=False).val_loss.last()
@@ -89,9 +90,12 @@ def per_run(curves: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     for (policy, seed), group in curves.groupby(["policy", "seed"], sort=False):
         base = final.get((baseline, seed), np.nan)
         loss = float(final.get((policy, seed), np.nan))
+        v = val[(val.policy == policy) & (val.seed == seed)]
+        at_80 = loss_at_step(v.step, v.val_loss, 0.8 * int(group.step.max()))
         rows.append({
             "policy": policy, "seed": int(seed), "steps": int(group.step.max()), "val_loss": loss,
             "gap_pct": 100 * (loss / base - 1) if base == base else np.nan,
+            "last20_drop_pct": 100 * (1 - loss / at_80) if at_80 == at_80 else np.nan,
             "hot_rank_bwd_cut_pct": 100 * float(group.hot_rank_bwd_cut.mean()),
             "bwd_max_over_mean": float((group.bwd_pairs_max / group.fwd_pairs_mean).mean()),
             "dropped_pct": 100 * float(group.dropped_frac.mean()),
@@ -112,6 +116,7 @@ def summarise(curves: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
             "val_loss": loss["mean"], "val_loss_std": loss["std"], "val_loss_min": loss["min"],
             "val_loss_max": loss["max"], "gap_pct": gap["mean"], "gap_pct_std": gap["std"],
             "gap_pct_min": gap["min"], "gap_pct_max": gap["max"],
+            "last20_drop_pct": float(group.last20_drop_pct.mean()),
             "hot_rank_bwd_cut_pct": float(group.hot_rank_bwd_cut_pct.mean()),
             "bwd_max_over_mean": float(group.bwd_max_over_mean.mean()),
             "dropped_pct": float(group.dropped_pct.mean()),
@@ -161,8 +166,8 @@ def train_argv(args, policy: str, seed: int, results: Path) -> list[str]:
             "--eps", str(args.lrmoe_eps), "--aux-coef", str(args.aux_coef),
             "--ckpt-dir", str(folder / "checkpoints" / policy), "--ckpt-every", str(args.ckpt_every),
             "--out", str(results), "--trace-out", str(folder / f"trace_{policy}.npz"),
-            *(["--resume"] if results.exists() or args.resume else []),
-            *(["--overwrite"] if args.overwrite else []), "--no-wandb", *(["--quiet"] if args.quiet else [])]
+            *(["--overwrite"] if args.overwrite else ["--resume"] if results.exists() or args.resume else []),
+            "--no-wandb", *(["--quiet"] if args.quiet else [])]
 
 
 def parse_args(argv=None):
@@ -248,7 +253,7 @@ def main(argv=None) -> pd.DataFrame:
         print(reach.to_markdown(index=False, floatfmt=".3f"))
         print(f"\nFinal validation loss over seeds {args.seeds}; gap to dropless static EP seed by seed (%)\n")
         print(table[["policy", "seeds", "steps", "val_loss", "val_loss_std", "gap_pct", "gap_pct_min", "gap_pct_max",
-                     "hot_rank_bwd_cut_pct", "dropped_pct", "modelled_ms_per_step"]]
+                     "last20_drop_pct", "hot_rank_bwd_cut_pct", "dropped_pct", "modelled_ms_per_step"]]
               .to_markdown(index=False, floatfmt=".3f"))
         print(f"results: {out}; figure: {figure[0]}; recorded traces in {work}")
         (work / "summary.json").write_text(json.dumps(table.to_dict("records"), indent=1))

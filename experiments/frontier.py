@@ -156,12 +156,18 @@ def headline_text(h: dict) -> str:
     return "\n".join(lines)
 
 
-def modelled_times(policies: list[str], args) -> tuple[dict[str, float], list[dict]]:
+def modelled_times(policies: list[str], args, known: list[dict] = ()) -> tuple[dict[str, float], list[dict]]:
     """Modelled paper-scale MoE time per iteration (ms, all layers) of each system, on one synthetic trace, with the
-    fair-memory context the ablation sweep uses (per-layer budget, memory-sized SYMI slots)."""
+    fair-memory context the ablation sweep uses (per-layer budget, memory-sized SYMI slots). ``known``: rows of an
+    earlier run's "simulated" table; those at the same scale are reused instead of simulated again."""
     m, c = model_preset(args.model), cluster_preset(args.cluster, args.nodes)
     layers = min(args.layers or m.num_moe_layers, m.num_moe_layers)
     budget = (args.mem_gb * 1e9 if args.mem_gb else c.mem_budget_bytes) / m.num_moe_layers
+    scale = {"model": m.name, "cluster": c.name, "ranks": c.num_ranks, "nodes": c.num_nodes, "skew": args.skew,
+             "tokens_per_rank": args.tokens_per_rank, "layers_simulated": layers, "sim_steps": args.sim_steps,
+             "micro_batches": args.micro_batches, "mem_gb": budget * m.num_moe_layers / 1e9, "eps": args.eps,
+             "gamma": args.gamma, "symi_headroom": args.symi_headroom, "sim_seed": args.sim_seed}
+    reuse = {r["policy"]: r for r in known if all(r.get(k) == v for k, v in scale.items())}
     cm = CostModel(m, c, mem_budget_bytes=budget)
     ctx = SystemContext(num_experts=m.num_experts, num_ranks=c.num_ranks, spare_slots=m.num_experts // c.num_ranks,
                         eps=args.eps, gamma=args.gamma, memory=MemoryModel(budget, cm.slot_bytes, cm.pair_bytes),
@@ -170,10 +176,14 @@ def modelled_times(policies: list[str], args) -> tuple[dict[str, float], list[di
                            skew="zipf", skew_param=args.skew, seed=args.sim_seed, model=m.name)
     twins = plan_twins(policies)  # variants with the same plans (metric, selection) are simulated once
     times, rows = {}, []
-    with tqdm(total=sum(p not in twins for p in policies) * args.sim_steps * layers, desc="layer-steps",
-              disable=None, mininterval=1.0) as bar:
+    todo = [p for p in policies if p not in twins and p not in reuse]
+    with tqdm(total=len(todo) * args.sim_steps * layers, desc="layer-steps", disable=None, mininterval=1.0) as bar:
         for policy in policies:
             if policy in twins:
+                continue
+            if policy in reuse:
+                times[policy] = reuse[policy]["iter_ms"]
+                rows.append({k: v for k, v in reuse[policy].items() if k not in ("kind", "run_id", "table", "step")})
                 continue
             spec = get_system(policy)
             res = simulate(trace.counts_SLNE, spec.simulator_system(ctx), m, c,
@@ -183,14 +193,11 @@ def modelled_times(policies: list[str], args) -> tuple[dict[str, float], list[di
             times[policy] = 1e3 * s["time_s"] * m.num_moe_layers / layers
             rows.append({"policy": policy, "iter_ms": times[policy], "oom": s["oom"], "drop_rate": s["drop_rate"],
                          "bwd_max_over_mean_fwd": s["rho"], "fwd_imbalance": s["fwd_imbalance"],
-                         "slots_per_rank": s["slots_per_rank"], "note": spec.note(ctx)})
+                         "slots_per_rank": s["slots_per_rank"], "note": spec.note(ctx), **scale})
     for policy, twin in twins.items():
         if policy in policies:
             times[policy] = times[twin]
-    scale = {"model": m.name, "cluster": c.name, "ranks": c.num_ranks, "nodes": c.num_nodes, "skew": args.skew,
-             "tokens_per_rank": args.tokens_per_rank, "layers_simulated": layers, "sim_steps": args.sim_steps,
-             "micro_batches": args.micro_batches, "mem_gb": budget * m.num_moe_layers / 1e9}
-    return times, [{**r, **scale} for r in rows]
+    return times, rows
 
 
 def point_color(row) -> tuple | str:
@@ -282,6 +289,8 @@ def parse_args(argv=None):
     parser.add_argument("--gamma", type=float, default=0.1)
     parser.add_argument("--symi-headroom", type=float, default=1.5)
     parser.add_argument("--sim-seed", type=int, default=0)
+    parser.add_argument("--sim-from", default=None,
+                        help="an earlier frontier results file: reuse its simulated times at the same scale")
     parser.add_argument("--quick", action="store_true", help="4 simulated layers, 2 iterations")
     add_tracking_args(parser, "outputs/frontier.jsonl")
     args = parser.parse_args(argv)
@@ -300,7 +309,8 @@ def main(argv=None) -> pd.DataFrame:
     policies = list(dict.fromkeys(curves.policy))
     with Tracker("frontier", vars(args), results=args.out, seed=args.sim_seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
-        times, sim_rows = modelled_times(policies, args)
+        known = [r for r in read_results(args.sim_from) if r.get("table") == "simulated"] if args.sim_from else []
+        times, sim_rows = modelled_times(policies, args, known)
         runs = per_run(curves)
         table = frontier_table(summarise(curves), time_to_reach(curves, args.target_step), times)
         h = headline(table, args.max_gap_pct, runs)
@@ -315,8 +325,8 @@ def main(argv=None) -> pd.DataFrame:
                          "simulated": sim_rows[0] if sim_rows else {}})
         figure = run.log_figure("frontier", plot(table, h, args, sim_rows[0]))
         cols = ["policy", "rho", "selection", "seeds", "val_loss", "val_loss_std", "gap_pct", "gap_pct_min",
-                "gap_pct_max", "hot_rank_bwd_cut_pct", "dropped_pct", "iter_ms", "time_vs_dropless", "time_vs_cf1",
-                "step_to_reach", "time_to_reach_vs_dropless"]
+                "gap_pct_max", "last20_drop_pct", "hot_rank_bwd_cut_pct", "dropped_pct", "iter_ms", "time_vs_dropless",
+                "time_vs_cf1", "step_to_reach", "time_to_reach_vs_dropless"]
         print("Time (paper-scale simulator) against loss (CPU training of the debug model): two scales\n")
         print(table[cols].sort_values("time_vs_dropless").to_markdown(index=False, floatfmt=".3f"))
         print()

@@ -166,3 +166,15 @@ def test_frontier_script_writes_its_table_figure_and_headline(tmp_path):
     assert "headline" in summary and "simulator" in summary["scales"] and "CPU" in summary["scales"]
     assert (tmp_path / "frontier_frontier.png").exists() and (tmp_path / "frontier_frontier.pdf").exists()
     assert "Two scales" in (tmp_path / "frontier.md").read_text()
+    # a second run reuses the first one's simulated times at the same scale (and simulates nothing new)
+    again = tmp_path / "again.jsonl"
+    frontier.main(["--convergence", str(conv), "--out", str(again), "--no-wandb", "--layers", "1", "--sim-steps", "2",
+                   "--sim-from", str(out)])
+    first = {r["policy"]: r["iter_ms"] for r in rows}
+    assert {r["policy"]: r["iter_ms"] for r in read_results(again) if "table" not in r} == first
+
+
+def test_last20_drop_says_how_much_the_curve_still_fell_in_the_last_fifth():
+    # every run falls 0.1 per step: from final + 0.2 at step 8 to final at step 10
+    table = convergence.summarise(curves({"static-ep": [2.0, 2.0]})).set_index("policy")
+    assert table.loc["static-ep", "last20_drop_pct"] == pytest.approx(100 * (1 - 2.0 / 2.2))
