@@ -5,11 +5,23 @@ next placement); everything else is data-parallel (gradients all-reduced, AdamW)
 forward routing and what the backward keeps. Each rank draws its own batches from a generator seeded by
 (seed, rank), so every policy sees the same data in the same order.
 
+Two architectures run the same loop (data, systems, checkpoints, --resume, records, trace):
+
+* lrmoe's own transformer (lrmoe.model) of --preset, the default;
+* --hf-config qwen3 | glm | PRESET: Hugging Face transformers' Qwen3-MoE or GLM-4.5 (glm4_moe) model of a preset's
+  shape (qwen3: qwen3-30b-a3b-debug, glm: glm-4.5-air-debug; lrmoe.hf.hf_config), its sparse MoE blocks swapped
+  onto the expert-parallel layer (lrmoe.hf.swap_moe_blocks; HF's routers, attention and shared experts stay HF's).
+  Qwen3 adds --aux-coef times HF's load-balancing loss (of each rank's own tokens); GLM balances with its
+  selection bias (--bias-rate). Needs the [hf] extra (transformers).
+
     python experiments/train.py --preset qwen3-30b-a3b-debug --policy lrmoe --ranks 4 --steps 200
+    python experiments/train.py --hf-config glm --policy symi-dropless --ranks 4 --steps 200
     torchrun --nproc-per-node 4 experiments/train.py --torchrun --policy symi-dropless ...
 
 Logged per step: loss, validation loss (every --eval-every), dropped pairs, retained backward pairs per rank,
-throughput, and the per-layer routing counts, saved as a recorded trace. Checkpoints every --ckpt-every steps;
+throughput, modelled time (--cost-model), load statistics (lrmoe.load_stats: "load/<key>_mean|_p50|_p90|_p99"
+across layers and the dropped / trimmed totals every step; each layer's "load/layer<i>/<key>" every --eval-every
+steps), and the per-layer routing counts, saved as a recorded trace. Checkpoints every --ckpt-every steps;
 --resume continues from the latest checkpoint exactly where it stopped.
 """
 
@@ -23,12 +35,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from lrmoe.config import cluster_preset, model_preset
+from lrmoe.config import MoEConfig, cluster_preset, model_preset
 from lrmoe.data import get_batch, list_files, load_corpus
 from lrmoe.distributed.replica import AdamConfig, RangeGroups
 from lrmoe.layer import EPMoELayer, initial_placement
+from lrmoe.load_stats import flat_log, load_stats
 from lrmoe.model import MoETransformer
+from lrmoe.plan import LayerPlan
 from lrmoe.reference import ReferenceMoE
 from lrmoe.routing import update_expert_bias
 from lrmoe.sync_model import REPLICA_GRAD_MODES
@@ -36,46 +51,15 @@ from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, 
 from lrmoe.tracking import add_tracking_args
 from lrmoe.traces import Trace
 
+DEFAULT_PRESET = "qwen3-30b-a3b-debug"
+HF_CONFIGS = {"qwen3": "qwen3-30b-a3b-debug", "glm": "glm-4.5-air-debug"}  # --hf-config shorthands
+
+
 def system_context(args, cfg, world: int) -> SystemContext:
     """The facts the system's policy is built from: SYMI and LRMoE get the same memory, E/N home slots plus
     ``--extra-slots`` per rank."""
     return SystemContext(num_experts=cfg.num_experts, num_ranks=world, spare_slots=args.extra_slots, eps=args.eps,
                          gamma=args.gamma, pairs_per_rank=args.batch * args.seq_len * cfg.top_k)
-
-
-def build(args, rank: int, world: int, device: torch.device):
-    cfg = model_preset(args.preset)
-    cfg.check_divisible(world)
-    groups = RangeGroups()
-    layers = []
-    system = get_system(args.policy)
-    ctx = system_context(args, cfg, world)
-
-    def moe_factory(i: int):
-        weights = ReferenceMoE.from_config(cfg, seed=args.seed * 1000 + i).export_weights()
-        policy = system.make_policy(ctx)
-        placement = initial_placement(policy, world, cfg.num_experts, args.batch * cfg.seq_len * cfg.top_k)
-        layer = EPMoELayer(weights, cfg.top_k, cfg.router, policy, placement, groups,
-                           routed_scaling=cfg.routed_scaling, adam=AdamConfig(lr=args.lr, weight_decay=0.0),
-                           device=device, backward=system.layer_backward(args.seed * 1000 + i),
-                           replica_grad=args.replica_grad)
-        layers.append(layer)
-        return layer
-
-    model = MoETransformer(cfg, moe_factory, seed=args.seed).to(device)
-    if args.cost_model:
-        # modelled time: this run's plans priced as if every pair were a full-size pair of the model family
-        # (the preset without "-debug", with this run's experts and top-k) on a node of the cluster preset
-        from lrmoe.sim.cost import CostModel
-
-        full = model_preset(args.preset.removesuffix("-debug")).replace(num_experts=cfg.num_experts,
-                                                                          top_k=cfg.top_k)
-        cluster = cluster_preset(args.cost_model).replace(num_ranks=world, ranks_per_node=world)
-        model.cost_model = CostModel(full, cluster)
-    expert_params = {id(layer.store.slots_SP) for layer in layers}
-    dense = [p for p in model.parameters() if id(p) not in expert_params]
-    opt = torch.optim.AdamW(dense, lr=args.lr, weight_decay=0.0)
-    return cfg, model, layers, dense, opt
 
 
 def all_reduce_mean_(tensors: list[torch.Tensor], world: int) -> None:
@@ -90,37 +74,184 @@ def all_reduce_mean_(tensors: list[torch.Tensor], world: int) -> None:
         offset += t.numel()
 
 
-def evaluate(model, layers, data, args, world: int) -> float:
-    """Mean validation loss over fixed batches (the same for every policy); leaves the layers' state as it was."""
-    saved = [(layer.prev_counts_E, layer.last_dispatch) for layer in layers]
-    gen = torch.Generator().manual_seed(10_000 + dist.get_rank())
-    device = next(model.parameters()).device
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    with torch.no_grad():
-        for _ in range(args.eval_batches):
-            for layer, (prev, last) in zip(layers, saved):
+# -- the two architectures behind one interface ----------------------------------------------------------------------
+# Each builds its model and optimizers on every rank and offers: train_step(x, y) -> (this rank's loss, the MoE
+# layers' plans, routed counts [L, N, E]); eval_loss(x, y) (no planning state advanced); state_dict() /
+# load_state_dict() (this rank's checkpoint; collective where the model's state dict is).
+class NativeModel:
+    """lrmoe's own transformer (lrmoe.model.MoETransformer) with an EPMoELayer per MoE layer."""
+
+    architecture = "lrmoe"
+
+    def __init__(self, args, cfg: MoEConfig, world: int, device: torch.device):
+        self.args, self.cfg, self.world, self.device = args, cfg, world, device
+        groups = RangeGroups()
+        system = get_system(args.policy)
+        ctx = system_context(args, cfg, world)
+        self.layers: list[EPMoELayer] = []
+
+        def moe_factory(i: int):
+            weights = ReferenceMoE.from_config(cfg, seed=args.seed * 1000 + i).export_weights()
+            policy = system.make_policy(ctx)
+            placement = initial_placement(policy, world, cfg.num_experts, args.batch * cfg.seq_len * cfg.top_k)
+            layer = EPMoELayer(weights, cfg.top_k, cfg.router, policy, placement, groups,
+                               routed_scaling=cfg.routed_scaling, adam=AdamConfig(lr=args.lr, weight_decay=0.0),
+                               device=device, backward=system.layer_backward(args.seed * 1000 + i),
+                               replica_grad=args.replica_grad)
+            self.layers.append(layer)
+            return layer
+
+        self.model = MoETransformer(cfg, moe_factory, seed=args.seed).to(device)
+        expert_params = {id(layer.store.slots_SP) for layer in self.layers}
+        self.dense = [p for p in self.model.parameters() if id(p) not in expert_params]
+        self.opt = torch.optim.AdamW(self.dense, lr=args.lr, weight_decay=0.0)
+
+    def train_step(self, x, y) -> tuple[torch.Tensor, list[LayerPlan], torch.Tensor]:
+        _, infos, loss, total = self.model(x, y, aux_coef=self.args.aux_coef)
+        self.opt.zero_grad(set_to_none=False)
+        for layer in self.layers:
+            layer.store.slots_SP.grad = None
+        total.backward()
+        all_reduce_mean_([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense], self.world)
+        self.opt.step()
+        for layer in self.layers:
+            layer.expert_step(grad_scale=1.0 / self.world)
+            if self.cfg.router == "sigmoid_bias":  # GLM-4.5: aux-loss-free balancing of the selection bias
+                layer.bias_E.copy_(update_expert_bias(layer.bias_E, layer.prev_counts_E.to(self.device),
+                                                      self.args.bias_rate))
+        plans = [info.dispatch.plan for info in infos]
+        return loss.detach(), plans, torch.stack([info.dispatch.counts_NE for info in infos])
+
+    @torch.no_grad()
+    def eval_loss(self, x, y) -> torch.Tensor:
+        saved = [(layer.prev_counts_E, layer.last_dispatch) for layer in self.layers]
+        try:
+            return self.model(x, y)[2]
+        finally:  # an evaluation forward leaves the layers' planning state as it was
+            for layer, (prev, last) in zip(self.layers, saved):
                 layer.prev_counts_E, layer.last_dispatch = prev, last
-            x, y = get_batch(data, args.batch, args.seq_len, gen)
-            total += model(x.to(device), y.to(device))[2].double()
-    for layer, (prev, last) in zip(layers, saved):
-        layer.prev_counts_E, layer.last_dispatch = prev, last
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                "layers": [{"placement_NS": layer.store.placement_NS, "adam_steps": layer.store.adam_steps,
+                            "prev_counts_E": layer.prev_counts_E,
+                            "bwd_generator": None if layer.bwd_generator is None else layer.bwd_generator.get_state()}
+                           for layer in self.layers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for layer, saved in zip(self.layers, state["layers"]):
+            layer.store.placement_NS = saved["placement_NS"].clone()
+            layer.store.adam_steps = saved["adam_steps"]
+            layer.prev_counts_E = saved["prev_counts_E"]
+            if layer.bwd_generator is not None:
+                layer.bwd_generator.set_state(saved["bwd_generator"])
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+
+
+class HFModel:
+    """Hugging Face transformers' Qwen3-MoE or GLM-4.5 model of the preset's shape, its sparse MoE blocks on the
+    expert-parallel layer; :class:`lrmoe.hf.HFExpertParallel` holds the training-loop contract."""
+
+    def __init__(self, args, cfg: MoEConfig, world: int, device: torch.device):
+        from transformers import AutoModelForCausalLM
+
+        from lrmoe.hf import hf_config, swap_moe_blocks
+
+        self.device = device
+        torch.manual_seed(args.seed)  # the same initial weights on every rank
+        self.model = AutoModelForCausalLM.from_config(hf_config(cfg)).to(device)  # on its device before the swap
+        self.ep = swap_moe_blocks(self.model, args.policy, context=system_context(args, cfg, world), seed=args.seed,
+                                  adam=AdamConfig(lr=args.lr, weight_decay=0.0), replica_grad=args.replica_grad)
+        self.opt = torch.optim.AdamW(self.ep.dense_parameters(), lr=args.lr, weight_decay=0.0)
+        self.architecture = self.model.config.model_type
+        self.aux_coef = 0.0 if self.ep.family.biased else args.aux_coef  # GLM: the selection bias balances
+        self.bias_rate = args.bias_rate
+
+    def train_step(self, x, y) -> tuple[torch.Tensor, list[LayerPlan], torch.Tensor]:
+        out = self.model(x, output_router_logits=True)
+        loss = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())  # y is x shifted by one already
+        total = loss + self.aux_coef * out.aux_loss if self.aux_coef else loss
+        total.backward()
+        self.ep.step(self.opt, bias_rate=self.bias_rate)  # dense sync + AdamW, expert Adam + redistribution, bias
+        plans = self.ep.plans()
+        return loss.detach(), plans, torch.stack([p.routed_NE for p in plans])
+
+    @torch.no_grad()
+    def eval_loss(self, x, y) -> torch.Tensor:
+        logits = self.model(x).logits  # a forward without grad plans nothing (lrmoe.hf)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(),  # collective: the experts are gathered into HF's tensors
+                "experts": self.ep.expert_state_dict(), "opt": self.opt.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])  # first: it writes the experts' master weights and slots
+        self.ep.load_expert_state_dict(state["experts"])
+        self.opt.load_state_dict(state["opt"])
+
+
+def build(args, world: int, device: torch.device):
+    """(the preset's config, the architecture's model on this rank, the cost model or None)."""
+    cfg = model_preset(args.preset)
+    cfg.check_divisible(world)
+    run = (HFModel if args.hf_config else NativeModel)(args, cfg, world, device)
+    cost = None
+    if args.cost_model:
+        # modelled time: this run's plans priced as if every pair were a full-size pair of the model family
+        # (the preset without "-debug", with this run's experts and top-k) on a node of the cluster preset
+        from lrmoe.sim.cost import CostModel
+
+        full = model_preset(args.preset.removesuffix("-debug")).replace(num_experts=cfg.num_experts,
+                                                                          top_k=cfg.top_k)
+        cluster = cluster_preset(args.cost_model).replace(num_ranks=world, ranks_per_node=world)
+        cost = CostModel(full, cluster)
+    return cfg, run, cost
+
+
+def evaluate(run, data, args, world: int) -> float:
+    """Mean validation loss over fixed batches (the same for every policy); leaves the layers' state as it was."""
+    gen = torch.Generator().manual_seed(10_000 + dist.get_rank())
+    total = torch.zeros(1, dtype=torch.float64, device=run.device)
+    for _ in range(args.eval_batches):
+        x, y = get_batch(data, args.batch, args.seq_len, gen)
+        total += run.eval_loss(x.to(run.device), y.to(run.device)).double()
     if world > 1:
         dist.all_reduce(total)
     return float(total) / (args.eval_batches * world)
+
+
+def step_record(args, step: int, loss_sum: float, plans: list[LayerPlan], counts_LNE: torch.Tensor,
+                elapsed: float, world: int, cost, per_layer: bool) -> dict:
+    """One step's results row: loss, dropped pairs, forward / retained backward pairs per rank, the hot rank's
+    backward cut, throughput, modelled time, load statistics (each layer's only when ``per_layer``)."""
+    fwd_N = torch.stack([p.fwd_load_N for p in plans]).sum(0).double()
+    bwd_N = torch.stack([p.bwd_load_N for p in plans]).sum(0).double()
+    hot = int(fwd_N.argmax())
+    record = {
+        "policy": args.policy, "step": step, "loss": loss_sum / world,
+        "dropped_frac": float(sum(p.dropped_NE.sum() for p in plans)) / float(counts_LNE.sum()),
+        "fwd_pairs_max": float(fwd_N.max()), "fwd_pairs_mean": float(fwd_N.mean()),
+        "bwd_pairs_max": float(bwd_N.max()), "bwd_pairs_mean": float(bwd_N.mean()),
+        "hot_rank_bwd_cut": 1.0 - float(bwd_N[hot] / fwd_N[hot]),
+        "tokens_per_s": args.batch * args.seq_len * world / elapsed,
+    }
+    if cost is not None:
+        record["modelled_s"] = sum(cost.cost(p).total_s for p in plans)
+    record.update(flat_log(load_stats(plans=plans), prefix="load/", per_layer=per_layer))
+    return record
 
 
 def checkpoint_path(args, step: int, rank: int) -> Path:
     return Path(args.ckpt_dir) / f"step{step:06d}" / f"rank{rank}.pt"
 
 
-def save_checkpoint(args, step, rank, model, layers, opt, gen, counts, history) -> None:
+def save_checkpoint(args, step, rank, run, gen, counts, history) -> None:
+    """This rank's checkpoint (every rank calls it: the HF model's state dict is collective)."""
     path = checkpoint_path(args, step, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, "model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-             "layers": [{"placement_NS": layer.store.placement_NS, "adam_steps": layer.store.adam_steps,
-                         "prev_counts_E": layer.prev_counts_E,
-                         "bwd_generator": None if layer.bwd_generator is None else layer.bwd_generator.get_state()}
-                        for layer in layers],
+    state = {"step": step, "architecture": run.architecture, **run.state_dict(), "gen": gen.get_state(),
              "counts": counts, "history": history, "args": vars(args)}
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -134,16 +265,14 @@ def latest_checkpoint(args, world: int) -> int | None:
     return steps[-1] if steps else None
 
 
-def load_checkpoint(args, step, rank, model, layers, opt, gen):
-    state = torch.load(checkpoint_path(args, step, rank), weights_only=False)
-    for layer, saved in zip(layers, state["layers"]):
-        layer.store.placement_NS = saved["placement_NS"].clone()
-        layer.store.adam_steps = saved["adam_steps"]
-        layer.prev_counts_E = saved["prev_counts_E"]
-        if layer.bwd_generator is not None:
-            layer.bwd_generator.set_state(saved["bwd_generator"])
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
+def load_checkpoint(args, step, rank, run, gen):
+    path = checkpoint_path(args, step, rank)
+    state = torch.load(path, weights_only=False)
+    saved = state.get("architecture", "lrmoe")
+    if saved != run.architecture:
+        raise ValueError(f"{path} holds a {saved} model; this run trains a {run.architecture} model (a different "
+                         f"--hf-config?): use another --ckpt-dir")
+    run.load_state_dict(state)
     gen.set_state(state["gen"])
     return state["counts"], state["history"]
 
@@ -153,7 +282,7 @@ def worker(rank: int, args) -> list[dict]:
     world = dist.get_world_size()
     # NCCL ranks own one GPU each (torchrun on a GPU cluster); gloo ranks compute on the CPU
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    cfg, model, layers, dense, opt = build(args, rank, world, device)
+    cfg, run, cost = build(args, world, device)
     corpus = load_corpus(args.data, max_bytes=args.max_bytes)
     gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
     counts: list[torch.Tensor] = []  # per step: [layers, N, E] routed pairs (the recorded trace)
@@ -162,7 +291,7 @@ def worker(rank: int, args) -> list[dict]:
     if args.resume:
         found = latest_checkpoint(args, world)
         if found is not None:
-            counts, history = load_checkpoint(args, found, rank, model, layers, opt, gen)
+            counts, history = load_checkpoint(args, found, rank, run, gen)
             start = found
     tracker = None
     if rank == 0 and args.out:
@@ -180,40 +309,17 @@ def worker(rank: int, args) -> list[dict]:
         for step in range(start, args.steps):
             t0 = time.perf_counter()
             x, y = get_batch(corpus.train, args.batch, args.seq_len, gen)
-            _, infos, loss, total = model(x.to(device), y.to(device), aux_coef=args.aux_coef)
-            opt.zero_grad(set_to_none=False)
-            for layer in layers:
-                layer.store.slots_SP.grad = None
-            total.backward()
-            all_reduce_mean_([p.grad if p.grad is not None else torch.zeros_like(p) for p in dense], world)
-            opt.step()
-            for layer in layers:
-                layer.expert_step(grad_scale=1.0 / world)
-                if cfg.router == "sigmoid_bias":  # GLM-4.5: aux-loss-free balancing of the selection bias
-                    layer.bias_E.copy_(update_expert_bias(layer.bias_E, layer.prev_counts_E.to(device),
-                                                          args.bias_rate))
+            loss, plans, counts_LNE = run.train_step(x.to(device), y.to(device))
             elapsed = time.perf_counter() - t0
-            loss_mean = loss.detach().double().reshape(1)
+            loss_sum = loss.double().reshape(1)
             if world > 1:
-                dist.all_reduce(loss_mean)
-            plans = [info.dispatch.plan for info in infos]
-            counts.append(torch.stack([info.dispatch.counts_NE for info in infos]))
-            fwd_N = torch.stack([p.fwd_load_N for p in plans]).sum(0).double()
-            bwd_N = torch.stack([p.bwd_load_N for p in plans]).sum(0).double()
-            hot = int(fwd_N.argmax())
-            record = {
-                "policy": args.policy, "step": step + 1, "loss": float(loss_mean) / world,
-                "dropped_frac": float(sum(p.dropped_NE.sum() for p in plans)) /
-                float(sum(c.sum() for c in counts[-1])),
-                "fwd_pairs_max": float(fwd_N.max()), "fwd_pairs_mean": float(fwd_N.mean()),
-                "bwd_pairs_max": float(bwd_N.max()), "bwd_pairs_mean": float(bwd_N.mean()),
-                "hot_rank_bwd_cut": 1.0 - float(bwd_N[hot] / fwd_N[hot]),
-                "tokens_per_s": args.batch * args.seq_len * world / elapsed,
-            }
-            if args.cost_model:
-                record["modelled_s"] = sum(model.cost_model.cost(p).total_s for p in plans)
-            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-                record["val_loss"] = evaluate(model, layers, corpus.val, args, world)
+                dist.all_reduce(loss_sum)
+            counts.append(counts_LNE)
+            evaluating = (step + 1) % args.eval_every == 0 or step + 1 == args.steps
+            record = step_record(args, step + 1, float(loss_sum), plans, counts_LNE, elapsed, world, cost,
+                                 per_layer=evaluating)
+            if evaluating:
+                record["val_loss"] = evaluate(run, corpus.val, args, world)
             history.append(record)
             if tracker is not None:
                 tracker.log(record, step=step + 1)
@@ -221,12 +327,13 @@ def worker(rank: int, args) -> list[dict]:
                 progress.update(1)
                 progress.set_postfix(loss=f"{record['loss']:.3f}")
             if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
-                save_checkpoint(args, step + 1, rank, model, layers, opt, gen, counts, history)
+                save_checkpoint(args, step + 1, rank, run, gen, counts, history)
             if args.stop_after and step + 1 >= args.stop_after:  # simulate an interruption (tests)
                 break
         if rank == 0 and args.trace_out:
             trace = Trace(torch.stack(counts), {"source": "recorded", "model": cfg.name, "seed": args.seed,
-                                                 "policy": args.policy, "steps": len(counts),
+                                                 "policy": args.policy, "architecture": run.architecture,
+                                                 "steps": len(counts),
                                                  "tokens_per_rank": args.batch * args.seq_len})
             trace.save(args.trace_out, overwrite=args.overwrite or args.resume)
     finally:
@@ -239,7 +346,12 @@ def worker(rank: int, args) -> list[dict]:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen3-30b-a3b-debug")
+    parser.add_argument("--preset", default=None, help=f"model preset (default {DEFAULT_PRESET})")
+    parser.add_argument("--hf-config", default=None, metavar="FAMILY",
+                        help="train Hugging Face transformers' architecture instead of lrmoe's: 'qwen3' (Qwen3-MoE "
+                             f"of {HF_CONFIGS['qwen3']}), 'glm' (GLM-4.5, glm4_moe, of {HF_CONFIGS['glm']}) or any "
+                             "model preset of either family; its MoE blocks run on the expert-parallel layer "
+                             "(lrmoe.hf; needs the [hf] extra)")
     parser.add_argument("--policy", default="lrmoe", type=system_arg, help=system_names_help())
     parser.add_argument("--ranks", type=int, default=4, help="ranks of the fork launcher")
     parser.add_argument("--torchrun", action="store_true", help="run under torchrun (one process per rank)")
@@ -272,6 +384,13 @@ def parse_args(argv=None):
     parser.add_argument("--quiet", action="store_true")
     add_tracking_args(parser, "outputs/train.jsonl")  # --resume also continues from the latest checkpoint
     args = parser.parse_args(argv)
+    if args.hf_config:
+        preset = HF_CONFIGS.get(args.hf_config, args.hf_config)
+        if args.preset not in (None, preset):
+            parser.error(f"--hf-config {args.hf_config} trains {preset}; drop --preset {args.preset}")
+        args.preset = preset
+    elif args.preset is None:
+        args.preset = DEFAULT_PRESET
     for name in ("steps", "batch", "seq_len", "ranks", "eval_every", "eval_batches"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -288,8 +407,14 @@ def check_args(args) -> None:
             cluster_preset(args.cost_model)
             model_preset(args.preset.removesuffix("-debug"))
         check_systems([args.policy], system_context(args, cfg, world))
+        if args.hf_config:
+            from lrmoe.hf import hf_config  # imports transformers here, once, before the ranks fork
+
+            hf_config(cfg)  # raises when the preset has no HF counterpart
         if args.data is not None:
             list_files(args.data)  # raises when the folder or glob holds no file
+    except ImportError as exc:
+        raise SystemExit(f"train.py: error: --hf-config needs transformers (pip install 'lrmoe[hf]'): {exc}") from None
     except (ValueError, OSError) as exc:
         raise SystemExit(f"train.py: error: {exc}") from None
 

@@ -1,4 +1,8 @@
-"""Expert-parallel training on gloo ranks: the loss falls, --resume is exact, the recorded trace round-trips."""
+"""Expert-parallel training on gloo ranks, on lrmoe's model and on HF's Qwen3-MoE and GLM-4.5 (--hf-config): the
+loss falls, --resume is exact, the records are complete (load statistics included), the recorded trace round-trips."""
+
+import json
+import math
 
 import pytest
 import torch
@@ -45,3 +49,65 @@ def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(SystemExit):
         train.parse_args(["--policy", "deepspeed"])
     assert torch.get_num_threads() >= 1
+
+
+def test_hf_config_names_a_family_or_a_preset():
+    assert train.parse_args(["--hf-config", "glm"]).preset == "glm-4.5-air-debug"
+    assert train.parse_args(["--hf-config", "qwen3-30b-a3b-debug"]).preset == "qwen3-30b-a3b-debug"
+    assert train.parse_args([]).preset == "qwen3-30b-a3b-debug" and train.parse_args([]).hf_config is None
+    with pytest.raises(SystemExit):  # two different models asked for
+        train.parse_args(["--hf-config", "qwen3", "--preset", "glm-4.5-air-debug"])
+    with pytest.raises(SystemExit):  # no such preset
+        train.check_args(train.parse_args(["--hf-config", "llama", "--ranks", "2"]))
+
+
+def results(path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "record"]
+
+
+SUMMARY_KEYS = [f"load/{k}_{s}" for k in ("gini", "rank_max_over_mean", "tokens_per_expert_std", "retained_frac")
+                for s in ("mean", "p50", "p90", "p99")] + ["load/dropped_pairs", "load/trimmed_pairs"]
+PAIRS = 2 * 2 * 32 * 4  # routed pairs per MoE layer and step: ranks × batch × seq × top-k
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family,policy", [("qwen3", "lrmoe"), ("glm", "symi-cf1")])
+def test_an_hf_model_of_each_family_trains_with_complete_records(tmp_path, family, policy):
+    history = run(tmp_path, "--hf-config", family, "--policy", policy, "--steps", "6", "--lr", "1e-2",
+                  "--eval-every", "3", "--out", str(tmp_path / "r.jsonl"), "--ckpt-dir", str(tmp_path / "ck"),
+                  "--trace-out", str(tmp_path / "trace.npz"))
+    losses = [h["loss"] for h in history]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 0.3, losses
+    assert [h["step"] for h in history] == list(range(1, 7))
+    for h in history:
+        for key in ("dropped_frac", "bwd_pairs_max", "bwd_pairs_mean", "hot_rank_bwd_cut", "modelled_s",
+                    *SUMMARY_KEYS):
+            assert math.isfinite(h[key]), key
+        assert h["load/layers"] == 2  # GLM's first layer is dense
+        assert h["load/tokens_per_expert_mean_mean"] == PAIRS / 16
+        assert h["load/dropped_pairs"] == pytest.approx(h["dropped_frac"] * 2 * PAIRS)
+        assert 0 < h["load/retained_frac_mean"] <= 1 and h["load/rank_max_over_mean_p99"] >= 1
+        evaluated = h["step"] % 3 == 0
+        assert ("val_loss" in h) == evaluated and math.isfinite(h.get("val_loss", 0.0))
+        assert ("load/layer1/gini" in h) == evaluated  # each layer's numbers only every --eval-every steps
+    assert history[-1]["dropped_frac"] > 0 if policy == "symi-cf1" else history[-1]["load/trimmed_pairs"] > 0
+    written = results(tmp_path / "r.jsonl")
+    assert len(written) == len(history) and all({k: r[k] for k in h} == h for r, h in zip(written, history))
+    trace = load_trace(tmp_path / "trace.npz")
+    assert trace.meta["architecture"] == {"qwen3": "qwen3_moe", "glm": "glm4_moe"}[family]
+    assert trace.counts_SLNE.shape == (6, 2, 2, 16) and (trace.counts_SLNE.sum(dim=(2, 3)) == PAIRS).all()
+
+
+@pytest.mark.timeout(180)
+def test_an_hf_run_stopped_and_resumed_continues_bit_identically(tmp_path):
+    args = ["--hf-config", "glm", "--policy", "lrmoe", "--steps", "4", "--ckpt-every", "2", "--eval-every", "2"]
+    full = run(tmp_path, *args, "--out", str(tmp_path / "a.jsonl"), "--ckpt-dir", str(tmp_path / "a"))
+    run(tmp_path, *args, "--stop-after", "3", "--out", str(tmp_path / "b.jsonl"), "--ckpt-dir", str(tmp_path / "b"))
+    resumed = run(tmp_path, *args, "--resume", "--out", str(tmp_path / "b.jsonl"), "--ckpt-dir", str(tmp_path / "b"))
+
+    def same(h):  # everything but the wall-clock throughput (and the results file's run ids)
+        return {k: v for k, v in h.items() if k not in ("tokens_per_s", "run_id")}
+
+    assert [same(h) for h in resumed] == [same(h) for h in full]
+    assert [same(r) for r in results(tmp_path / "b.jsonl")] == [same(r) for r in results(tmp_path / "a.jsonl")]
+    assert any("load/layer0/gini" in h for h in resumed)
