@@ -58,14 +58,15 @@ def describe(policy: str) -> dict:
             "uses_metric": spec.family == "lrmoe" and selection != "random", "label": spec.label}
 
 
-def curves_from(path: str | Path) -> pd.DataFrame:
-    """The convergence sweep's per-step records (policy, seed, step, val_loss, time_s, ...), one per step."""
-    records = read_results(path)
+def curves_from(paths: list[str | Path]) -> pd.DataFrame:
+    """The convergence sweeps' per-step records (policy, seed, step, val_loss, time_s, ...), one per step (several
+    files: e.g. seeds run apart; a (policy, seed) run in two files is read from the last)."""
+    records = [r for path in paths for r in read_results(path)]
     frames = []
     for (policy, seed), recs in pd.DataFrame(records).groupby(["policy", "seed"], sort=False):
         frames.append(pd.DataFrame(last_per_step(recs.to_dict("records"))))
     if not frames:
-        raise SystemExit(f"frontier.py: error: {path} holds no convergence records")
+        raise SystemExit(f"frontier.py: error: {', '.join(map(str, paths))} hold no convergence records")
     return pd.concat(frames, ignore_index=True)
 
 
@@ -144,6 +145,8 @@ def headline_text(h: dict) -> str:
         lines.append(f"Smallest modelled LRMoE ÷ SYMI-dropless time with mean loss gap <= {h['max_gap_pct']:g} % "
                      f"over {b['seeds']} seeds: {b['time_vs_dropless']:.3f} ({b['policy']}, gap {b['gap_pct']:+.2f} % "
                      f"[{b['gap_pct_min']:+.2f}, {b['gap_pct_max']:+.2f}]).")
+        if not h.get("controls"):
+            lines.append("  (no random-trim control at this rho in the sweep)")
         for name, c in h.get("controls", {}).items():
             seeds = (f"; lower on {c['seeds_metric_lower']}/{c['seeds_compared']} seeds"
                      if "seeds_compared" in c else "")
@@ -273,7 +276,8 @@ def markdown_report(table: pd.DataFrame, h: dict, scale: dict, curves: pd.DataFr
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--convergence", default="outputs/convergence.jsonl", help="the convergence results file")
+    parser.add_argument("--convergence", nargs="+", default=["outputs/convergence.jsonl"],
+                        help="the convergence results file(s)")
     parser.add_argument("--target-step", type=int, default=None, help="equal-quality step T (default: the last)")
     parser.add_argument("--max-gap-pct", type=float, default=MAX_GAP_PCT)
     parser.add_argument("--model", default="qwen3-30b-a3b")
@@ -305,7 +309,7 @@ def main(argv=None) -> pd.DataFrame:
     args = parse_args(argv)
     curves = curves_from(args.convergence)
     if BASELINE not in set(curves.policy):
-        raise SystemExit(f"frontier.py: error: {args.convergence} has no {BASELINE} run (the loss reference)")
+        raise SystemExit(f"frontier.py: error: {args.convergence} have no {BASELINE} run (the loss reference)")
     policies = list(dict.fromkeys(curves.policy))
     with Tracker("frontier", vars(args), results=args.out, seed=args.sim_seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
