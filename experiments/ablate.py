@@ -14,10 +14,11 @@ number of ranks. Systems are named as in ``lrmoe.systems`` (``--systems`` takes 
 
 The fair-comparison rules of DESIGN.md §5.4: one memory model for the planners and the simulator
 (:mod:`lrmoe.memory`); one headroom rule for every dropless system (each sizes its replica slots from its own
-plans of the warm-up iteration's counts, ``--headroom-rule planned``); every overhead on the critical path charged
-(``--no-overheads`` to show each one's effect; :mod:`lrmoe.sim.overheads`); every MoE layer simulated, quick mode
-included; and the headline systems priced again at the corners of the uncertain constants (GEMM efficiency,
-half-efficiency rows, link bandwidth, micro-batches per iteration) for a low / high band beside every ratio.
+plans of the warm-up iteration, placed from the one before it, ``--headroom-rule planned``); every overhead on the
+critical path charged (``--no-overheads`` to show each one's effect; :mod:`lrmoe.sim.overheads`); every MoE layer
+simulated, quick mode included; and the headline systems priced again at the corners of the uncertain constants
+(GEMM efficiency, half-efficiency rows, link bandwidth, micro-batches per iteration) for a low / high band beside
+every ratio.
 
     python experiments/ablate.py --quick            # small sweep (3 iterations, every layer, 8 and 16 ranks,
                                                     # 2 budgets, 4 skews, the headline systems and components)
@@ -135,10 +136,13 @@ def skew_stats(counts_SLNE: torch.Tensor, warmup: int = 1) -> dict[str, float]:
             "gini": float(gini(per_expert_SLE).mean())}
 
 
-def planned_headrooms(cell: Cell, cm: CostModel, reference_LNE: torch.Tensor, args) -> dict[str, float]:
+def planned_headrooms(cell: Cell, cm: CostModel, reference: tuple[torch.Tensor, torch.Tensor],
+                      args) -> dict[str, float]:
     """The headroom rule (DESIGN.md §5.4): each dropless system's planned peak load over the mean, from its own
-    plans (every layer) of the reference counts with the most spare slots whose plans fit the memory model, times
-    1 + ``--headroom-margin``. Keys "symi" (SYMI-dropless) and "lrmoe"."""
+    plans (every layer) of a reference iteration, placed from the iteration before it as at run time
+    (``reference`` = (previous counts [L, N, E], counts [L, N, E])), with the most spare slots whose plans fit the
+    memory model, times 1 + ``--headroom-margin``. Keys "symi" (SYMI-dropless) and "lrmoe"."""
+    prev_LNE, ref_LNE = reference
     m, c = cell.model, cell.cluster
     base = m.num_experts // c.num_ranks
     max_spare = base if args.max_extra is None else args.max_extra
@@ -150,7 +154,7 @@ def planned_headrooms(cell: Cell, cm: CostModel, reference_LNE: torch.Tensor, ar
         def plans(spare: int, spec=spec) -> list:
             policy = spec.make_policy(SystemContext(m.num_experts, c.num_ranks, spare_slots=spare, eps=args.eps,
                                                     gamma=args.gamma))
-            return [policy.plan(counts, counts.sum(0)) for counts in reference_LNE]
+            return [policy.plan(counts, prev.sum(0)) for prev, counts in zip(prev_LNE, ref_LNE)]
 
         _, h = mm.spare_slots_for(plans, base, max_spare, load_margin=args.headroom_margin)
         out[key] = h * (1.0 + args.headroom_margin)
@@ -176,7 +180,7 @@ def system_context(cell: Cell, cm: CostModel, args, headrooms: dict[str, float] 
                          lrmoe_headroom=headrooms["lrmoe"] if planned else None, ranks_per_node=c.ranks_per_node)
 
 
-def build_systems(cell: Cell, names: list[str], args, reference_LNE: torch.Tensor | None = None
+def build_systems(cell: Cell, names: list[str], args, reference: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[dict[str, System], dict[str, str], dict[str, str], dict[str, float]]:
     """The systems of one cell (each name's first plan twin only), why those that cannot run there cannot, notes on
     those that run (e.g. SYMI left without a spare slot), and the planned headrooms."""
@@ -188,8 +192,8 @@ def build_systems(cell: Cell, names: list[str], args, reference_LNE: torch.Tenso
                f"budget ({cell.layer_budget / 1e6:.0f} MB)")
         return {}, {name: why for name in names}, {}, {}
     headrooms = {}
-    if args.headroom_rule == "planned" and reference_LNE is not None:
-        headrooms = planned_headrooms(cell, cm, reference_LNE, args)
+    if args.headroom_rule == "planned" and reference is not None:
+        headrooms = planned_headrooms(cell, cm, reference, args)
     ctx = system_context(cell, cm, args, headrooms or None)
     twins = plan_twins(names)
     specs = {name: get_system(name) for name in names if name not in twins}
@@ -240,8 +244,9 @@ def parse_args(argv=None):
     parser.add_argument("--headroom-rule", choices=["planned", "fixed"], default="planned",
                         help="planned: every dropless system sizes its buffers for its own planned peak load "
                              "(DESIGN.md §5.4); fixed: SYMI-dropless for --symi-headroom x the mean, LRMoE for 1 + eps")
-    parser.add_argument("--headroom-margin", type=float, default=0.0,
-                        help="planned rule: buffers for this much more than the planned peak, every system alike")
+    parser.add_argument("--headroom-margin", type=float, default=0.05,
+                        help="planned rule: buffers for this much more than the planned peak, every system alike "
+                             "(ours: later iterations route a little differently from the reference one)")
     parser.add_argument("--symi-headroom", type=float, default=1.5,
                         help="fixed rule only: SYMI-dropless reserves buffers for this x the mean load")
     parser.add_argument("--no-overheads", nargs="*", default=[], choices=[*OVERHEADS, "all"],
@@ -351,12 +356,12 @@ def run_cells(args, run) -> pd.DataFrame:
         for cell, layers in plan:
             m, c = cell.model, cell.cluster
             key = (m.name, c.num_ranks, cell.skew, cell.tokens, layers)
-            if key not in traces:
-                traces[key] = generate_trace(args.steps, layers, c.num_ranks, m.num_experts, m.top_k, cell.tokens,
-                                             skew=cell.skew[0], skew_param=cell.skew[1], seed=args.seed,
-                                             model=m.name)
-            trace = traces[key]
-            measured = skew_stats(trace.counts_SLNE)
+            if key not in traces:  # one iteration more than simulated: the first is the planners' reference
+                traces[key] = generate_trace(args.steps + 1, layers, c.num_ranks, m.num_experts, m.top_k,
+                                             cell.tokens, skew=cell.skew[0], skew_param=cell.skew[1],
+                                             seed=args.seed, model=m.name)
+            counts_SLNE = traces[key].counts_SLNE
+            measured = skew_stats(counts_SLNE[1:])
             common = {"model": m.name, "cluster": c.name, "ranks": c.num_ranks, "nodes": c.num_nodes,
                       "skew": cell.skew[1], "skew_family": cell.skew[0], "skew_label": skew_label(cell.skew),
                       "mem_gb": cell.mem_gb, "tokens_per_rank": cell.tokens, "layers_simulated": layers,
@@ -365,8 +370,10 @@ def run_cells(args, run) -> pd.DataFrame:
                       "trace_rank_max_over_mean": measured["rank_max_over_mean"],
                       "trace": f"synthetic {cell.skew[0]}", "headroom_rule": args.headroom_rule,
                       "headroom_margin": args.headroom_margin, "overheads": list(overheads(args))}
-            # the warm-up iteration's counts, which no summary includes, are what every system sizes its slots from
-            systems, skipped, notes, headrooms = build_systems(cell, args.systems, args, trace.counts_SLNE[0])
+            # every system sizes its slots from its plans of the simulation's warm-up iteration (which no summary
+            # includes), placed from the iteration before it
+            systems, skipped, notes, headrooms = build_systems(cell, args.systems, args,
+                                                               (counts_SLNE[0], counts_SLNE[1]))
             common.update({f"planned_headroom_{k}": v for k, v in headrooms.items()})
             cell_rows = {}
             for name in args.systems:
@@ -378,7 +385,7 @@ def run_cells(args, run) -> pd.DataFrame:
                 else:
                     banded = name in BANDED and cell.mem_gb == args.headline_mem_gb
                     try:
-                        res = simulate(trace.counts_SLNE, systems[name], m, c,
+                        res = simulate(counts_SLNE[1:], systems[name], m, c,
                                        cost_kwargs=cost_kwargs(name, cell, args), micro_batches=args.micro_batches,
                                        progress=bar.update, variants=variants if banded else None)
                     except Exception as exc:  # noqa: BLE001 - one failing cell must not lose an hours-long sweep
