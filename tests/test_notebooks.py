@@ -32,7 +32,8 @@ def test_notebook_executes(path, monkeypatch, tmp_path):
     monkeypatch.setenv("LRMOE_NOTEBOOK_OUT", str(tmp_path))
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs), "the notebook drew no figure"
