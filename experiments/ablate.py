@@ -98,9 +98,7 @@ def skew_arg(value: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"--skews {value!r}: expected family:number, e.g. zipf:0.8") from None
     if family not in SKEW_FAMILIES:
         raise argparse.ArgumentTypeError(f"--skews {value!r}: family must be one of {SKEW_FAMILIES}")
-    if not number >= 0 or (family == "dirichlet" and not number > 0):
-        raise argparse.ArgumentTypeError(f"--skews {value!r}: the parameter must be positive (Zipf: non-negative)")
-    return family, number
+    return family, number  # its range: check_args
 
 
 def skew_label(skew: tuple[str, float]) -> str:
@@ -288,6 +286,9 @@ def check_args(args) -> None:
         raise ValueError(f"--ranks must be positive, got {args.ranks}")
     if any(not v > 0 for v in args.mem_gb):
         raise ValueError(f"--mem-gb must be positive, got {args.mem_gb}")
+    bad = [skew_label(s) for s in args.skews if not s[1] >= 0 or (s[0] == "dirichlet" and not s[1] > 0)]
+    if bad:
+        raise ValueError(f"--skews {bad}: Zipf s must be non-negative, Dirichlet alpha positive")
     for name in ("tokens_per_rank", "layers", "symi_headroom"):
         value = getattr(args, name)
         if value is not None and not value > 0:
