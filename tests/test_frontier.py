@@ -129,6 +129,11 @@ def test_headline_takes_the_fastest_lrmoe_with_mean_gap_within_one_percent():
     # against SYMI-cf1 (1.5 % gap): rho 0.75 (1 %) matches it; rho 0.5 unbiased (2.5 %) does not
     assert h["vs_cf1"]["policy"] == "lrmoe-rho0.75" and h["vs_cf1"]["time_vs_cf1"] == pytest.approx(80 / 95)
     assert "0.800" in frontier.headline_text(h)
+    # the random-trim controls: SYMI-dropless at rho 0.75 is 2.5 % off, LRMoE's random 1.33 %: none within 1 %
+    assert h["best_control"] is None and "No random-trim control" in frontier.headline_text(h)
+    good = {**SYSTEMS, "symi-dropless-rho0.75": ([2.01, 2.0, 2.01], 70.0)}
+    h = frontier.headline(frontier_of(good)[0], 1.0)
+    assert h["best_control"]["policy"] == "symi-dropless-rho0.75" and h["best_control"]["time_vs_dropless"] == 0.7
 
 
 def test_headline_says_so_when_nothing_qualifies_or_the_control_wins():
