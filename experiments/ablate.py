@@ -51,6 +51,7 @@ from lrmoe.config import ClusterConfig, MoEConfig, cluster_preset, model_preset
 from lrmoe.sim.cost import CostModel
 from lrmoe.sim.overheads import OVERHEADS
 from lrmoe.sim.simulator import System, simulate
+from lrmoe.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import SystemContext, check_systems, get_system, plan_twins, system_arg, system_names_help
 from lrmoe.tracking import Tracker, add_tracking_args
 from lrmoe.traces import generate_trace, gini, max_over_mean
@@ -86,6 +87,8 @@ BANDED = ["lrmoe", "symi-dropless", "symi-cf1", "symi-dropless-lrmoe-slots"]
 # half-efficiency rows 32-512, links at 70-100 % of the datasheet, 1-32 micro-batches per iteration.
 SENSITIVITY = {"eff_max": (0.5, 0.9), "m_half": (32.0, 512.0), "bw_scale": (0.7, 1.0)}
 MICRO_BATCH_BAND = (1, 32)
+RG_TEXT = {"best": "each system in its faster mode of range and shard (column 'replica grads')",
+           "range": "range (SYMI's) for every system", "shard": "shard for every system"}
 
 
 def skew_arg(value: str) -> tuple[str, float]:
@@ -206,7 +209,18 @@ def overheads(args) -> tuple[str, ...]:
 
 
 def cost_kwargs(name: str, cell: Cell, args) -> dict:
-    return {"mem_budget_bytes": cell.layer_budget, "overheads": overheads(args), **get_system(name).cost_options()}
+    mode = "range" if args.replica_grad == "best" else args.replica_grad  # best: range priced, shard a variant
+    return {"mem_budget_bytes": cell.layer_budget, "overheads": overheads(args), "replica_grad": mode,
+            **get_system(name).cost_options()}
+
+
+def mode_variants(args, corners_: dict[str, dict]) -> dict[str, dict]:
+    """The variants a system is priced at: the sensitivity corners, and with ``--replica-grad best`` the same in the
+    shard mode (``shard`` and ``<corner>|shard``)."""
+    if args.replica_grad != "best":
+        return dict(corners_)
+    return {**corners_, "shard": {"replica_grad": "shard"},
+            **{f"{k}|shard": {**v, "replica_grad": "shard"} for k, v in corners_.items()}}
 
 
 def corners() -> dict[str, dict]:
@@ -250,6 +264,10 @@ def parse_args(argv=None):
     parser.add_argument("--no-overheads", nargs="*", default=[], choices=[*OVERHEADS, "all"],
                         help="overheads not to charge (lrmoe.sim.overheads), to show their effect")
     parser.add_argument("--no-band", action="store_true", help="skip the sensitivity corners (faster)")
+    parser.add_argument("--replica-grad", choices=["best", *REPLICA_GRAD_MODES], default="best",
+                        help="replica-gradient path (DESIGN.md §3.4): 'range' (SYMI's), 'shard' (straight to the "
+                             "optimizer-shard owners), or 'best': each system priced in both from the same plans and "
+                             "reported in its faster mode (iter_s_range, iter_s_shard and replica_grad say which)")
     parser.add_argument("--headline-mem-gb", type=float, default=None, help="budget of the headline (default 1x)")
     parser.add_argument("--seed", type=int, default=0)
     add_tracking_args(parser, "outputs/ablate.jsonl")
@@ -309,11 +327,19 @@ def check_args(args) -> None:
         check_systems(args.systems, system_context(cell, cm, args))
 
 
-def _record(common: dict, name: str, res, layers: int, model: MoEConfig, note: str, banded: bool) -> dict:
+def _record(common: dict, name: str, res, layers: int, model: MoEConfig, note: str, banded: bool,
+            replica_grad: str = "range") -> dict:
     """One system's record: whole-model seconds per iteration, per-layer ms by category, bytes, memory, and (for
-    the headline's systems) the seconds at every sensitivity corner."""
+    the headline's systems) the seconds at every sensitivity corner; with ``replica_grad="best"`` in the faster of the
+    two replica-gradient modes (both recorded)."""
     s = res.summary()
     scale = model.num_moe_layers / layers  # whole model from the simulated layers (1 when all are simulated)
+    mode, suffix = replica_grad, ""
+    if replica_grad == "best":
+        by_mode = {"range": s["time_s"], "shard": res.time_s("shard")}
+        mode = min(by_mode, key=by_mode.get)
+        suffix = "|shard" if mode == "shard" else ""
+        s = {**s, "time_s": by_mode[mode], **{f"{k}_s": v for k, v in res.category_s(suffix[1:] or None).items()}}
     rec = {**common, "system": name, "fits": not s["oom"], "note": note,
            "iter_s": s["time_s"] * scale,
            # per MoE layer and iteration (all micro-batches)
@@ -322,13 +348,19 @@ def _record(common: dict, name: str, res, layers: int, model: MoEConfig, note: s
            "sync_gb_per_layer": s["sync_bytes"] / layers / 1e9,
            "peak_mem_gb": s["peak_mem_bytes"] / 1e9, "oom": s["oom"], "drop_rate": s["drop_rate"],
            "fwd_imbalance": s["fwd_imbalance"], "rho": s["rho"],
-           "slots_per_rank": s["slots_per_rank"], "layer_over_share": s["layer_over_share"]}
-    if banded:
+           "slots_per_rank": s["slots_per_rank"], "layer_over_share": s["layer_over_share"], "replica_grad": mode}
+    if replica_grad == "best":  # both modes, whole model, and the sync phases per layer in each
+        for m_, v in (("range", None), ("shard", "shard")):
+            rec[f"iter_s_{m_}"] = res.time_s(v) * scale
+            rec[f"sync_ms_per_layer_{m_}"] = res.category_s(v)["sync"] / layers * 1e3
+    if banded:  # the corners in the system's own mode
         band = {}
-        for variant in [None, *res.variant_SLP]:
+        corner_names = [v for v in res.variant_SLP if v != "shard" and not v.endswith("|shard")]
+        for variant in [None, *corner_names]:
             for mb in (res.micro_batches, *MICRO_BATCH_BAND):
                 key = f"{variant or 'base'}|mb={mb}"
-                band[key] = res.time_s(variant, mb) * scale
+                priced = (variant + suffix if variant else suffix[1:] or None)
+                band[key] = res.time_s(priced, mb) * scale
         rec["iter_s_corners"] = band
     return rec
 
@@ -349,7 +381,8 @@ def run_cells(args, run) -> pd.DataFrame:
     twins = plan_twins(args.systems)  # {name: the system it shares its plans with}: simulated once
     per_cell = sum(1 for s in args.systems if s not in twins)
     total = sum(per_cell * args.steps * layers for _, layers in plan)
-    variants = {} if args.no_band else corners()
+    variants = mode_variants(args, {} if args.no_band else corners())
+    modes_only = mode_variants(args, {})
     rows = []
     traces = {}
     errors: list[str] = []
@@ -388,7 +421,7 @@ def run_cells(args, run) -> pd.DataFrame:
                     try:
                         res = simulate(counts_SLNE[1:], systems[name], m, c,
                                        cost_kwargs=cost_kwargs(name, cell, args), micro_batches=args.micro_batches,
-                                       progress=bar.update, variants=variants if banded else None)
+                                       progress=bar.update, variants=variants if banded else modes_only)
                     except Exception as exc:  # noqa: BLE001 - one failing cell must not lose an hours-long sweep
                         why = f"error: {type(exc).__name__}: {exc}"
                         tqdm.write(f"{m.name} {c.name} {skew_label(cell.skew)} {cell.mem_gb:g} GB {name}: {why}",
@@ -396,7 +429,7 @@ def run_cells(args, run) -> pd.DataFrame:
                         errors.append(why)
                         cell_rows[name] = {**common, "system": name, "fits": False, "note": why}
                         continue
-                    rec = _record(common, name, res, layers, m, notes.get(name, ""), banded)
+                    rec = _record(common, name, res, layers, m, notes.get(name, ""), banded, args.replica_grad)
                 cell_rows[name] = rec
             for twin, source in twins.items():
                 if source in cell_rows:
@@ -451,8 +484,8 @@ def headline(table: pd.DataFrame, args) -> str:
     sel = table[(table.mem_gb == args.headline_mem_gb) & table.ranks.isin([ranks_per_node, 2 * ranks_per_node])]
     lines = ["| model | nodes x GPUs | skew | rank max/mean | expert max/mean | Gini | LRMoE / SYMI-dropless | "
              "LRMoE / SYMI-cf1 | LRMoE / SYMI-dropless with LRMoE's slots | LRMoE host groups / SYMI-dropless | "
-             "SYMI-cf1 drops | slots LRMoE / SYMI-dl / SYMI-cf1 | OOM |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "SYMI-cf1 drops | slots LRMoE / SYMI-dl / SYMI-cf1 | replica grads LRMoE / SYMI-dl / SYMI-cf1 | OOM |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (model, ranks, label), cell in sel.groupby(["model", "ranks", "skew_label"], sort=True):
         by = {r.system: r for r in cell.itertuples()}
         lr, dl, cf = by.get("lrmoe"), by.get("symi-dropless"), by.get("symi-cf1")
@@ -471,11 +504,14 @@ def headline(table: pd.DataFrame, args) -> str:
             return "-" if r is None or pd.isna(getattr(r, "slots_per_rank", float("nan"))) else \
                 f"{r.slots_per_rank:.0f}"
 
+        def mode(r):
+            return "-" if r is None or not isinstance(getattr(r, "replica_grad", None), str) else r.replica_grad
+
         oom = ", ".join(r.system for r in (lr, dl, cf) if r is not None and getattr(r, "oom", False) is True)
         drops = "n/a" if cf is None or pd.isna(getattr(cf, "drop_rate", float("nan"))) else f"{cf.drop_rate:.1%}"
         lines.append(f"| {model} | {nodes} | {skew} | {_ratio(lr, dl)} | {_ratio(lr, cf)} | "
                      f"{_ratio(lr, same)} | {_ratio(hosts, dl)} | {drops} | {slots(lr)} / {slots(dl)} / {slots(cf)} | "
-                     f"{oom or 'none'} |")
+                     f"{mode(lr)} / {mode(dl)} / {mode(cf)} | {oom or 'none'} |")
     return "\n".join(lines)
 
 
@@ -492,7 +528,8 @@ def assumptions(args) -> str:
             f"{args.tokens_per_rank or TOKENS}; synthetic traces ({args.steps} iterations, first one warm-up, every "
             f"MoE layer unless --layers); {args.micro_batches} micro-batches per iteration (sync phases once per "
             f"iteration); LRMoE eps={args.eps}, gamma={args.gamma}; headroom: {rule}; SYMI-cf1 sized for its "
-            f"capacity; overheads charged: {', '.join(overheads(args)) or 'none'}; phases serial, each set by its "
+            f"capacity; replica gradients: {RG_TEXT[args.replica_grad]}; "
+            f"overheads charged: {', '.join(overheads(args)) or 'none'}; phases serial, each set by its "
             f"slowest rank; GEMM curve {cm.gemm.source}. Band [low-high]: the ratio at every corner of {corner}, "
             f"micro-batches {MICRO_BATCH_BAND[0]}-{MICRO_BATCH_BAND[1]}. Ratio < 1: LRMoE faster.")
 

@@ -84,7 +84,7 @@ from ..layout import PHASES as LAYOUT_PHASES
 from ..memory import (STATE_BYTES_PER_PARAM, Footprint, LayerMemory, footprint, layer_memory, optimizer_shard_bytes,
                       plan_loads, slot_capacity)
 from ..placement import MemoryModel
-from ..sync_model import check_replica_grad, hosts_mask, push_bytes, shard_sizes, step_bytes
+from ..sync_model import REPLICA_GRAD_MODES, check_replica_grad, hosts_mask, push_bytes, shard_sizes, step_bytes
 from .overheads import OVERHEADS, check_overheads, planner_seconds, selection_seconds
 
 # The modelled phases, named as the layer names them (one vocabulary: lrmoe.layout.PHASES), in execution order. The
@@ -324,7 +324,7 @@ class PlanWork:
     bwd_rows_NS: torch.Tensor  # GEMM rows per slot, backward
     moved_NS: torch.Tensor | None  # moved pairs recomputed per slot
     tokens_N: torch.Tensor  # tokens per rank (the shared expert's rows)
-    step: object  # lrmoe.sync_model.StepBytes of the optimizer step
+    steps: dict  # {replica-gradient mode: lrmoe.sync_model.StepBytes of the optimizer step}: each mode priceable
     memory: LayerMemory
     state_N: torch.Tensor
     planner_s: float  # host seconds of the plan
@@ -429,9 +429,10 @@ class CostModel:
 
     # -- sensitivity ---------------------------------------------------------------------------------------------
     def variant(self, eff_max: float | None = None, m_half: float | None = None,
-                bw_scale: float | None = None) -> "CostModel":
+                bw_scale: float | None = None, replica_grad: str | None = None) -> "CostModel":
         """The same model with other uncertain constants: the GEMM curve's ``eff_max`` and ``m_half``, and every
-        link's bandwidth times ``bw_scale`` (1: the datasheet's)."""
+        link's bandwidth times ``bw_scale`` (1: the datasheet's); or in the other ``replica_grad`` mode (the work of a
+        plan holds the step's bytes in both, so a variant prices either from the same work)."""
         g = self.gemm
         gemm = GemmCurve(eff_max=g.eff_max if eff_max is None else eff_max,
                          m_half=g.m_half if m_half is None else m_half, launch_s=g.launch_s,
@@ -439,7 +440,8 @@ class CostModel:
         c = self.cluster
         if bw_scale is not None:
             c = c.replace(intra_bw=c.intra_bw * bw_scale, inter_bw=c.inter_bw * bw_scale)
-        return dataclasses.replace(self, gemm=gemm, cluster=c)
+        mode = self.replica_grad if replica_grad is None else check_replica_grad(replica_grad)
+        return dataclasses.replace(self, gemm=gemm, cluster=c, replica_grad=mode)
 
     # -- building blocks ---------------------------------------------------------------------------------------
     def a2a_seconds(self, bytes_NM: torch.Tensor) -> torch.Tensor:
@@ -503,8 +505,9 @@ class CostModel:
         moved_NS = plan.moved_NG.sum(0).view(n, s) if len(plan.bwd_flows_F4) else None
         pairs_N = fwd_NG.sum(1) + plan.dropped_NE.sum(1)  # routed pairs per source rank
         tokens_N = pairs_N.double() / m.top_k
-        sb = step_bytes(placement_NS, placement_NS, e, m.expert_params, self.grad_bytes, m.dtype_bytes,
-                        self.replica_grad if self.sharded_optimizer else "range", self.sync_groups)
+        modes = REPLICA_GRAD_MODES if self.sharded_optimizer else ("range",)
+        steps = {mode: step_bytes(placement_NS, placement_NS, e, m.expert_params, self.grad_bytes, m.dtype_bytes,
+                                  mode, self.sync_groups) for mode in modes}
         loads = plan_loads(plan, self.compaction, cap)
         memory = layer_memory(self.footprint, loads, combine=plan_selects(plan))
         planner_s = 0.0
@@ -520,7 +523,7 @@ class CostModel:
             compact_bytes_N = 2.0 * (loads.bwd_home_send_N * fp.row + loads.bwd_gemm_N * fp.expert_pair)
             passes_N = (loads.bwd_home_send_N > 0).double() + (loads.bwd_gemm_N > 0).double()
         return PlanWork(num_experts=e, placement_NS=placement_NS, a2a_NN=a2a, fwd_rows_NS=fwd_rows_NS,
-                        bwd_rows_NS=bwd_rows_NS, moved_NS=moved_NS, tokens_N=tokens_N, step=sb, memory=memory,
+                        bwd_rows_NS=bwd_rows_NS, moved_NS=moved_NS, tokens_N=tokens_N, steps=steps, memory=memory,
                         state_N=self.state_bytes_N(resident_NS), planner_s=planner_s, select_pairs_N=select_N,
                         compact_bytes_N=compact_bytes_N, compact_passes_N=passes_N, fwd_rows_N=fwd_rows_N,
                         bwd_rows_N=bwd_rows_N, dropped=int(plan.dropped_NE.sum()), routed=int(pairs_N.sum()),
@@ -580,10 +583,11 @@ class CostModel:
         has no shard owners: its hosts all-reduce (range groups), and there is no collection or redistribution.
         """
         m, c = self.model, self.cluster
-        placement_NS, e, sb = w.placement_NS, w.num_experts, w.step
+        placement_NS, e = w.placement_NS, w.num_experts
         n = placement_NS.shape[0]
         p_e = m.expert_params
         mode = self.replica_grad if self.sharded_optimizer else "range"
+        sb = w.steps[mode]
         if mode == "range":
             group_NE = sb.group_NE
             h_E = group_NE.sum(0)

@@ -110,6 +110,14 @@ class SimResult:
         phase_SLP = self.phase_SLP if variant is None else self.variant_SLP[variant]
         return float((phase_SLP[s].sum(dim=1).mean(dim=0) * self.weights_P(micro_batches)).sum())
 
+    def category_s(self, variant: str | None = None) -> dict[str, float]:
+        """Mean seconds per iteration after warm-up by category (forward, backward, communication, sync, ...),
+        under a ``variant`` (None: the base constants)."""
+        s = slice(self.warmup, None) if self.phase_SLP.shape[0] > self.warmup else slice(None)
+        phase_SLP = self.phase_SLP if variant is None else self.variant_SLP[variant]
+        per_step_P = phase_SLP[s].sum(dim=1).mean(dim=0) * self.weight_P
+        return {cat: float(sum(per_step_P[self.phases.index(p)] for p in names)) for cat, names in CATEGORIES.items()}
+
     @property
     def oom(self) -> bool:
         """Whether the whole model's MoE memory exceeds the budget on some rank at some step after warm-up.
