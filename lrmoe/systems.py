@@ -3,13 +3,13 @@
 A system is a placement policy (built by a factory from a :class:`SystemContext`, the facts a script knows:
 experts, ranks, spare slots, memory, LRMoE's knobs) + the backward the real layer runs
 (:class:`~lrmoe.backward.BackwardConfig`: metric, selection mode, compaction, seed) + how it executes (the
-hand-written backward or plain autograd, sharded optimizer state, replica-sync groups) + how figures show it
+recalibrated backward or the plain one, sharded optimizer state, replica-sync groups) + how figures show it
 (label, colour). Adding a placement policy or a system is one entry in :data:`SYSTEMS`.
 
     ctx = SystemContext(num_experts=128, num_ranks=8, spare_slots=1)
     spec = get_system("symi-dropless")
     policy = spec.make_policy(ctx)              # an object with plan(counts_NE, prev_counts_E)
-    backward = spec.layer_backward(seed=0)      # None: the plain autograd backward suffices
+    backward = spec.layer_backward(seed=0)      # None: the plain backward (keep every pair) suffices
     system = spec.simulator_system(ctx)         # lrmoe.sim.simulator.System, plus spec.cost_options()
 
 Names are canonical. :data:`ALIASES` maps the names that older scripts and results files used (``ep-dropless``,
@@ -255,7 +255,7 @@ class SystemSpec:
     make             the policy factory: ``make(ctx)`` returns a fresh policy.
     backward         the backward the real layer runs (its seed is replaced per layer by :meth:`layer_backward`).
     recalibrated     its plans may keep fewer pairs for the backward or move them between replicas, so the layer
-                     needs the hand-written backward (False: plain autograd is exact for its plans).
+                     needs the hand-written backward (False: the plain backward runs its plans).
     sharded_optimizer  the simulator's optimizer model: SYMI's statically sharded state (True) or each expert's
                      state with its one host (static EP, capacity). The real layer shards every system's state.
     sync_groups      the simulator's replica-sync groups ("range": the layer's consecutive-range groups).
@@ -281,7 +281,7 @@ class SystemSpec:
         return self.make(ctx)
 
     def layer_backward(self, seed: int | None = None, always: bool = False) -> BackwardConfig | None:
-        """The layer's ``backward=`` argument: the backward config (with ``seed``), or None where plain autograd
+        """The layer's ``backward=`` argument: the backward config (with ``seed``), or None where the plain backward
         suffices, unless ``always`` (benchmarks run every system through the hand-written backward)."""
         if not (self.recalibrated or always):
             return None
@@ -334,6 +334,7 @@ SYSTEMS: dict[str, SystemSpec] = dict([
             **_UNSHARDED),
     # -- SYMI (DESIGN.md §3) -----------------------------------------------------------------------------------
     _system("symi-cf1", SymiFactory(cf=1.0, headroom=1.0), "SYMI-cf1", "#1f77b4"),
+    _system("symi-cf1.25", SymiFactory(cf=1.25, headroom=1.25), "SYMI-cf1.25", "#17456e"),
     _system("symi-dropless", SymiFactory(), "SYMI-dropless", "#aec7e8"),
     _system("symi-dropless-lrmoe-slots", SymiFactory(headroom=lrmoe_headroom), "SYMI-dropless, LRMoE's slots",
             "#6baed6", description="SYMI given the slots LRMoE's memory rule finds at the mean load"),

@@ -127,7 +127,7 @@ def test_names_used_by_scripts_figures_and_notebooks_are_registry_names():
     train, bench, planner = load_experiment("train"), load_experiment("layer_bench"), load_experiment("bench_planner")
     ablate, convergence, reproduce = (load_experiment("ablate"), load_experiment("convergence"),
                                       load_experiment("reproduce"))
-    used = {train.parse_args([]).policy, *bench.ISSUE_POLICIES, *planner.POLICY_NAMES, *ablate.SYSTEMS,
+    used = {train.parse_args([]).policy, *bench.DEFAULT_POLICIES, *planner.POLICY_NAMES, *ablate.SYSTEMS,
             *ablate.PLOTTED, *convergence.POLICIES, convergence.BASELINE, *figures.MAIN_SYSTEMS,
             *figures.COMPONENTS}
     for stage in reproduce.STAGES:
