@@ -124,17 +124,17 @@ class Cell:
         return self.mem_gb * 1e9 / self.model.num_moe_layers
 
 
-def skew_stats(counts_SLNE: torch.Tensor, warmup: int = 1) -> dict[str, float]:
+def skew_stats(counts_ILNE: torch.Tensor, warmup: int = 1) -> dict[str, float]:
     """The skew a trace measurably has, means over its iterations after warm-up and its layers: the per-rank
     max / mean of the pairs static expert parallelism would compute (expert e on rank e // (E/N)), the hottest
     expert over the mean, and the Gini coefficient of the per-expert pairs."""
-    counts = counts_SLNE[warmup:] if counts_SLNE.shape[0] > warmup else counts_SLNE
-    per_expert_SLE = counts.sum(2).double()
+    counts = counts_ILNE[warmup:] if counts_ILNE.shape[0] > warmup else counts_ILNE
+    per_expert_ILE = counts.sum(2).double()
     n = counts.shape[2]
-    rank_SLN = per_expert_SLE.view(*per_expert_SLE.shape[:2], n, -1).sum(-1)
+    rank_SLN = per_expert_ILE.view(*per_expert_ILE.shape[:2], n, -1).sum(-1)
     return {"rank_max_over_mean": float(max_over_mean(rank_SLN).mean()),
-            "expert_max_over_mean": float(max_over_mean(per_expert_SLE).mean()),
-            "gini": float(gini(per_expert_SLE).mean())}
+            "expert_max_over_mean": float(max_over_mean(per_expert_ILE).mean()),
+            "gini": float(gini(per_expert_ILE).mean())}
 
 
 def planned_headrooms(cell: Cell, cm: CostModel, reference: tuple[torch.Tensor, torch.Tensor],
@@ -355,7 +355,7 @@ def _record(common: dict, name: str, res, layers: int, model: MoEConfig, note: s
             rec[f"sync_ms_per_layer_{m_}"] = res.category_s(v)["sync"] / layers * 1e3
     if banded:  # the corners in the system's own mode
         band = {}
-        corner_names = [v for v in res.variant_SLP if v != "shard" and not v.endswith("|shard")]
+        corner_names = [v for v in res.variant_ILH if v != "shard" and not v.endswith("|shard")]
         for variant in [None, *corner_names]:
             for mb in (res.micro_batches, *MICRO_BATCH_BAND):
                 key = f"{variant or 'base'}|mb={mb}"
@@ -394,8 +394,8 @@ def run_cells(args, run) -> pd.DataFrame:
                 traces[key] = generate_trace(args.steps + 1, layers, c.num_ranks, m.num_experts, m.top_k,
                                              cell.tokens, skew=cell.skew[0], skew_param=cell.skew[1],
                                              seed=args.seed, model=m.name)
-            counts_SLNE = traces[key].counts_SLNE
-            measured = skew_stats(counts_SLNE[1:])
+            counts_ILNE = traces[key].counts_ILNE
+            measured = skew_stats(counts_ILNE[1:])
             common = {"model": m.name, "cluster": c.name, "ranks": c.num_ranks, "nodes": c.num_nodes,
                       "skew": cell.skew[1], "skew_family": cell.skew[0], "skew_label": skew_label(cell.skew),
                       "mem_gb": cell.mem_gb, "tokens_per_rank": cell.tokens, "layers_simulated": layers,
@@ -407,7 +407,7 @@ def run_cells(args, run) -> pd.DataFrame:
             # every system sizes its slots from its plans of the simulation's warm-up iteration (which no summary
             # includes), placed from the iteration before it
             systems, skipped, notes, headrooms = build_systems(cell, args.systems, args,
-                                                               (counts_SLNE[0], counts_SLNE[1]))
+                                                               (counts_ILNE[0], counts_ILNE[1]))
             common.update({f"planned_headroom_{k}": v for k, v in headrooms.items()})
             cell_rows = {}
             for name in args.systems:
@@ -419,7 +419,7 @@ def run_cells(args, run) -> pd.DataFrame:
                 else:
                     banded = name in BANDED and cell.mem_gb == args.headline_mem_gb
                     try:
-                        res = simulate(counts_SLNE[1:], systems[name], m, c,
+                        res = simulate(counts_ILNE[1:], systems[name], m, c,
                                        cost_kwargs=cost_kwargs(name, cell, args), micro_batches=args.micro_batches,
                                        progress=bar.update, variants=variants if banded else modes_only)
                     except Exception as exc:  # noqa: BLE001 - one failing cell must not lose an hours-long sweep

@@ -45,7 +45,7 @@ def layer_counts(num_ranks: int, num_experts: int, args) -> tuple[torch.Tensor, 
     """(counts_NE of the planned iteration, previous iteration's global counts_E) from a synthetic trace."""
     trace = generate_trace(2, 1, num_ranks, num_experts, args.top_k, args.tokens_per_rank, skew=args.skew,
                            skew_param=args.skew_param, seed=args.seed)
-    return trace.counts_SLNE[1, 0], trace.counts_SLNE[0, 0].sum(0)
+    return trace.counts_ILNE[1, 0], trace.counts_ILNE[0, 0].sum(0)
 
 
 def stage_times(counts_NE, prev_E, args) -> dict[str, float]:

@@ -201,7 +201,7 @@ def modelled_times(policies: list[str], args, known: list[dict] = ()) -> tuple[d
                 rows.append({k: v for k, v in reuse[policy].items() if k not in ("kind", "run_id", "table", "step")})
                 continue
             spec = get_system(policy)
-            res = simulate(trace.counts_SLNE, spec.simulator_system(ctx), m, c,
+            res = simulate(trace.counts_ILNE, spec.simulator_system(ctx), m, c,
                            cost_kwargs={"mem_budget_bytes": budget, **spec.cost_options()},
                            micro_batches=args.micro_batches, progress=bar.update)
             s = res.summary()

@@ -155,7 +155,7 @@ class FullGradient:
         fwd_NG = plan.fwd_NG if not bool(plan.dropped_NE.any()) else route_forward(counts_NE, plan.placement_NS)
         N = counts_NE.shape[0]
         return LayerPlan(placement_NS=plan.placement_NS, fwd_NG=fwd_NG, dropped_NE=torch.zeros_like(plan.dropped_NE),
-                         keep_NG=fwd_NG.clone(), bwd_flows_F4=no_flows(),
+                         keep_NG=fwd_NG.clone(), bwd_flows_V4=no_flows(),
                          floor_excess_N=torch.zeros(N, dtype=torch.long), policy=self.name,
                          next_placement_NS=plan.next_placement_NS)
 
@@ -177,16 +177,16 @@ def buffer_load(args) -> float:
 
 
 def make_traces(args, num_ranks: int, num_experts: int, top_k: int, model: str):
-    """[(label, counts_SNE [steps, N, E], tokens per rank)]: the synthetic traces, then the recorded one."""
+    """[(label, counts_INE [steps, N, E], tokens per rank)]: the synthetic traces, then the recorded one."""
     steps = args.warmup + args.steps
     out = []
     for s in args.skew_param:
         trace = generate_trace(steps, 1, num_ranks, num_experts, top_k, args.tokens_per_rank, skew=args.skew,
                                skew_param=s, seed=args.seed, exact=True, model=model)
-        out.append((f"synthetic {args.skew} {s:g}", trace.counts_SLNE[:, 0], args.tokens_per_rank))
+        out.append((f"synthetic {args.skew} {s:g}", trace.counts_ILNE[:, 0], args.tokens_per_rank))
     if args.trace:
         trace = load_trace(args.trace)
-        counts = trace.counts_SLNE[:, args.trace_layer]
+        counts = trace.counts_ILNE[:, args.trace_layer]
         if counts.shape[1:] != (num_ranks, num_experts) or counts.shape[0] < steps:
             raise ValueError(f"--trace {args.trace}: needs at least {steps} steps of [{num_ranks} ranks, "
                              f"{num_experts} experts], got {tuple(counts.shape)}")
@@ -216,7 +216,7 @@ def full_gradient(layer: EPMoELayer, policy, routing, x_TD, dy_TD, grad_scale: f
         shards = layer.store.collect_grad_shards(grad_scale).clone()
     finally:
         layer.accountant, layer.store.accountant, layer.prev_counts_E, layer.last_dispatch = saved
-        layer.store.slots_SP.grad = None
+        layer.store.slots_SW.grad = None
         for p in layer.dense_parameters():
             p.grad = None
     return shards, x.grad
@@ -253,7 +253,7 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
     groups = RangeGroups()
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     records = []
-    for label, counts_SNE, T in make_traces(args, N, E, K, cfg.name):
+    for label, counts_INE, T in make_traces(args, N, E, K, cfg.name):
         memory = memory_model(base, args.spare_slots, T, K, D, F, elem, buffer_load(args))
         ctx = system_context(args, N, E, memory, T, K)
         layers = {}
@@ -268,7 +268,7 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
                 layers[name if len(modes) == 1 else f"{name} ({mode})"] = (policy, backward, acc, layer, mode)
         for step in range(args.warmup + args.steps):
             gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-            routing = tokens_from_counts(counts_SNE[step, rank], T, K, gen)
+            routing = tokens_from_counts(counts_INE[step, rank], T, K, gen)
             x_TD = torch.randn(T, D, generator=gen).to(device, dtype)
             dy_TD = torch.randn(T, D, generator=gen).to(device, dtype)
             names = list(layers)
@@ -291,7 +291,7 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
                 record = acc.record()
                 check_counts(record, want, rank)  # raises if any counted byte or pair differs from the formula
                 if not args.no_grad_error:
-                    errors = gradient_errors(layer.store.grad_shards_EP, full_shards, x.grad, full_dx)
+                    errors = gradient_errors(layer.store.grad_shards_EW, full_shards, x.grad, full_dx)
                 for p in layer.dense_parameters():
                     p.grad = None
                 if step < args.warmup:

@@ -102,7 +102,7 @@ class NativeModel:
             return layer
 
         self.model = MoETransformer(cfg, moe_factory, seed=args.seed).to(device)
-        expert_params = {id(layer.store.slots_SP) for layer in self.layers}
+        expert_params = {id(layer.store.slots_SW) for layer in self.layers}
         self.dense = [p for p in self.model.parameters() if id(p) not in expert_params]
         self.opt = torch.optim.AdamW(self.dense, lr=args.lr, weight_decay=0.0)
 
@@ -110,7 +110,7 @@ class NativeModel:
         _, infos, loss, total = self.model(x, y, aux_coef=self.args.aux_coef)
         self.opt.zero_grad(set_to_none=False)
         for layer in self.layers:
-            layer.store.slots_SP.grad = None
+            layer.store.slots_SW.grad = None
         total.backward()
         all_reduce_mean_([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense], self.world)
         self.opt.step()

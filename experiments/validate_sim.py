@@ -130,18 +130,18 @@ def replay_plans(config: dict, bench=None) -> dict:
         print(f"validate_sim: the recorded trace {ns.trace} is gone; its records are left out", file=sys.stderr)
         ns.trace = None
     out = {}
-    for label, counts_SNE, tokens in bench.make_traces(ns, n, model.num_experts, model.top_k, model.name):
+    for label, counts_INE, tokens in bench.make_traces(ns, n, model.num_experts, model.top_k, model.name):
         buffer_load = 1.0 + ns.eps if ns.buffer_load is None else ns.buffer_load
         memory = bench.memory_model(base, ns.spare_slots, tokens, model.top_k, model.hidden, model.expert_ffn, elem,
                                     buffer_load)
-        global_SE = counts_SNE.sum(1)
+        global_IE = counts_INE.sum(1)
         for name in ns.policies:
             policy, backward = bench.make_policy(
                 name, bench.system_context(ns, n, model.num_experts, memory, tokens, model.top_k))
             plans, nxt = [], []
-            for step in range(counts_SNE.shape[0]):
-                prev = global_SE[step - 1] if step else None
-                plans.append(policy.plan(counts_SNE[step], prev))
+            for step in range(counts_INE.shape[0]):
+                prev = global_IE[step - 1] if step else None
+                plans.append(policy.plan(counts_INE[step], prev))
                 nxt.append(plans[-1].next_placement_NS)
             out[(label, name)] = {"plans": plans, "next": nxt, "backward": backward, "memory": memory}
     return out
@@ -203,7 +203,7 @@ def predict(replay: dict, config: dict, calibration: str | Path, clock: str | No
                        mem_budget_bytes=rep["memory"].budget_bytes, replica_grad=bench_replica_grad(config),
                        combine_cols=get_metric(rep["backward"].metric).combine_cols)
         for t, plan in enumerate(rep["plans"][warmup:]):
-            ms_NC = cm.cost(plan).time_NP[:, cols] * 1e3
+            ms_NC = cm.cost(plan).time_NH[:, cols] * 1e3
             frames.append(pd.DataFrame({"trace": trace, "policy": policy, "step": t,
                                         "phase": [p for _ in range(n) for p in COVERED],
                                         "rank": [r for r in range(n) for _ in COVERED],

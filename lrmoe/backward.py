@@ -11,7 +11,7 @@ every pair, whatever this backward keeps.
 Backward, on every rank (DESIGN.md §4 steps 4–8):
 
 1. *Select, at home.* grad_o = g·δ arrives for each pair. If the plan trims (keep_NG < fwd_NG) or moves pairs
-   (bwd_flows_F4), the recalibration metric scores the pairs and :func:`lrmoe.selection.select` keeps the top
+   (bwd_flows_V4), the recalibration metric scores the pairs and :func:`lrmoe.selection.select` keeps the top
    keep_NG[home, g] of each group (home rank, forward slot g) (or a sample scaled by 1/p, unbiased mode); the
    flows out of (home, g) take the group's lowest-scoring kept pairs (:func:`flow_slots`). Dropped pairs stop
    here: they never cross the network.
@@ -125,11 +125,11 @@ class BackwardRecord:
 
 
 
-def flow_slots(slot_M: Tensor, keep_M: Tensor, scores_M: Tensor, flows_F3: Tensor) -> Tensor:
+def flow_slots(slot_M: Tensor, keep_M: Tensor, scores_M: Tensor, flows_V3: Tensor) -> Tensor:
     """The global slot that runs each row's backward (-1: not kept), by the plan's pair-level rule.
 
-    slot_M: forward slot (the group) of each row of one source rank; keep_M: the selection; flows_F3: that
-    source's rows (from_slot, to_slot, count) of bwd_flows_F4, sorted. The flows out of a group take its
+    slot_M: forward slot (the group) of each row of one source rank; keep_M: the selection; flows_V3: that
+    source's rows (from_slot, to_slot, count) of bwd_flows_V4, sorted. The flows out of a group take its
     lowest-scoring kept rows, the lowest ones to the first flow row; the rest stay. Kept rows are ranked as
     :func:`lrmoe.selection.select` ranks them (score descending, then row index), so "lowest" is its reverse.
     Example: a group of kept rows scored [.9, .1, .5, .3] with flows (g, a, 1), (g, b, 2): the .1 row goes to
@@ -138,15 +138,15 @@ def flow_slots(slot_M: Tensor, keep_M: Tensor, scores_M: Tensor, flows_F3: Tenso
     bwd_M = torch.full_like(slot_M, -1)
     kept = keep_M.nonzero().squeeze(1)
     bwd_M[kept] = slot_M[kept]
-    if not flows_F3.numel() or not kept.numel():
+    if not flows_V3.numel() or not kept.numel():
         return bwd_M
     perm = group_order(scores_M[kept], slot_M[kept])
     rows, g = kept[perm], slot_M[kept][perm]
-    num_groups = int(torch.maximum(g.max(), flows_F3[:, 0].max())) + 1
+    num_groups = int(torch.maximum(g.max(), flows_V3[:, 0].max())) + 1
     size = torch.bincount(g, minlength=num_groups)
     start = torch.cumsum(size, 0) - size
     low = size[g] - 1 - (torch.arange(g.numel()) - start[g])  # 0 = the group's lowest-scoring kept row
-    frm, to, cnt = flows_F3.long().unbind(1)
+    frm, to, cnt = flows_V3.long().unbind(1)
     cum = torch.cumsum(cnt, 0)
     first = torch.ones_like(frm, dtype=torch.bool)
     first[1:] = frm[1:] != frm[:-1]
@@ -182,7 +182,7 @@ class Saved:
     """What the forward leaves for the backward on one rank (held by autograd, freed with the graph)."""
 
     x_TD: Tensor  # the local tokens: input rows of the pairs the backward moves
-    slots_SP: Tensor  # the slot weights the forward used
+    slots_SW: Tensor  # the slot weights the forward used
     act: Activations  # the local slots' activations, slot-major (slot, source, forward order)
     h_norm_M: Tensor | None  # ‖h‖ of each pair at home (metric m2)
     o_MD: Tensor | None  # the pairs' outputs at home (metric m3)
@@ -209,12 +209,12 @@ class ExpertExchange:
         self.extra_cols = self.metric.combine_cols if self.selects else 0  # e.g. ‖h‖ rides home on the combine
 
     # -- forward -----------------------------------------------------------------------------------------------
-    def forward(self, x_TD: Tensor, slots_SP: Tensor) -> tuple[Tensor, Saved]:
+    def forward(self, x_TD: Tensor, slots_SW: Tensor) -> tuple[Tensor, Saved]:
         d, comm = self.dispatch, self.comm
         x_slot_RD, held = self.dispatcher.dispatch(x_TD, d)
         with comm.phase("expert_fwd"):
             offs_S = slot_offsets(d.rows_per_slot_S, x_TD.device)
-            y_slot_RD, act = self.experts.forward(x_slot_RD, slots_SP, offs_S)
+            y_slot_RD, act = self.experts.forward(x_slot_RD, slots_SW, offs_S)
             extra_RC = None
             if self.extra_cols:  # the metric's per-pair scalars from the expert side (‖h‖)
                 extra_RC = torch.linalg.vector_norm(act.h_MF, dim=1)[:, None]
@@ -222,7 +222,7 @@ class ExpertExchange:
         comm.count_bytes("token_buffer_bytes", *held, *held_back)
         keep_o = self.selects and self.metric.save_output
         h_norm_M = extra_MC[:, 0] if extra_MC is not None else None
-        return o_MD, Saved(x_TD, slots_SP, act, h_norm_M, o_MD if keep_o else None)
+        return o_MD, Saved(x_TD, slots_SW, act, h_norm_M, o_MD if keep_o else None)
 
     # -- backward, at home: the selection ----------------------------------------------------------------------
     def select(self, grad_o_MD: Tensor, saved: Saved) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -245,7 +245,7 @@ class ExpertExchange:
         group_M = d.slot_P[at]
         selection = select(scores_M, group_M, plan.keep_NG[rank].clone(), cfg.mode, self.generator,
                            uniform_mix=cfg.uniform_mix)
-        flows = plan.bwd_flows_F4
+        flows = plan.bwd_flows_V4
         bwd_M = flow_slots(group_M, selection.keep_P, scores_M, flows[flows[:, 0] == rank][:, 1:])
         rec.keep_P = torch.zeros(P, dtype=torch.bool).index_copy_(0, at, selection.keep_P)
         rec.scale_P = torch.zeros(P, dtype=grad_o_MD.dtype).index_copy_(0, at, selection.scale_P.to(grad_o_MD.dtype))
@@ -270,7 +270,7 @@ class ExpertExchange:
                 payload, ret_plan = self._pack_forward_layout(grad_o_MD, saved, keep_M, scale_M, bwd_M, moved_M)
             if payload.shape[0] != int(send_NN[rank].sum()):
                 raise RuntimeError(f"rank {rank}: the backward packet has {payload.shape[0]} rows, the plan says "
-                                   f"{int(send_NN[rank].sum())}: the selection disagrees with keep_NG / bwd_flows_F4")
+                                   f"{int(send_NN[rank].sum())}: the selection disagrees with keep_NG / bwd_flows_V4")
         recv = comm.exchange(payload, send_NN[rank].tolist(), send_NN[:, rank].tolist(), "combine_a2a_bwd")
         index_recv = None
         if self.compact:
@@ -353,45 +353,45 @@ class ExpertExchange:
         with them, or their position in the forward layout); moved rows recompute from their carried input."""
         d, plan = self.dispatch, self.plan
         N, S, device = plan.num_ranks, plan.slots_per_rank, recv.device
-        kind_Q, slot_Q, src_Q = (t.to(device) for t in receive_layout(plan, self.comm.rank, self.compact))
-        grad_pos = (kind_Q != CARRY).nonzero().squeeze(1)
-        order = torch.argsort(slot_Q[grad_pos], stable=True)
-        at_B = grad_pos[order]  # receive position of each batch row
-        kind_B, slot_B = kind_Q[at_B], slot_Q[at_B]
-        B = at_B.numel()
+        kind_R, slot_R, src_R = (t.to(device) for t in receive_layout(plan, self.comm.rank, self.compact))
+        grad_pos = (kind_R != CARRY).nonzero().squeeze(1)
+        order = torch.argsort(slot_R[grad_pos], stable=True)
+        at_X = grad_pos[order]  # receive position of each batch row
+        kind_X, slot_X = kind_R[at_X], slot_R[at_X]
+        B = at_X.numel()
         act_saved = saved.act
-        stay_Q = kind_Q == STAY
-        within_Q = torch.zeros_like(kind_Q)
+        stay_R = kind_R == STAY
+        within_R = torch.zeros_like(kind_R)
         if self.compact:
-            within_Q[stay_Q] = index_recv.to(device).long()
+            within_R[stay_R] = index_recv.to(device).long()
         else:  # the staying rows of a (source, slot) segment are all its forward rows, in order
-            seg = (src_Q * S + slot_Q)[stay_Q]
+            seg = (src_R * S + slot_R)[stay_R]
             size = torch.bincount(seg, minlength=N * S)
-            within_Q[stay_Q] = torch.arange(seg.numel(), device=device) - (torch.cumsum(size, 0) - size)[seg]
+            within_R[stay_R] = torch.arange(seg.numel(), device=device) - (torch.cumsum(size, 0) - size)[seg]
         fwd_SN = d.recv_counts_NS.to(device).T.reshape(-1)  # forward rows per (slot, source), slot-major
-        saved_Q = (torch.cumsum(fwd_SN, 0) - fwd_SN)[slot_Q * N + src_Q] + within_Q
-        if not self.compact and B == act_saved.x_MD.shape[0] and bool((kind_B == STAY).all()):
+        saved_R = (torch.cumsum(fwd_SN, 0) - fwd_SN)[slot_R * N + src_R] + within_R
+        if not self.compact and B == act_saved.x_MD.shape[0] and bool((kind_X == STAY).all()):
             act = act_saved  # every forward row in the forward's order: the saved activations as they are
         else:
-            st = (kind_B == STAY).nonzero().squeeze(1)
-            mv = (kind_B == MOVED).nonzero().squeeze(1)
+            st = (kind_X == STAY).nonzero().squeeze(1)
+            mv = (kind_X == MOVED).nonzero().squeeze(1)
             parts = [t.new_empty((B,) + t.shape[1:]) for t in act_saved]
-            rows = saved_Q[at_B[st]]
+            rows = saved_R[at_X[st]]
             for dst, src in zip(parts, act_saved):
                 dst.index_copy_(0, st, src.index_select(0, rows))
             if mv.numel():  # the k-th moved gradient row (receive order) owns the k-th carried input row
-                moved_rank_Q = torch.cumsum((kind_Q == MOVED).long(), 0) - 1
-                carry_Q = (kind_Q == CARRY).nonzero().squeeze(1)
-                x_mv = recv.index_select(0, carry_Q[moved_rank_Q[at_B[mv]]])
-                offs_mv = slot_offsets(torch.bincount(slot_B[mv], minlength=S), device)
-                _, redo = self.experts.forward(x_mv, saved.slots_SP, offs_mv)
+                moved_rank_R = torch.cumsum((kind_R == MOVED).long(), 0) - 1
+                carry_R = (kind_R == CARRY).nonzero().squeeze(1)
+                x_mv = recv.index_select(0, carry_R[moved_rank_R[at_X[mv]]])
+                offs_mv = slot_offsets(torch.bincount(slot_X[mv], minlength=S), device)
+                _, redo = self.experts.forward(x_mv, saved.slots_SW, offs_mv)
                 for dst, src in zip(parts, redo):
                     dst.index_copy_(0, mv, src)
             act = Activations(*parts)
-        offs_S = slot_offsets(torch.bincount(slot_B, minlength=S), device)
-        dx_B, d_slots = self.experts.backward(act, recv.index_select(0, at_B), saved.slots_SP, offs_S, input_grad)
+        offs_S = slot_offsets(torch.bincount(slot_X, minlength=S), device)
+        dx_X, d_slots = self.experts.backward(act, recv.index_select(0, at_X), saved.slots_SW, offs_S, input_grad)
         self.comm.count("pairs_bwd", B)
-        dx_rows = torch.empty_like(dx_B).index_copy_(0, order, dx_B) if input_grad else None  # receive order
+        dx_rows = torch.empty_like(dx_X).index_copy_(0, order, dx_X) if input_grad else None  # receive order
         return dx_rows, d_slots
 
     def _unpack_home(self, back: Tensor, ret_plan, ret_splits: list[int]) -> Tensor:
@@ -410,24 +410,24 @@ class ExpertExchange:
 
 
 class _Exchange(torch.autograd.Function):
-    """x_TD, slots_SP → o_MD (see the module doc). The backward is :meth:`ExpertExchange.backward`."""
+    """x_TD, slots_SW → o_MD (see the module doc). The backward is :meth:`ExpertExchange.backward`."""
 
     @staticmethod
-    def forward(ctx, x_TD: Tensor, slots_SP: Tensor, state: ExpertExchange):
-        o_MD, saved = state.forward(x_TD, slots_SP)
+    def forward(ctx, x_TD: Tensor, slots_SW: Tensor, state: ExpertExchange):
+        o_MD, saved = state.forward(x_TD, slots_SW)
         ctx.state = state
-        ctx.save_for_backward(x_TD, slots_SP, *saved.act, saved.h_norm_M, saved.o_MD)
+        ctx.save_for_backward(x_TD, slots_SW, *saved.act, saved.h_norm_M, saved.o_MD)
         return o_MD
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_o_MD: Tensor):
-        x_TD, slots_SP, x_MD, gate_MF, up_MF, h_MF, h_norm_M, o_MD = ctx.saved_tensors
-        saved = Saved(x_TD, slots_SP, Activations(x_MD, gate_MF, up_MF, h_MF), h_norm_M, o_MD)
+        x_TD, slots_SW, x_MD, gate_MF, up_MF, h_MF, h_norm_M, o_MD = ctx.saved_tensors
+        saved = Saved(x_TD, slots_SW, Activations(x_MD, gate_MF, up_MF, h_MF), h_norm_M, o_MD)
         dx_TD, d_slots = ctx.state.backward(grad_o_MD.contiguous(), saved, ctx.needs_input_grad[0])
         return dx_TD, d_slots, None
 
 
-def expert_exchange(x_TD: Tensor, slots_SP: Tensor, state: ExpertExchange) -> Tensor:
+def expert_exchange(x_TD: Tensor, slots_SW: Tensor, state: ExpertExchange) -> Tensor:
     """o_MD of the recalibrated exchange (see the module doc), differentiable in x_TD and the slot weights."""
-    return _Exchange.apply(x_TD, slots_SP, state)
+    return _Exchange.apply(x_TD, slots_SW, state)

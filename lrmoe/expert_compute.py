@@ -65,28 +65,28 @@ def swiglu_backward(act: Activations, dy_MD: Tensor, weights, offs_S: Tensor, ba
 class SwiGLUExperts:
     """The expert computation seam of the exchange: the local slots' SwiGLU experts on slot-sorted rows.
 
-    ``forward(x_MD, slots_SP, offs_S) -> (y_MD, activations)`` and ``backward(act, dy_MD, slots_SP, offs_S,
-    input_grad) -> (dx_MD or None, d_slots_SP)``, with the slots' weights flat [S, 3·D·F] as the replica store holds
+    ``forward(x_MD, slots_SW, offs_S) -> (y_MD, activations)`` and ``backward(act, dy_MD, slots_SW, offs_S,
+    input_grad) -> (dx_MD or None, d_slots_SW)``, with the slots' weights flat [S, 3·D·F] as the replica store holds
     them. Another expert type (or a test's identity expert) is another object with these two calls.
     """
 
     def __init__(self, hidden: int, ffn: int, backend: str | None = None):
         self.hidden, self.ffn, self.backend = hidden, ffn, backend
 
-    def weights(self, slots_SP: Tensor):
+    def weights(self, slots_SW: Tensor):
         """(w_gate_SDF, w_up_SDF, w_down_SFD) views of the flat slot weights."""
         DF = self.hidden * self.ffn
-        S = slots_SP.shape[0]
-        return (slots_SP[:, :DF].view(S, self.hidden, self.ffn), slots_SP[:, DF:2 * DF].view(S, self.hidden, self.ffn),
-                slots_SP[:, 2 * DF:].view(S, self.ffn, self.hidden))
+        S = slots_SW.shape[0]
+        return (slots_SW[:, :DF].view(S, self.hidden, self.ffn), slots_SW[:, DF:2 * DF].view(S, self.hidden, self.ffn),
+                slots_SW[:, 2 * DF:].view(S, self.ffn, self.hidden))
 
-    def forward(self, x_MD: Tensor, slots_SP: Tensor, offs_S: Tensor) -> tuple[Tensor, Activations]:
-        return swiglu_forward(x_MD, self.weights(slots_SP), offs_S, self.backend)
+    def forward(self, x_MD: Tensor, slots_SW: Tensor, offs_S: Tensor) -> tuple[Tensor, Activations]:
+        return swiglu_forward(x_MD, self.weights(slots_SW), offs_S, self.backend)
 
-    def backward(self, act: Activations, dy_MD: Tensor, slots_SP: Tensor, offs_S: Tensor,
+    def backward(self, act: Activations, dy_MD: Tensor, slots_SW: Tensor, offs_S: Tensor,
                  input_grad: bool = True) -> tuple[Tensor | None, Tensor]:
-        dx_MD, dw_gate, dw_up, dw_down = swiglu_backward(act, dy_MD, self.weights(slots_SP), offs_S, self.backend,
+        dx_MD, dw_gate, dw_up, dw_down = swiglu_backward(act, dy_MD, self.weights(slots_SW), offs_S, self.backend,
                                                          input_grad)
-        S = slots_SP.shape[0]
-        d_slots_SP = torch.cat([dw_gate.reshape(S, -1), dw_up.reshape(S, -1), dw_down.reshape(S, -1)], 1)
-        return dx_MD, d_slots_SP.to(slots_SP.dtype)
+        S = slots_SW.shape[0]
+        d_slots_SW = torch.cat([dw_gate.reshape(S, -1), dw_up.reshape(S, -1), dw_down.reshape(S, -1)], 1)
+        return dx_MD, d_slots_SW.to(slots_SW.dtype)

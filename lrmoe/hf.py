@@ -164,7 +164,7 @@ class _HeldPlacement:
         fwd_NG = route_forward(counts_NE, self.placement_NS, "even")
         N, E = counts_NE.shape
         return LayerPlan(placement_NS=self.placement_NS, fwd_NG=fwd_NG, dropped_NE=torch.zeros(N, E, dtype=torch.long),
-                         keep_NG=fwd_NG.clone(), bwd_flows_F4=no_flows(),
+                         keep_NG=fwd_NG.clone(), bwd_flows_V4=no_flows(),
                          floor_excess_N=torch.zeros(N, dtype=torch.long), policy=self.name)
 
 
@@ -204,8 +204,8 @@ class EPExperts(nn.Module):
         """(gate_up_proj, down_proj) of every expert in the slots' dtype, from the fp32 master shards of all ranks
         (collective)."""
         store = self.layer.store
-        flat_EP = store.full_master().to(store.dtype)
-        return reference_to_hf(*unflatten_experts(flat_EP, store.hidden, store.ffn))
+        flat_EW = store.full_master().to(store.dtype)
+        return reference_to_hf(*unflatten_experts(flat_EW, store.hidden, store.ffn))
 
     @torch.no_grad()
     def load_hf_weights(self, gate_up_EXD: torch.Tensor, down_EDF: torch.Tensor) -> None:
@@ -216,14 +216,14 @@ class EPExperts(nn.Module):
         if (tuple(gate_up_EXD.shape), tuple(down_EDF.shape)) != expected:
             raise ValueError(f"gate_up_proj {tuple(gate_up_EXD.shape)} and down_proj {tuple(down_EDF.shape)} do not "
                              f"match this layer's experts {expected}")
-        flat_EP = flatten_experts(*hf_to_reference(gate_up_EXD, down_EDF)).to(store.device)
+        flat_EW = flatten_experts(*hf_to_reference(gate_up_EXD, down_EDF)).to(store.device)
         lo, hi = store.bounds[store.rank]
-        store.master_EP.copy_(flat_EP[:, lo:hi].to(torch.float32))
+        store.master_EW.copy_(flat_EW[:, lo:hi].to(torch.float32))
         for j, e in enumerate(store.placement_NS[store.rank].tolist()):
             if e >= 0:
-                store.slots_SP[j].copy_(flat_EP[e].to(store.dtype))
+                store.slots_SW[j].copy_(flat_EW[e].to(store.dtype))
             else:
-                store.slots_SP[j].zero_()
+                store.slots_SW[j].zero_()
 
 
 def _emit_hf_weights(module: EPExperts, state_dict: dict, prefix: str, local_metadata) -> None:
@@ -399,7 +399,7 @@ class HFExpertParallel:
         """Clear the dense and the expert slots' gradients (no collective)."""
         self.model.zero_grad(set_to_none=True)
         for layer in self.layers:
-            layer.store.slots_SP.grad = None
+            layer.store.slots_SW.grad = None
 
     # -- inspection ----------------------------------------------------------------------------------------------
     def gather_expert_grads(self, grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -409,8 +409,8 @@ class HFExpertParallel:
         for name, layer in zip(self.names, self.layers):
             store = layer.store
             store.sync_replica_grads()
-            flat_EP = store.gather_full(store.collect_grad_shards(grad_scale))
-            gate_up, down = reference_to_hf(*unflatten_experts(flat_EP, store.hidden, store.ffn))
+            flat_EW = store.gather_full(store.collect_grad_shards(grad_scale))
+            gate_up, down = reference_to_hf(*unflatten_experts(flat_EW, store.hidden, store.ffn))
             out[f"{name}.experts.gate_up_proj"], out[f"{name}.experts.down_proj"] = gate_up, down
         return out
 
@@ -433,8 +433,8 @@ class HFExpertParallel:
         out = []
         for layer in self.layers:
             store = layer.store
-            out.append({"slots_SP": store.slots_SP.detach().clone(), "master_EP": store.master_EP.clone(),
-                        "exp_avg_EP": store.exp_avg_EP.clone(), "exp_avg_sq_EP": store.exp_avg_sq_EP.clone(),
+            out.append({"slots_SW": store.slots_SW.detach().clone(), "master_EW": store.master_EW.clone(),
+                        "exp_avg_EW": store.exp_avg_EW.clone(), "exp_avg_sq_EW": store.exp_avg_sq_EW.clone(),
                         "placement_NS": store.placement_NS.clone(), "adam_steps": store.adam_steps,
                         "prev_counts_E": layer.prev_counts_E,
                         "bwd_generator": None if layer.bwd_generator is None else layer.bwd_generator.get_state()})
@@ -447,7 +447,7 @@ class HFExpertParallel:
             raise ValueError(f"{len(states)} layer states for {len(self.layers)} swapped layers")
         for layer, state in zip(self.layers, states):
             store = layer.store
-            for key in ("slots_SP", "master_EP", "exp_avg_EP", "exp_avg_sq_EP"):
+            for key in ("slots_SW", "master_EW", "exp_avg_EW", "exp_avg_sq_EW"):
                 getattr(store, key).copy_(state[key])
             store.placement_NS = state["placement_NS"].clone()
             store.adam_steps = state["adam_steps"]
@@ -461,5 +461,5 @@ def gather_trace(recorder: RouterRecorder, **meta) -> Trace:
     source-rank dimension of N · the recorder's virtual ranks (collective; every rank gets it)."""
     local = recorder.trace(**meta)
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local.counts_SLNE)
+    dist.all_gather_object(parts, local.counts_ILNE)
     return join_ranks([Trace(p, local.meta) for p in parts])

@@ -62,7 +62,7 @@ def check_layer_plan(plan: LayerPlan, counts_NE: torch.Tensor, placement_NS: tor
     if not torch.equal(plan.resident_NS.cpu(), placement_NS):
         raise ValueError(f"plan.placement_NS {plan.placement_NS.tolist()} differs from the placement the slots hold "
                          f"{placement_NS.tolist()}: move the weights first (expert_step(next_placement_NS=...))")
-    if not recalibrated and (not torch.equal(plan.keep_NG, plan.fwd_NG) or plan.bwd_flows_F4.numel()):
+    if not recalibrated and (not torch.equal(plan.keep_NG, plan.fwd_NG) or plan.bwd_flows_V4.numel()):
         raise NeedsRecalibration(f"plan of policy {getattr(plan, 'policy', '?')!r} keeps fewer pairs for the "
                                  f"backward or routes them between replicas; that needs the recalibrated backward "
                                  f"hook: build the layer with backward=BackwardConfig(...)")
@@ -200,7 +200,7 @@ class EPMoELayer(nn.Module):
         record = BackwardRecord(top_k=K)
         state = ExpertExchange(self.dispatcher, dispatch, gate_TK, self.backward_config or PLAIN_BACKWARD,
                                self.bwd_generator, record, self.experts)
-        o_MD = expert_exchange(x_TD, self.store.slots_SP, state)
+        o_MD = expert_exchange(x_TD, self.store.slots_SW, state)
         y_TD = self.dispatcher.unpermute(o_MD, dispatch, gate_TK, pair_hook)
         if self.shared:
             with comm.phase("shared_fwd"):

@@ -56,7 +56,7 @@ def pair_matrix_NN(x_NG: Tensor, slots_per_rank: int) -> Tensor:
 
 def plan_selects(plan) -> bool:
     """Whether the plan's backward needs scores: it keeps fewer pairs than it computes, or moves some."""
-    return bool(plan.bwd_flows_F4.numel()) or not torch.equal(plan.keep_NG, plan.fwd_NG)
+    return bool(plan.bwd_flows_V4.numel()) or not torch.equal(plan.keep_NG, plan.fwd_NG)
 
 
 def uses_compact(plan, compact: bool) -> bool:

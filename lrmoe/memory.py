@@ -181,7 +181,7 @@ def plan_loads(plan, compact: bool = True, slot_capacity_rows: int | None = None
         gemm_N = torch.maximum(gemm_N, padded_N)
         exp_send_N = torch.maximum(exp_send_N, padded_N * int(input_grad))
     index_N = (index_NG.sum(1) + _per_rank(index_NG.sum(0), N)).to(dtype)
-    moved_N = _per_rank(plan.moved_NG.sum(0), N).to(dtype) if plan.bwd_flows_F4.numel() else torch.zeros(N, dtype=dtype)
+    moved_N = _per_rank(plan.moved_NG.sum(0), N).to(dtype) if plan.bwd_flows_V4.numel() else torch.zeros(N, dtype=dtype)
     return LayerLoads(slots_N=torch.full((N,), float(S), dtype=dtype), expert_N=expert_N,
                       home_N=plan.fwd_NG.sum(1).to(dtype), bwd_home_send_N=send_NG.sum(1).to(dtype),
                       bwd_home_recv_N=ret_NG.sum(1).to(dtype), bwd_expert_recv_N=exp_recv_N,

@@ -130,6 +130,6 @@ class Online:
         placement_NS = online_replicas(counts_NE.sum(0), N, self.spare_slots, self.ranks_per_node)
         fwd_NG = forward_on(counts_NE, replica_table(placement_NS, E), self.forward, self.balance_iters)
         return LayerPlan(placement_NS=placement_NS, fwd_NG=fwd_NG, dropped_NE=torch.zeros(N, E, dtype=torch.long),
-                         keep_NG=fwd_NG.clone(), bwd_flows_F4=no_flows(),
+                         keep_NG=fwd_NG.clone(), bwd_flows_V4=no_flows(),
                          floor_excess_N=torch.zeros(N, dtype=torch.long), policy=self.name,
                          next_placement_NS=home_NS, push_src_G=push_sources(placement_NS, home_NS))

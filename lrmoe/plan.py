@@ -8,7 +8,7 @@ Pair-level rule every consumer follows. The pairs of (source n, expert e), in to
 ones (the last by position, or the lowest-gate ones, per ``drop_by``), fill e's slots in increasing g,
 fwd_NG[n, g] pairs each. In the backward, group (n, g) keeps its top keep_NG[n, g] pairs by recalibration
 score (or a sample, in unbiased mode); the flows out of (n, g) take the lowest-scoring kept pairs of the group,
-the lowest ones to the first of its rows in bwd_flows_F4 (rows are sorted by (src, from_slot, to_slot)).
+the lowest ones to the first of its rows in bwd_flows_V4 (rows are sorted by (src, from_slot, to_slot)).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ DROP_RULES = ("position", "gate")
 
 
 def no_flows() -> Tensor:
-    """An empty bwd_flows_F4."""
+    """An empty bwd_flows_V4."""
     return torch.zeros(0, 4, dtype=torch.long)
 
 
@@ -34,7 +34,7 @@ class LayerPlan:
     fwd_NG         [N, G] forward pairs from source rank n computed on global slot g.
     dropped_NE     [N, E] forward pairs of (source n, expert e) dropped by a capacity (0 for dropless plans).
     keep_NG        [N, G] of fwd_NG, the pairs retained for the backward (== fwd_NG without quotas).
-    bwd_flows_F4   [F, 4] rows (src, from_slot, to_slot, count): retained pairs whose backward runs on another
+    bwd_flows_V4   [F, 4] rows (src, from_slot, to_slot, count): retained pairs whose backward runs on another
                    replica of the same expert; each brings its input row there (no copy needed when to_slot
                    is on the source rank, which holds the row: see ``carry_NG``). Rows sorted, one per triple.
     floor_excess_N [N]    retained backward pairs above a rank's cap that the per-expert floor forced.
@@ -56,7 +56,7 @@ class LayerPlan:
     fwd_NG: Tensor
     dropped_NE: Tensor
     keep_NG: Tensor
-    bwd_flows_F4: Tensor
+    bwd_flows_V4: Tensor
     floor_excess_N: Tensor
     bwd_cap_N: Tensor | None = None
     policy: str = ""
@@ -134,7 +134,7 @@ class LayerPlan:
     # --- backward ------------------------------------------------------------------------------------------
     def _flow_matrix(self, column: int) -> Tensor:
         out = torch.zeros(self.num_ranks * self.num_slots, dtype=torch.long)
-        f = self.bwd_flows_F4
+        f = self.bwd_flows_V4
         if len(f):
             out.index_add_(0, f[:, 0] * self.num_slots + f[:, column], f[:, 3])
         return out.view(self.num_ranks, self.num_slots)
@@ -189,9 +189,9 @@ class LayerPlan:
             if not isinstance(t, Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != torch.long:
                 raise ValueError(f"LayerPlan.{name} must be a long tensor of shape {tuple(shape)}, got "
                                  f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
-        f = self.bwd_flows_F4
+        f = self.bwd_flows_V4
         if not isinstance(f, Tensor) or f.dim() != 2 or f.shape[1] != 4 or f.dtype != torch.long:
-            raise ValueError(f"LayerPlan.bwd_flows_F4 must be a long tensor of shape (F, 4), got "
+            raise ValueError(f"LayerPlan.bwd_flows_V4 must be a long tensor of shape (F, 4), got "
                              f"{getattr(f, 'dtype', type(f))} {tuple(getattr(f, 'shape', ()))}")
         if self.drop_by not in DROP_RULES:
             raise ValueError(f"LayerPlan.drop_by={self.drop_by!r} is not one of {DROP_RULES}")
@@ -212,18 +212,18 @@ class LayerPlan:
         if len(f):
             src, frm, to, cnt = f.unbind(1)
             if int(src.min()) < 0 or int(src.max()) >= N:
-                raise ValueError(f"LayerPlan.bwd_flows_F4 has a source rank outside [0, {N})")
+                raise ValueError(f"LayerPlan.bwd_flows_V4 has a source rank outside [0, {N})")
             if int(torch.minimum(frm, to).min()) < 0 or int(torch.maximum(frm, to).max()) >= G:
-                raise ValueError(f"LayerPlan.bwd_flows_F4 has a slot outside [0, {G})")
+                raise ValueError(f"LayerPlan.bwd_flows_V4 has a slot outside [0, {G})")
             if bool((cnt <= 0).any()):
-                raise ValueError("LayerPlan.bwd_flows_F4 has a non-positive count")
+                raise ValueError("LayerPlan.bwd_flows_V4 has a non-positive count")
             if bool((frm == to).any()):
-                raise ValueError("LayerPlan.bwd_flows_F4 has a flow from a slot to itself")
+                raise ValueError("LayerPlan.bwd_flows_V4 has a flow from a slot to itself")
             ex = self.slot_expert_G
             if bool(((ex[frm] != ex[to]) | (ex[frm] < 0)).any()):
-                raise ValueError("LayerPlan.bwd_flows_F4 moves pairs between slots of different experts")
+                raise ValueError("LayerPlan.bwd_flows_V4 moves pairs between slots of different experts")
             if bool((self.moved_out_NG > self.keep_NG).any()):
-                raise ValueError("LayerPlan.bwd_flows_F4 moves more pairs out of a group than it keeps")
+                raise ValueError("LayerPlan.bwd_flows_V4 moves more pairs out of a group than it keeps")
         if self.push_src_G is not None:
             self._validate_push()
         if counts_NE is not None and not torch.equal(self.routed_NE, counts_NE.long()):

@@ -83,7 +83,7 @@ def _forward_only(policy: str, placements: tuple[Tensor, Tensor], fwd_NG: Tensor
     placement_NS, next_NS = placements
     N = placement_NS.shape[0]
     return LayerPlan(placement_NS=placement_NS, fwd_NG=fwd_NG, dropped_NE=dropped_NE, keep_NG=fwd_NG.clone(),
-                     bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(N, dtype=torch.long), policy=policy,
+                     bwd_flows_V4=no_flows(), floor_excess_N=torch.zeros(N, dtype=torch.long), policy=policy,
                      drop_by=drop_by, next_placement_NS=next_NS)
 
 
@@ -279,13 +279,13 @@ class LRMoE:
         if not (self.quotas or self.backward_routing):
             return plan
         cap_N = self.caps(plan.fwd_load_N, placement_NS.shape[1], fwd_NG.sum(1))
-        flows_F4 = backward_on(fwd_NG, table, cap_N, self.backward_rounds) if self.backward_routing else no_flows()
+        flows_V4 = backward_on(fwd_NG, table, cap_N, self.backward_rounds) if self.backward_routing else no_flows()
         if self.quotas:
             keep_NG, floor_excess_N = retention_quotas(fwd_NG, placement_NS.reshape(-1), cap_N, self.gamma,
-                                                       flows_F4)
+                                                       flows_V4)
         else:
             keep_NG, floor_excess_N = fwd_NG.clone(), torch.zeros(N, dtype=torch.long)
-        return dataclasses.replace(plan, keep_NG=keep_NG, bwd_flows_F4=flows_F4, floor_excess_N=floor_excess_N,
+        return dataclasses.replace(plan, keep_NG=keep_NG, bwd_flows_V4=flows_V4, floor_excess_N=floor_excess_N,
                                    bwd_cap_N=cap_N)
 
 
@@ -309,7 +309,7 @@ class Trimmed:
 
     def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
         plan = self.policy.plan(counts_NE, prev_counts_E)
-        if len(plan.bwd_flows_F4) or not torch.equal(plan.keep_NG, plan.fwd_NG):
+        if len(plan.bwd_flows_V4) or not torch.equal(plan.keep_NG, plan.fwd_NG):
             raise ValueError(f"Trimmed wraps plans that keep every computed pair where it ran; policy "
                              f"{plan.policy!r} already trims or moves its backward")
         cap_N = budget_caps(plan.fwd_load_N, self.rho)

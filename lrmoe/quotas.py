@@ -101,7 +101,7 @@ def expert_floor(fwd_E: Tensor, gamma: float) -> Tensor:
 
 
 def retention_quotas(fwd_NG: Tensor, expert_G: Tensor, cap_N: Tensor, gamma: float,
-                     bwd_flows_F4: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                     bwd_flows_V4: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Integer quotas keep_NG <= fwd_NG that bring every rank's backward load down to its cap.
 
     Args:
@@ -109,7 +109,7 @@ def retention_quotas(fwd_NG: Tensor, expert_G: Tensor, cap_N: Tensor, gamma: flo
         expert_G: [G] expert of each slot (-1 empty), i.e. ``placement_NS.reshape(-1)``.
         cap_N: [N] backward cap per rank (:func:`rank_caps`).
         gamma: per-expert floor fraction in [0, 1].
-        bwd_flows_F4: rows (src, from_slot, to_slot, count) already planned by the backward replica routing:
+        bwd_flows_V4: rows (src, from_slot, to_slot, count) already planned by the backward replica routing:
             those pairs are retained and counted on the destination rank. Destinations must stay within
             their cap (route_backward guarantees it); a flow landing on a rank it pushes over the cap raises.
 
@@ -128,19 +128,19 @@ def retention_quotas(fwd_NG: Tensor, expert_G: Tensor, cap_N: Tensor, gamma: flo
     if expert_G.shape != (G,):
         raise ValueError(f"expert_G has shape {tuple(expert_G.shape)}, expected ({G},)")
     gamma = check_fraction("gamma", gamma, 1.0)
-    flows = None if bwd_flows_F4 is None or not len(bwd_flows_F4) else long_array(bwd_flows_F4)
+    flows = None if bwd_flows_V4 is None or not len(bwd_flows_V4) else long_array(bwd_flows_V4)
     keep, excess = _retention_quotas(long_array(fwd_NG), long_array(expert_G), long_array(cap_N), gamma, flows)
     return torch.from_numpy(keep), torch.from_numpy(excess)
 
 
 def _retention_quotas(fwd_NG: np.ndarray, expert_G: np.ndarray, cap_N: np.ndarray, gamma: float,
-                      flows_F4: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+                      flows_V4: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     N, G = fwd_NG.shape
     S = G // N
     stay_NG = fwd_NG
     in_N = np.zeros(N, dtype=np.int64)
-    if flows_F4 is not None:
-        src, frm, to, cnt = flows_F4.T
+    if flows_V4 is not None:
+        src, frm, to, cnt = flows_V4.T
         stay_NG = fwd_NG - np.bincount(src * G + frm, weights=cnt, minlength=N * G).astype(np.int64).reshape(N, G)
         in_N = np.bincount(to // S, weights=cnt, minlength=N).astype(np.int64)
     load_N = stay_NG.sum(0).reshape(N, S).sum(1) + in_N
@@ -148,7 +148,7 @@ def _retention_quotas(fwd_NG: np.ndarray, expert_G: np.ndarray, cap_N: np.ndarra
     landed = np.flatnonzero((in_N > 0) & (excess_N > 0))
     if len(landed):
         r = landed[0]
-        raise ValueError(f"bwd_flows_F4 move {int(in_N[r])} pairs onto rank {r}, which ends {int(excess_N[r])} "
+        raise ValueError(f"bwd_flows_V4 move {int(in_N[r])} pairs onto rank {r}, which ends {int(excess_N[r])} "
                          f"pairs above its cap {int(cap_N[r])}")
     over = np.flatnonzero(excess_N)
     if not len(over):

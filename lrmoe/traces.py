@@ -12,7 +12,7 @@ Two sampling modes:
   inclusion probabilities of Gumbel-top-k (see :func:`inclusion_probs`). Totals are exact (Σ_e counts = T·k);
   per-expert means match the exact mode's (checked in the tests); per-token distinctness is not modelled.
 
-On-disk format (``.npz``, readable without torch, loaded without pickle): ``counts`` int64 [S, L, N, E] and
+On-disk format (``.npz``, readable without torch, loaded without pickle): ``counts`` int64 [I, L, N, E] and
 ``meta`` (a JSON string: format name and version, model, seed, generator and its parameters, or ``"source":
 "recorded"`` with where the routing came from). :func:`load_trace` checks a file before trusting it: anything else
 (a text file, a pickle, a bare array, a Megatron-Core JSON-lines trace) raises :class:`TraceFormatError` naming the
@@ -47,31 +47,31 @@ TRACE_VERSION = 1
 
 @dataclass
 class Trace:
-    counts_SLNE: torch.Tensor  # long [steps, layers, source ranks, experts]: routed pairs
+    counts_ILNE: torch.Tensor  # long [steps, layers, source ranks, experts]: routed pairs
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.counts_SLNE.dim() != 4:
-            raise ValueError(f"counts_SLNE must be 4-D [steps, layers, ranks, experts], "
-                             f"got shape {tuple(self.counts_SLNE.shape)}")
-        if (self.counts_SLNE < 0).any():
-            raise ValueError("counts_SLNE holds negative counts")
+        if self.counts_ILNE.dim() != 4:
+            raise ValueError(f"counts_ILNE must be 4-D [steps, layers, ranks, experts], "
+                             f"got shape {tuple(self.counts_ILNE.shape)}")
+        if (self.counts_ILNE < 0).any():
+            raise ValueError("counts_ILNE holds negative counts")
 
     @property
     def num_steps(self) -> int:
-        return self.counts_SLNE.shape[0]
+        return self.counts_ILNE.shape[0]
 
     @property
     def num_layers(self) -> int:
-        return self.counts_SLNE.shape[1]
+        return self.counts_ILNE.shape[1]
 
     @property
     def num_ranks(self) -> int:
-        return self.counts_SLNE.shape[2]
+        return self.counts_ILNE.shape[2]
 
     @property
     def num_experts(self) -> int:
-        return self.counts_SLNE.shape[3]
+        return self.counts_ILNE.shape[3]
 
     def save(self, path: str | Path, overwrite: bool = False) -> Path:
         path = Path(path)
@@ -81,15 +81,15 @@ class Trace:
             raise FileExistsError(f"trace file {path} exists; pass overwrite=True to replace it")
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"format": TRACE_FORMAT, "version": TRACE_VERSION, **self.meta}
-        np.savez_compressed(path, counts=self.counts_SLNE.numpy().astype(np.int64), meta=np.array(json.dumps(meta)))
+        np.savez_compressed(path, counts=self.counts_ILNE.numpy().astype(np.int64), meta=np.array(json.dumps(meta)))
         return path
 
     def summary(self) -> dict:
         """Skew statistics over the whole trace: Gini and max/mean of per-expert counts, per layer-step."""
-        per_expert_SLE = self.counts_SLNE.sum(dim=2).double()
-        return {"gini_mean": float(gini(per_expert_SLE).mean()),
-                "max_over_mean_mean": float(max_over_mean(per_expert_SLE).mean()),
-                "max_over_mean_max": float(max_over_mean(per_expert_SLE).max()),
+        per_expert_ILE = self.counts_ILNE.sum(dim=2).double()
+        return {"gini_mean": float(gini(per_expert_ILE).mean()),
+                "max_over_mean_mean": float(max_over_mean(per_expert_ILE).mean()),
+                "max_over_mean_max": float(max_over_mean(per_expert_ILE).max()),
                 "steps": self.num_steps, "layers": self.num_layers, "ranks": self.num_ranks,
                 "experts": self.num_experts, "source": self.meta.get("source", "unknown")}
 
@@ -175,13 +175,13 @@ def join_ranks(traces: Sequence[Trace]) -> Trace:
     order given: what every rank of a data-parallel run recorded, as one N-rank trace."""
     if not traces:
         raise ValueError("join_ranks needs at least one trace")
-    shape = traces[0].counts_SLNE.shape
+    shape = traces[0].counts_ILNE.shape
     for i, t in enumerate(traces):
         if (t.num_steps, t.num_layers, t.num_experts) != (shape[0], shape[1], shape[3]):
             raise ValueError(f"trace {i} has {t.num_steps} steps, {t.num_layers} layers, {t.num_experts} experts; "
                              f"trace 0 has {shape[0]}, {shape[1]}, {shape[3]}")
     meta = dict(traces[0].meta)
-    return Trace(torch.cat([t.counts_SLNE for t in traces], dim=2), meta)
+    return Trace(torch.cat([t.counts_ILNE for t in traces], dim=2), meta)
 
 
 # -- skew statistics ------------------------------------------------------------------------------------------
@@ -325,26 +325,26 @@ def generate_trace(num_steps: int, num_layers: int, num_ranks: int, num_experts:
     else:
         raise ValueError(f"unknown skew {skew!r}; use 'zipf' or 'dirichlet'")
 
-    logp_SLE = torch.empty(num_steps, num_layers, num_experts, dtype=torch.float64)
+    logp_ILE = torch.empty(num_steps, num_layers, num_experts, dtype=torch.float64)
     x_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64)
     innovation = drift_sigma * (1 - drift_phi**2) ** 0.5
     for step in range(num_steps):
         if step:
             x_LE = drift_phi * x_LE + innovation * torch.randn(x_LE.shape, generator=gen, dtype=torch.float64)
-        logp_SLE[step] = torch.log_softmax(torch.log(base_LE) + x_LE, dim=-1)
+        logp_ILE[step] = torch.log_softmax(torch.log(base_LE) + x_LE, dim=-1)
 
     if exact:
         counts = torch.zeros(num_steps, num_layers, num_ranks, num_experts, dtype=torch.long)
         for step in range(num_steps):
             for layer in range(num_layers):
-                idx = sample_topk(logp_SLE[step, layer], num_ranks * tokens_per_rank, top_k, gen)
+                idx = sample_topk(logp_ILE[step, layer], num_ranks * tokens_per_rank, top_k, gen)
                 rank_of_token = torch.arange(num_ranks).repeat_interleave(tokens_per_rank)
                 flat = (rank_of_token[:, None] * num_experts + idx).reshape(-1)
                 counts[step, layer] = torch.bincount(flat, minlength=num_ranks * num_experts).view(
                     num_ranks, num_experts)
     else:
-        pi_SLE = inclusion_probs(logp_SLE.exp(), top_k)
-        probs = (pi_SLE / top_k)[:, :, None, :].expand(-1, -1, num_ranks, -1).reshape(-1, num_experts)
+        pi_ILE = inclusion_probs(logp_ILE.exp(), top_k)
+        probs = (pi_ILE / top_k)[:, :, None, :].expand(-1, -1, num_ranks, -1).reshape(-1, num_experts)
         counts = _multinomial_counts(probs, tokens_per_rank * top_k, gen).view(
             num_steps, num_layers, num_ranks, num_experts)
 

@@ -40,7 +40,7 @@ def test_unknown_names_and_unmatched_ends_are_errors():
 def test_check_counts_names_every_disagreement():
     plan = LayerPlan(placement_NS=torch.tensor([[0], [1]]), fwd_NG=torch.tensor([[1, 2], [0, 1]]),
                      dropped_NE=torch.zeros(2, 2, dtype=torch.long), keep_NG=torch.tensor([[1, 2], [0, 1]]),
-                     bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(2, dtype=torch.long))
+                     bwd_flows_V4=no_flows(), floor_excess_N=torch.zeros(2, dtype=torch.long))
     want = expected_layer(plan, hidden=4, ffn=3, act_bytes=4)
     good = {key: int(value[0]) for key, value in want.items()}
     check_counts(good, want, rank=0)

@@ -32,7 +32,7 @@ CURVE = GemmCurve(eff_max=0.5, m_half=2.0, launch_s=0.1)
 def dropless(placement_NS, fwd_NG, num_experts):
     n = placement_NS.shape[0]
     return LayerPlan(placement_NS=placement_NS, fwd_NG=fwd_NG, dropped_NE=torch.zeros(n, num_experts, dtype=torch.long),
-                     keep_NG=fwd_NG.clone(), bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(n, dtype=torch.long))
+                     keep_NG=fwd_NG.clone(), bwd_flows_V4=no_flows(), floor_excess_N=torch.zeros(n, dtype=torch.long))
 
 
 def free_comm(cluster: ClusterConfig) -> ClusterConfig:
@@ -65,14 +65,14 @@ def test_hand_computed_times_bytes_and_memory():
         "plan": [0.66, 0.66], "recalibrate": [0.0, 0.0],
     }
     for phase, values in want.items():
-        torch.testing.assert_close(t.time_NP[:, PHASES.index(phase)], torch.tensor(values, dtype=torch.float64),
+        torch.testing.assert_close(t.time_NH[:, PHASES.index(phase)], torch.tensor(values, dtype=torch.float64),
                                    msg=phase)
     assert t.total_s == pytest.approx(4 * 0.82 + 8.1 + 16.1 + 2 * 0.98 + 0.66)
-    assert t.straggler_rank_P[PHASES.index("expert_fwd")] == 1
+    assert t.straggler_rank_H[PHASES.index("expert_fwd")] == 1
     sent = {"dispatch_a2a": [16, 32], "combine_a2a": [32, 16], "combine_a2a_bwd": [16, 32],
             "dispatch_a2a_bwd": [32, 16], "grad_collect": [48, 48], "redistribute": [48, 48]}
     for phase, values in sent.items():
-        assert t.bytes_NP[:, PHASES.index(phase)].tolist() == values, phase
+        assert t.bytes_NH[:, PHASES.index(phase)].tolist() == values, phase
     cats = t.category_s()
     assert cats["forward"] == pytest.approx(8.1) and cats["backward"] == pytest.approx(16.1)
     assert cats["communication"] == pytest.approx(4 * 0.82) and cats["sync"] == pytest.approx(1.96)
@@ -128,7 +128,7 @@ def test_bytes_equal_the_layers_accounting_formulas(n, seed):
             phase, _, what = key.partition(".")
             if what != "sent_bytes":
                 continue
-            assert t.bytes_NP[:, PHASES.index(phase)].tolist() == value.double().tolist(), (key, placement_NS)
+            assert t.bytes_NH[:, PHASES.index(phase)].tolist() == value.double().tolist(), (key, placement_NS)
 
 
 @pytest.mark.parametrize("compaction", [True, False], ids=["compact", "padded"])
@@ -148,14 +148,14 @@ def test_trimmed_moved_and_padded_plans_cost_the_bytes_the_layer_counts(n, seed,
     moving = [cap.plan(c, c.sum(0)) for c in (_random_counts(n, e, seed + 10 * i, scale=40) for i in range(6))]
     plans = [LRMoE(rho=0.6, extra_slots=1).plan(counts, pop), Capacity(1.0).plan(counts, pop), *moving]
     assert not torch.equal(plans[0].keep_NG, plans[0].fwd_NG)  # something to compact
-    assert plans[1].dropped_NE.sum() > 0 and any(len(p.bwd_flows_F4) for p in moving)
+    assert plans[1].dropped_NE.sum() > 0 and any(len(p.bwd_flows_V4) for p in moving)
     for plan in plans:
         t = cm.cost(plan)
         want = expected_layer(plan, model.hidden, model.expert_ffn, 4, "m2", compaction)
         for key, value in want.items():
             phase, _, what = key.partition(".")
             if what == "sent_bytes":
-                assert t.bytes_NP[:, PHASES.index(phase)].tolist() == value.double().tolist(), (key, plan.policy)
+                assert t.bytes_NH[:, PHASES.index(phase)].tolist() == value.double().tolist(), (key, plan.policy)
         assert t.bwd_rows_N.tolist() == want["pairs_bwd"].tolist()  # the backward GEMM multiplies what arrives
 
 
@@ -167,7 +167,7 @@ def test_sync_groups_hosts_only_never_costs_more_than_ranges():
     rng = CostModel(model, cluster, sync_groups="range").cost(plan)
     hosts = CostModel(model, cluster, sync_groups="hosts").cost(plan)
     i = PHASES.index("replica_sync")
-    assert (hosts.bytes_NP[:, i] <= rng.bytes_NP[:, i]).all() and hosts.bytes_P[i] < rng.bytes_P[i]
+    assert (hosts.bytes_NH[:, i] <= rng.bytes_NH[:, i]).all() and hosts.bytes_H[i] < rng.bytes_H[i]
     assert hosts.phase_s("replica_sync") < rng.phase_s("replica_sync")
 
 
@@ -187,7 +187,7 @@ def test_step_bytes_equal_the_layers_accounting_in_both_modes(n, mode):
             t = cm.cost(dropless(placement_NS, route_forward(counts, placement_NS, "even"), e))
             want = expected_step(placement_NS, placement_NS, e, model.hidden, model.expert_ffn, 4, replica_grad=mode)
             for phase in ("replica_sync", "grad_collect", "redistribute"):
-                got = t.bytes_NP[:, PHASES.index(phase)].tolist()
+                got = t.bytes_NH[:, PHASES.index(phase)].tolist()
                 assert got == want[f"{phase}.sent_bytes"].double().tolist(), (mode, phase, placement_NS)
 
 
@@ -199,14 +199,14 @@ def test_sync_modes_hand_computed():
     i, j = PHASES.index("replica_sync"), PHASES.index("grad_collect")
     rng = CostModel(TINY, TOY, gemm=CURVE).cost(both)
     shd = CostModel(TINY, TOY, gemm=CURVE, replica_grad="shard").cost(both)
-    assert rng.time_NP[:, i].tolist() == pytest.approx([3.92, 3.92]) and rng.time_NP[:, j].tolist() == [0, 0]
-    assert shd.time_NP[:, i].tolist() == pytest.approx([1.46, 1.46]) and shd.time_NP[:, j].tolist() == [0, 0]
-    assert rng.bytes_NP[:, i].tolist() == [192, 192] and shd.bytes_NP[:, i].tolist() == [96, 96]
+    assert rng.time_NH[:, i].tolist() == pytest.approx([3.92, 3.92]) and rng.time_NH[:, j].tolist() == [0, 0]
+    assert shd.time_NH[:, i].tolist() == pytest.approx([1.46, 1.46]) and shd.time_NH[:, j].tolist() == [0, 0]
+    assert rng.bytes_NH[:, i].tolist() == [192, 192] and shd.bytes_NH[:, i].tolist() == [96, 96]
     # one host per expert: range has nothing to all-reduce and each owner fetches the other's shard (48 B);
     # shard sends the same 48 B unasked, in the sync phase instead of the collection
     r1, s1 = (CostModel(TINY, TOY, gemm=CURVE, replica_grad=mode).cost(HAND_PLAN) for mode in ("range", "shard"))
-    assert r1.time_NP[:, i].tolist() == [0, 0] and r1.time_NP[:, j].tolist() == pytest.approx([0.98, 0.98])
-    assert s1.time_NP[:, i].tolist() == pytest.approx([0.98, 0.98]) and s1.time_NP[:, j].tolist() == [0, 0]
+    assert r1.time_NH[:, i].tolist() == [0, 0] and r1.time_NH[:, j].tolist() == pytest.approx([0.98, 0.98])
+    assert s1.time_NH[:, i].tolist() == pytest.approx([0.98, 0.98]) and s1.time_NH[:, j].tolist() == [0, 0]
     assert r1.phase_s("redistribute") == s1.phase_s("redistribute")
 
 
@@ -220,14 +220,14 @@ def test_shard_mode_is_cheaper_for_scattered_replicas():
     rng = CostModel(model, cluster).cost(plan)
     shd = CostModel(model, cluster, replica_grad="shard").cost(plan)
     sync = [PHASES.index(p) for p in ("replica_sync", "grad_collect")]
-    assert shd.bytes_P[sync].sum() < rng.bytes_P[sync].sum()
+    assert shd.bytes_H[sync].sum() < rng.bytes_H[sync].sum()
     assert shd.phase_s("replica_sync") + shd.phase_s("grad_collect") < \
         rng.phase_s("replica_sync") + rng.phase_s("grad_collect")
     # static EP keeps optimizer state with the one host: no shard owners, so both modes price the same
     static = StaticEP().plan(counts)
     a, b = (CostModel(model, cluster, sharded_optimizer=False, replica_grad=mode).cost(static)
             for mode in ("range", "shard"))
-    assert torch.equal(a.time_NP, b.time_NP)
+    assert torch.equal(a.time_NH, b.time_NH)
 
 
 # -- monotonicity -----------------------------------------------------------------------------------------------
@@ -254,9 +254,9 @@ def test_more_pairs_never_less_time(seed, n, g, extra, compaction):
     more_NG[n, g] += extra
     bigger = dataclasses.replace(plan, fwd_NG=more_NG, keep_NG=more_NG.clone())  # same policy, same planner
     base, more = cm.cost(plan), cm.cost(bigger)
-    assert (more.straggler_P >= base.straggler_P - 1e-12).all()
-    assert (more.time_NP >= base.time_NP - 1e-12).all()
-    assert more.bytes_P.sum() >= base.bytes_P.sum()
+    assert (more.straggler_H >= base.straggler_H - 1e-12).all()
+    assert (more.time_NH >= base.time_NH - 1e-12).all()
+    assert more.bytes_H.sum() >= base.bytes_H.sum()
     assert (more.peak_bytes_N >= base.peak_bytes_N).all()
 
 
@@ -285,7 +285,7 @@ def test_compaction_off_pads_the_backward_to_forward_sizes():
     on, off = CostModel(model, cluster).cost(plan), CostModel(model, cluster, compaction=False).cost(plan)
     for phase in ("combine_a2a_bwd", "expert_bwd", "dispatch_a2a_bwd"):
         i = PHASES.index(phase)
-        assert off.bytes_P[i] >= on.bytes_P[i] and off.straggler_P[i] >= on.straggler_P[i]
+        assert off.bytes_H[i] >= on.bytes_H[i] and off.straggler_H[i] >= on.straggler_H[i]
     assert off.phase_s("expert_bwd") > on.phase_s("expert_bwd")
     # padded rows: max(fwd, bwd) per (source, slot), so at least every forward row
     assert (off.bwd_rows_N >= off.fwd_rows_N).all()
@@ -300,23 +300,23 @@ def test_compaction_changes_nothing_without_trimming():
     plan = Symi(17).plan(counts, counts.sum(0))
     model, cluster = model_preset("qwen3-30b-a3b"), cluster_preset("a100-40gb-x8")
     on, off = CostModel(model, cluster).cost(plan), CostModel(model, cluster, compaction=False).cost(plan)
-    assert torch.equal(on.time_NP, off.time_NP) and torch.equal(on.bytes_NP, off.bytes_NP)
+    assert torch.equal(on.time_NH, off.time_NH) and torch.equal(on.bytes_NH, off.bytes_NH)
 
 
 def test_moved_pairs_carry_their_input_rows_and_recompute():
     model, plan = _lrmoe_plan(backward_routing=True)
-    assert len(plan.bwd_flows_F4) > 0 and int(plan.carry_NG.sum()) > 0
+    assert len(plan.bwd_flows_V4) > 0 and int(plan.carry_NG.sum()) > 0
     cm = CostModel(model, cluster_preset("a100-40gb-x8"))
     t = cm.cost(plan)
     i = PHASES.index("combine_a2a_bwd")
     off_diag = (plan.bwd_NG + plan.carry_NG).view(8, 8, -1).sum(2) * (1 - torch.eye(8, dtype=torch.long))
-    assert t.bytes_NP[:, i].tolist() == (off_diag.sum(1) * model.pair_bytes).double().tolist()
+    assert t.bytes_NH[:, i].tolist() == (off_diag.sum(1) * model.pair_bytes).double().tolist()
     # with free communication, the routed plan's backward costs its rows plus the recompute of moved pairs
     free = CostModel(model, free_comm(cluster_preset("a100-40gb-x8")), gemm=GemmCurve(1.0, 0.0))
     per_row = model.pair_fwd_flops / cluster_preset("a100-40gb-x8").peak_flops
     moved_N = plan.moved_NG.sum(0).view(8, -1).sum(1).double()
     want_N = (2 * plan.bwd_load_N.double() + 2 / 3 * moved_N) * per_row
-    torch.testing.assert_close(free.cost(plan).time_NP[:, PHASES.index("expert_bwd")], want_N)
+    torch.testing.assert_close(free.cost(plan).time_NH[:, PHASES.index("expert_bwd")], want_N)
 
 
 # -- memory -----------------------------------------------------------------------------------------------------
@@ -370,7 +370,7 @@ def test_sanity_relation_lrmoe_over_symi_dropless(extra_slots, forward):
     pop = torch.rand(128, generator=g) ** 4 + 0.02  # a few hot experts
     counts = (pop / pop.sum() * 4096 * 8).round().long().expand(8, -1)  # 8 ranks, 4096 tokens, top-8
     lrmoe = LRMoE(eps=0.1, gamma=0.0, extra_slots=extra_slots, forward=forward).plan(counts, counts.sum(0))
-    moves = len(lrmoe.bwd_flows_F4) > 0
+    moves = len(lrmoe.bwd_flows_V4) > 0
     assert moves == (extra_slots > 0)  # with replicas and an even forward, the backward routing moves pairs
     symi = Symi(17).plan(counts, counts.sum(0))
     t_l, t_s = cm.cost(lrmoe), cm.cost(symi)
@@ -542,4 +542,4 @@ def test_variants_move_only_time_and_in_the_expected_direction():
     assert slow_link.phase_s("dispatch_a2a") > base.phase_s("dispatch_a2a")
     assert slow_link.phase_s("expert_fwd") == base.phase_s("expert_fwd")
     assert torch.equal(slow_link.peak_bytes_N, base.peak_bytes_N)
-    assert torch.equal(cm.cost(plans["symi-dl"]).time_NP, base.time_NP)  # cost = price(work)
+    assert torch.equal(cm.cost(plans["symi-dl"]).time_NH, base.time_NH)  # cost = price(work)

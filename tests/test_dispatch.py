@@ -74,12 +74,12 @@ def test_source_to_slot_major():
 class IdentityExperts:
     """Experts that return their input (and pass gradients straight back): the exchange then moves rows only."""
 
-    def forward(self, x_MD, slots_SP, offs_S):
+    def forward(self, x_MD, slots_SW, offs_S):
         empty = x_MD.new_empty(x_MD.shape[0], 0)
         return x_MD.clone(), Activations(x_MD, empty, empty, empty)
 
-    def backward(self, act, dy_MD, slots_SP, offs_S, input_grad=True):
-        return (dy_MD.clone() if input_grad else None), torch.zeros_like(slots_SP)
+    def backward(self, act, dy_MD, slots_SW, offs_S, input_grad=True):
+        return (dy_MD.clone() if input_grad else None), torch.zeros_like(slots_SW)
 
 
 class Trimmed:

@@ -201,7 +201,7 @@ def _record(rank: int, system: str):
             planned.append(torch.stack([plan.routed_NE for plan in ep.plans()]))
     trace = gather_trace(recorder)
     stats = ep.load_stats()
-    return trace.counts_SLNE, torch.stack(planned), trace.meta, stats
+    return trace.counts_ILNE, torch.stack(planned), trace.meta, stats
 
 
 def test_a_recorded_trace_equals_the_planned_counts_and_replays_in_the_simulator():
@@ -214,8 +214,8 @@ def test_a_recorded_trace_equals_the_planned_counts_and_replays_in_the_simulator
     spec = get_system("symi-dropless")
     cluster = cluster_preset("h200x8").replace(num_ranks=RANKS, ranks_per_node=RANKS)
     result = simulate(counts, spec.simulator_system(SystemContext(num_experts=8, num_ranks=RANKS)), cfg, cluster)
-    assert result.routed_SL.tolist() == [[BATCH * SEQ * TINY.top_k * RANKS] * 2] * 3
-    assert torch.isfinite(result.phase_SLP).all() and (result.phase_SLP.sum(-1) > 0).all()
+    assert result.routed_IL.tolist() == [[BATCH * SEQ * TINY.top_k * RANKS] * 2] * 3
+    assert torch.isfinite(result.phase_ILH).all() and (result.phase_ILH.sum(-1) > 0).all()
 
 
 def _resume(rank: int, family: str, system: str) -> None:
@@ -239,7 +239,7 @@ def _resume(rank: int, family: str, system: str) -> None:
     with torch.no_grad():
         assert torch.equal(model(x).logits, again(x).logits)
     for a, b in zip(ep.layers, ep2.layers):
-        assert torch.equal(a.placement_NS, b.placement_NS) and torch.equal(a.store.exp_avg_EP, b.store.exp_avg_EP)
+        assert torch.equal(a.placement_NS, b.placement_NS) and torch.equal(a.store.exp_avg_EW, b.store.exp_avg_EW)
 
 
 @pytest.mark.parametrize("family,system", [("glm", "lrmoe")])

@@ -38,7 +38,7 @@ class FixedPlacement:
         fwd_NG = route_forward(counts_NE, self.placement_NS, "even")
         return LayerPlan(placement_NS=self.placement_NS, fwd_NG=fwd_NG,
                          dropped_NE=torch.zeros(N, counts_NE.shape[1], dtype=torch.long), keep_NG=fwd_NG.clone(),
-                         bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(N, dtype=torch.long), policy=self.name)
+                         bwd_flows_V4=no_flows(), floor_excess_N=torch.zeros(N, dtype=torch.long), policy=self.name)
 
 
 def replica_slots(num_ranks):

@@ -91,7 +91,7 @@ def run_case(rank, groups, policy, cfg, *, family="softmax_topk", shared=False, 
     kept = torch.bincount(slot_P[rec.keep_P], minlength=G)
     assert torch.equal(kept, plan.keep_NG[rank])  # every group keeps exactly its quota
     moved = rec.keep_P & (rec.bwd_slot_P != slot_P)
-    for frm, to, count in plan.bwd_flows_F4[plan.bwd_flows_F4[:, 0] == rank][:, 1:].tolist():
+    for frm, to, count in plan.bwd_flows_V4[plan.bwd_flows_V4[:, 0] == rank][:, 1:].tolist():
         out = moved & (slot_P == frm) & (rec.bwd_slot_P == to)
         assert int(out.sum()) == count
         stay = rec.keep_P & ~moved & (slot_P == frm)
@@ -112,7 +112,7 @@ def run_case(rank, groups, policy, cfg, *, family="softmax_topk", shared=False, 
     if plan.bwd_cap_N is not None:
         assert record["pairs_retained"] <= int(plan.bwd_cap_N[rank]) + int(plan.floor_excess_N[rank])
     trimmed = int((plan.fwd_NG - plan.keep_NG).sum())
-    return {"trimmed": trimmed, "flows": plan.bwd_flows_F4.shape[0], "grads": expert_grads(layer),
+    return {"trimmed": trimmed, "flows": plan.bwd_flows_V4.shape[0], "grads": expert_grads(layer),
             "bytes": record["combine_a2a_bwd.sent_bytes"], "keep_all": bool(rec.keep_P.all())}
 
 

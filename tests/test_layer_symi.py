@@ -84,7 +84,7 @@ def _symi_steps(rank, cf, backward):
             ref = reference_like(layer, base)
             held = layer.store.full_master().to(layer.store.dtype)
         for j, e in enumerate(layer.placement_NS[rank].tolist()):
-            assert torch.equal(layer.store.slots_SP[j].detach(), held[e])
+            assert torch.equal(layer.store.slots_SW[j].detach(), held[e])
         x, w = batch(world, step)
         x_local = x[mine].clone().requires_grad_(True)
         y, info = layer(x_local)

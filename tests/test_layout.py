@@ -15,7 +15,7 @@ def test_receive_layout_compact_and_padded():
     # source 1: 2 pairs on slot 1, keeps both.
     plan = LayerPlan(placement_NS=torch.tensor([[0], [0]]), fwd_NG=torch.tensor([[3, 0], [0, 2]]),
                      dropped_NE=torch.zeros(2, 1, dtype=torch.long), keep_NG=torch.tensor([[2, 0], [0, 2]]),
-                     bwd_flows_F4=torch.tensor([[0, 0, 1, 1]]), floor_excess_N=torch.zeros(2, dtype=torch.long))
+                     bwd_flows_V4=torch.tensor([[0, 0, 1, 1]]), floor_excess_N=torch.zeros(2, dtype=torch.long))
     assert plan_selects(plan)
     kind, slot, src = receive_layout(plan, 1, compact=True)
     # from source 0: its moved gradient row, then its carried input row; from source 1: 2 staying rows
@@ -34,7 +34,7 @@ def _plan():
     # moved_out = [[0, 0], [1, 0]], moved in = [[0, 0], [0, 1]], bwd = [[1, 1], [0, 2]], staying = [[1, 1], [0, 1]]
     return LayerPlan(placement_NS=torch.tensor([[0], [0]]), fwd_NG=torch.tensor([[1, 2], [1, 1]]),
                      dropped_NE=torch.zeros(2, 1, dtype=torch.long), keep_NG=torch.tensor([[1, 1], [1, 1]]),
-                     bwd_flows_F4=torch.tensor([[1, 0, 1, 1]]), floor_excess_N=torch.zeros(2, dtype=torch.long))
+                     bwd_flows_V4=torch.tensor([[1, 0, 1, 1]]), floor_excess_N=torch.zeros(2, dtype=torch.long))
 
 
 def test_backward_counts_compact_and_padded():
@@ -67,7 +67,7 @@ def test_layer_counts_hand_derived(compact):
 def test_combine_columns_ride_only_when_the_plan_selects_and_no_input_gradient_travels_without_one():
     plan = _plan()
     keep_all = LayerPlan(placement_NS=plan.placement_NS, fwd_NG=plan.fwd_NG, dropped_NE=plan.dropped_NE,
-                         keep_NG=plan.fwd_NG.clone(), bwd_flows_F4=torch.zeros(0, 4, dtype=torch.long),
+                         keep_NG=plan.fwd_NG.clone(), bwd_flows_V4=torch.zeros(0, 4, dtype=torch.long),
                          floor_excess_N=plan.floor_excess_N)
     assert plan_selects(plan) and not plan_selects(keep_all)
     assert layer_traffic(keep_all, 4, 2, combine_cols=1)["combine_a2a"].row_bytes == 8

@@ -25,7 +25,7 @@ def test_a_plan_gives_its_own_rank_loads_drops_and_trims():
     # 2 ranks x 2 slots, experts [0, 1 | 0, 1]: each rank computes half of every expert's pairs
     plan = LayerPlan(placement_NS=torch.tensor([[0, 1], [0, 1]]), fwd_NG=torch.tensor([[3, 1, 3, 1], [2, 2, 2, 0]]),
                      dropped_NE=torch.tensor([[0, 0], [0, 1]]), keep_NG=torch.tensor([[3, 1, 2, 1], [1, 2, 2, 0]]),
-                     bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(2, dtype=torch.long))
+                     bwd_flows_V4=no_flows(), floor_excess_N=torch.zeros(2, dtype=torch.long))
     s = layer_load_stats(plan=plan)
     assert s["tokens_per_expert_max"] == 10 and s["tokens_per_expert_min"] == 5  # routed = computed + dropped
     assert s["rank_max_over_mean"] == pytest.approx(8 / 7)  # rank loads 8 and 6

@@ -45,7 +45,7 @@ def test_layer_memory_hand_case():
     """Two ranks, one slot each; rank 0's tokens: 3 pairs to slot 0, 1 to slot 1; rank 1's: 2 and 5."""
     fwd_NG = torch.tensor([[3, 1], [2, 5]])
     plan = LayerPlan(placement_NS=torch.tensor([[0], [1]]), fwd_NG=fwd_NG, dropped_NE=torch.zeros(2, 2).long(),
-                     keep_NG=fwd_NG.clone(), bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(2).long())
+                     keep_NG=fwd_NG.clone(), bwd_flows_V4=no_flows(), floor_excess_N=torch.zeros(2).long())
     fp = Footprint(slot=100.0, row=10.0, expert_act=6.0, bwd_act=4.0, index=1.0)
     loads = plan_loads(plan)
     assert loads.expert_N.tolist() == [5.0, 6.0] and loads.home_N.tolist() == [4.0, 7.0]
@@ -157,11 +157,11 @@ def test_planner_fits_iff_simulator_reports_no_oom_on_500_random_plans():
         kw = {f.name: getattr(cm, f.name) for f in dataclasses.fields(cm)
               if f.name not in ("model", "cluster", "compaction", "sharded_optimizer")}
         res = simulate(trace, system, cm.model, cm.cluster, cost_kwargs=kw, warmup=0)
-        layer_fits = not bool(res.layer_oom_SL[0, 0])  # the cost model's verdict on one layer (PhaseTimes.oom)
+        layer_fits = not bool(res.layer_oom_IL[0, 0])  # the cost model's verdict on one layer (PhaseTimes.oom)
         assert planner_fits == layer_fits, (plan.policy, peak, budget)
         # the simulator sums the layers where the planner multiplies: equal up to rounding, so exactly at the
         # boundary only the peaks are compared
-        torch.testing.assert_close(res.peak_SN[0], mm.plan_peak_bytes(plan, cm.compaction, cap), rtol=1e-12, atol=0)
+        torch.testing.assert_close(res.peak_IN[0], mm.plan_peak_bytes(plan, cm.compaction, cap), rtol=1e-12, atol=0)
         if abs(budget / peak - 1) > 1e-12:
             assert planner_fits == (not res.oom), (plan.policy, peak, budget)
         outcomes[planner_fits] += 1
@@ -175,7 +175,7 @@ def _padded_static(counts_NE, slots: int) -> LayerPlan:
     placement = torch.cat([home, torch.full((n, slots - home.shape[1]), -1, dtype=torch.long)], 1)
     fwd_NG = route_forward(counts_NE, placement, "even")
     return LayerPlan(placement_NS=placement, fwd_NG=fwd_NG, dropped_NE=torch.zeros_like(counts_NE),
-                     keep_NG=fwd_NG.clone(), bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(n).long(),
+                     keep_NG=fwd_NG.clone(), bwd_flows_V4=no_flows(), floor_excess_N=torch.zeros(n).long(),
                      policy="static-ep")
 
 

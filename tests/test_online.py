@@ -78,7 +78,7 @@ def test_online_plan_relieves_the_hot_rank_from_the_current_counts():
     assert int(plan.fwd_load_N.max()) < int(static.fwd_load_N.max())
     assert torch.equal(plan.next_placement_NS, home_placement(8, 4, 2))
     assert torch.equal(plan.resident_NS, home_placement(8, 4, 2))
-    assert torch.equal(plan.keep_NG, plan.fwd_NG) and plan.bwd_flows_F4.numel() == 0
+    assert torch.equal(plan.keep_NG, plan.fwd_NG) and plan.bwd_flows_V4.numel() == 0
     S = plan.slots_per_rank
     for g in plan.pushed_G.nonzero().flatten().tolist():  # each pushed slot copies its expert's home slot
         e = int(plan.slot_expert_G[g])
@@ -97,7 +97,7 @@ def test_push_bytes_by_hand():
     src = torch.tensor([-1, -1, 4, 4, -1, -1, 0, 5])
     plan = LayerPlan(placement_NS=placement, fwd_NG=torch.zeros(2, 8, dtype=torch.long),
                      dropped_NE=torch.zeros(2, 4, dtype=torch.long), keep_NG=torch.zeros(2, 8, dtype=torch.long),
-                     bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(2, dtype=torch.long), push_src_G=src)
+                     bwd_flows_V4=no_flows(), floor_excess_N=torch.zeros(2, dtype=torch.long), push_src_G=src)
     plan.validate()
     assert torch.equal(plan.resident_NS, torch.tensor([[0, 1, -1, -1], [2, 3, -1, -1]]))
     assert push_rows(placement, src).tolist() == [[0, 1, 0], [1, 0, 2]]
@@ -118,7 +118,7 @@ def test_plan_rejects_a_bad_push(src, match):
     placement = torch.tensor([[0, 1, 0, -1], [2, 3, -1, -1]])
     plan = LayerPlan(placement_NS=placement, fwd_NG=torch.zeros(2, 8, dtype=torch.long),
                      dropped_NE=torch.zeros(2, 4, dtype=torch.long), keep_NG=torch.zeros(2, 8, dtype=torch.long),
-                     bwd_flows_F4=no_flows(), floor_excess_N=torch.zeros(2, dtype=torch.long),
+                     bwd_flows_V4=no_flows(), floor_excess_N=torch.zeros(2, dtype=torch.long),
                      push_src_G=torch.tensor(src))
     with pytest.raises(ValueError, match=match):
         plan.validate()
@@ -177,7 +177,7 @@ def _online_steps(rank, ranks_per_node, backward, replica_grad):
         acc.reset()
         # between iterations the slots hold the home placement; the spare slots are empty
         assert torch.equal(layer.placement_NS, home)
-        assert not layer.store.slots_SP.detach()[E // world:].any()
+        assert not layer.store.slots_SW.detach()[E // world:].any()
         initial = step == 0
         ref = reference_like(layer, base, initial)
         held = (flatten_experts(base.w_gate_EDF, base.w_up_EDF, base.w_down_EFD).detach() if initial
@@ -191,7 +191,7 @@ def _online_steps(rank, ranks_per_node, backward, replica_grad):
         assert torch.equal(layer.placement_NS, plan.placement_NS)
         for j, e in enumerate(plan.placement_NS[rank].tolist()):
             if e >= 0:
-                assert torch.equal(layer.store.slots_SP[j].detach(), held[e])
+                assert torch.equal(layer.store.slots_SW[j].detach(), held[e])
         (y * w[mine]).sum().backward()
         x_ref = x.clone().requires_grad_(True)
         y_ref, _ = ref(x_ref)
@@ -313,10 +313,10 @@ def test_cost_model_prices_the_push_the_layer_counts_on_intra_node_links():
     t = cm.cost(plan)
     want = expected_layer(plan, model.hidden, model.expert_ffn, model.dtype_bytes)["weight_push.sent_bytes"]
     i = PHASES.index("weight_push")
-    assert t.bytes_NP[:, i].tolist() == want.double().tolist()
+    assert t.bytes_NH[:, i].tolist() == want.double().tolist()
     busy = want > 0
     intra_s = want.double() / cluster.intra_bw + cluster.intra_latency
-    torch.testing.assert_close(t.time_NP[busy, i].max(), intra_s.max())  # slowest pusher on NVLink
+    torch.testing.assert_close(t.time_NH[busy, i].max(), intra_s.max())  # slowest pusher on NVLink
     home = StaticEP().plan(counts)
     torch.testing.assert_close(t.state_bytes_N, cm.cost(home).state_bytes_N)
-    torch.testing.assert_close(t.time_NP[:, PHASES.index("adam")], cm.cost(home).time_NP[:, PHASES.index("adam")])
+    torch.testing.assert_close(t.time_NH[:, PHASES.index("adam")], cm.cost(home).time_NH[:, PHASES.index("adam")])

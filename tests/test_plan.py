@@ -19,7 +19,7 @@ def hand_plan(**changes):
                   fwd_NG=torch.tensor([[4, 1, 2, 0], [0, 2, 3, 5]]),
                   dropped_NE=torch.zeros(2, 3, dtype=torch.long),
                   keep_NG=torch.tensor([[3, 1, 2, 0], [0, 2, 3, 5]]),
-                  bwd_flows_F4=torch.tensor([[0, 0, 2, 1]]),
+                  bwd_flows_V4=torch.tensor([[0, 0, 2, 1]]),
                   floor_excess_N=torch.zeros(2, dtype=torch.long), policy="hand")
     fields.update(changes)
     return LayerPlan(**fields)
@@ -53,7 +53,7 @@ def test_validate_catches_broken_plans():
     with pytest.raises(ValueError, match="keep_NG"):
         dataclasses.replace(plan, keep_NG=plan.fwd_NG + 1).validate()
     with pytest.raises(ValueError, match="different experts"):
-        dataclasses.replace(plan, bwd_flows_F4=torch.tensor([[0, 0, 1, 1]])).validate()
+        dataclasses.replace(plan, bwd_flows_V4=torch.tensor([[0, 0, 1, 1]])).validate()
     with pytest.raises(ValueError, match="exactly once"):
         plan.validate(torch.tensor([[1, 2], [3, 5]]))
     with pytest.raises(ValueError, match="drop_by"):
@@ -67,7 +67,7 @@ def test_validate_catches_broken_plans():
     with pytest.raises(ValueError, match="next_placement_NS"):
         dataclasses.replace(plan, next_placement_NS=plan.placement_NS.int()).validate()
     with pytest.raises(ValueError, match="from a slot to itself"):
-        hand_plan(bwd_flows_F4=torch.tensor([[0, 0, 0, 1]])).validate()
+        hand_plan(bwd_flows_V4=torch.tensor([[0, 0, 0, 1]])).validate()
     with pytest.raises(ValueError, match="moves more pairs"):
-        hand_plan(bwd_flows_F4=torch.tensor([[1, 2, 0, 4]])).validate()
+        hand_plan(bwd_flows_V4=torch.tensor([[1, 2, 0, 4]])).validate()
     assert no_flows().shape == (0, 4)

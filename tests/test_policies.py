@@ -70,7 +70,7 @@ def test_static_ep_hand_case():
     assert plan.placement_NS.tolist() == [[0, 1], [2, 3]]
     assert plan.fwd_NG.tolist() == counts.tolist()  # slot g hosts expert g
     assert plan.fwd_load_N.tolist() == [14, 22] and torch.equal(plan.bwd_NG, plan.fwd_NG)
-    assert int(plan.dropped_NE.sum()) == 0 and plan.bwd_flows_F4.shape == (0, 4)
+    assert int(plan.dropped_NE.sum()) == 0 and plan.bwd_flows_V4.shape == (0, 4)
 
 
 def test_capacity_drops_overflow():
@@ -122,12 +122,12 @@ def test_lrmoe_backward_routing_moves_what_can_move():
     plan = LRMoE(forward="even", eps=0.0, gamma=0.0, extra_slots=1, mem_cap_pairs_N=torch.tensor([90, 400, 400, 400])
                  ).plan(counts, counts.sum(0))
     plan.validate(counts)
-    assert len(plan.bwd_flows_F4) and int(plan.moved_NG.sum()) == int(plan.bwd_flows_F4[:, 3].sum())
+    assert len(plan.bwd_flows_V4) and int(plan.moved_NG.sum()) == int(plan.bwd_flows_V4[:, 3].sum())
     assert bool((plan.carry_NG <= plan.moved_NG).all())
     assert bool((plan.bwd_load_N <= plan.bwd_cap_N).all())
     off = LRMoE(forward="even", eps=0.0, gamma=0.0, extra_slots=1, backward_routing=False,
                 mem_cap_pairs_N=torch.tensor([90, 400, 400, 400])).plan(counts, counts.sum(0))
-    assert off.bwd_flows_F4.shape == (0, 4)
+    assert off.bwd_flows_V4.shape == (0, 4)
     assert int(off.bwd_load_N.sum()) <= int(plan.bwd_load_N.sum())  # moving saves pairs from the trim
 
 
@@ -303,7 +303,7 @@ def test_budget_keeps_min_of_load_and_budget_exactly(inputs):
     if mem_N is not None:
         cap = torch.minimum(cap, mem_N)
     assert torch.equal(plan.bwd_cap_N, cap)
-    assert plan.bwd_flows_F4.shape == (0, 4)  # budget mode moves nothing
+    assert plan.bwd_flows_V4.shape == (0, 4)  # budget mode moves nothing
     # every rank keeps exactly min(L_n, B_n) of its own pairs, plus what the floor forced (reported)
     assert torch.equal(plan.bwd_load_N, torch.minimum(L, cap) + plan.floor_excess_N)
     assert bool((plan.floor_excess_N <= L - torch.minimum(L, cap)).all())
@@ -351,7 +351,7 @@ def test_trimmed_control_keeps_the_base_placement_and_the_budget():
         assert torch.equal(a.next_placement_NS, b.next_placement_NS)
         L = a.fwd_load_N
         assert torch.equal(b.bwd_load_N, torch.minimum(L, torch.full_like(L, budget(L, 0.6))))
-        assert b.bwd_flows_F4.shape == (0, 4) and int(b.floor_excess_N.sum()) == 0
+        assert b.bwd_flows_V4.shape == (0, 4) and int(b.floor_excess_N.sum()) == 0
     # the same budget as LRMoE's at the same rho, for the same loads
     counts = steps[0]
     lr = LRMoE(rho=0.6, gamma=0.0, extra_slots=0).plan(counts)

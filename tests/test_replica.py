@@ -131,20 +131,20 @@ def _sync_and_collect(rank, placement, next_placement, dtype, scale, mode="range
     # the initial slots hold their experts' weights
     flat = flatten_experts(wg, wu, wd)
     for j, e in enumerate(placement[rank].tolist()):
-        assert torch.equal(store.slots_SP[j].detach(), flat[e] if e >= 0 else torch.zeros(P, dtype=dtype))
-    grads_NSP = _slot_grads(N, S, dtype)
-    store.slots_SP.grad = grads_NSP[rank].clone()
+        assert torch.equal(store.slots_SW[j].detach(), flat[e] if e >= 0 else torch.zeros(P, dtype=dtype))
+    grads_NSW = _slot_grads(N, S, dtype)
+    store.slots_SW.grad = grads_NSW[rank].clone()
     store.sync_replica_grads()
     shards = store.collect_grad_shards(scale)
     full_grad = store.gather_full(shards)
     store.adam_step()
     store.redistribute(next_placement)
     master = store.full_master()
-    slots = store.slots_SP.detach().clone()
+    slots = store.slots_SW.detach().clone()
     elem = torch.tensor([], dtype=dtype).element_size()
     expected = expected_step(placement, next_placement, E, D, F, param_bytes=elem, replica_grad=mode)
     check_counts(acc.record(), expected, rank)  # counted bytes = the byte model, in either mode
-    return full_grad, master, slots, store.slots_SP.grad
+    return full_grad, master, slots, store.slots_SW.grad
 
 
 @pytest.mark.parametrize("world_size,placement,next_placement", [
@@ -155,13 +155,13 @@ def test_gradient_sync_adam_and_redistribution(world_size, placement, next_place
     scale = 0.25  # a placement-independent constant (e.g. 1 / data-parallel ranks)
     out = launch(_sync_and_collect, world_size, placement, next_placement, dtype, scale, mode)
     place, nxt = torch.tensor(placement), torch.tensor(next_placement)
-    grads_NSP = _slot_grads(world_size, place.shape[1], dtype).float()
+    grads_NSW = _slot_grads(world_size, place.shape[1], dtype).float()
     # each expert's gradient = scale x the sum of the gradients of all its slots, on every rank
     expected = torch.zeros(E, P)
     for n in range(world_size):
         for j, e in enumerate(place[n].tolist()):
             if e >= 0:
-                expected[e] += grads_NSP[n, j]
+                expected[e] += grads_NSW[n, j]
     tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for full_grad, master, slots, slot_grad in out:
         torch.testing.assert_close(full_grad, expected * scale, **tol)
@@ -184,14 +184,14 @@ def _folded_gradient(placement, dtype):
     """Each expert's gradient as both modes define it: every host sums its slots (fp32, in slot order) and sends
     the sum in the slots' dtype; the sums are added in fp32 in ascending host rank. [E, P] fp32."""
     place = torch.tensor(placement)
-    grads_NSP = _slot_grads(place.shape[0], place.shape[1], dtype)
+    grads_NSW = _slot_grads(place.shape[0], place.shape[1], dtype)
     full = torch.zeros(E, P)
     for e in range(E):
         acc = None
         for n in range(place.shape[0]):
             slots = (place[n] == e).nonzero().flatten().tolist()
             if slots:
-                part = grads_NSP[n, slots].to(torch.float32).sum(0).to(dtype).to(torch.float32)
+                part = grads_NSW[n, slots].to(torch.float32).sum(0).to(dtype).to(torch.float32)
                 acc = part.clone() if acc is None else acc + part
         if acc is not None:
             full[e] = acc

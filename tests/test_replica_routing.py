@@ -272,7 +272,7 @@ def test_balanced_routing_with_empty_slots_and_heavy_skew_assigns_every_pair_onc
     from lrmoe.placement import lrmoe_placement
     from lrmoe.traces import generate_trace
 
-    counts = generate_trace(1, 1, 8, 128, 8, 4096, skew_param=0.8, seed=0).counts_SLNE[0, 0]
+    counts = generate_trace(1, 1, 8, 128, 8, 4096, skew_param=0.8, seed=0).counts_ILNE[0, 0]
     placement = lrmoe_placement(torch.ones(128, dtype=torch.float64), 8, 16, 16)
     assert (placement < 0).any()
     fwd_NG = route_forward(counts, placement, "balanced")

@@ -21,7 +21,7 @@ from lrmoe.sim.simulator import System, iter_plans, simulate
 from lrmoe.traces import generate_trace
 
 D, F, E, K, T = 8, 5, 8, 2, 16
-PLAN_FIELDS = ("placement_NS", "fwd_NG", "dropped_NE", "keep_NG", "bwd_flows_F4", "floor_excess_N", "bwd_cap_N",
+PLAN_FIELDS = ("placement_NS", "fwd_NG", "dropped_NE", "keep_NG", "bwd_flows_V4", "floor_excess_N", "bwd_cap_N",
                "next_placement_NS")
 
 # The policies compared with the layer, each over several steps (placements move by redistribution; LRMoE's plans
@@ -91,7 +91,7 @@ def test_simulator_and_layer_make_identical_plans(name):
             assert (a is None and b is None) or torch.equal(a, b), (name, step, field)
         assert (mine.policy, mine.drop_by) == (theirs.policy, theirs.drop_by)
     if name.startswith("lrmoe-rho") or name == "lrmoe":  # the comparison is not vacuous: the plans trim or move
-        assert any(not torch.equal(p.keep_NG, p.fwd_NG) or len(p.bwd_flows_F4) for p in layer_plans)
+        assert any(not torch.equal(p.keep_NG, p.fwd_NG) or len(p.bwd_flows_V4) for p in layer_plans)
     if name.startswith("symi") or name == "lrmoe-placement":  # and the placement did follow the counts
         assert len({tuple(p.placement_NS.flatten().tolist()) for p in layer_plans}) > 1
 
@@ -103,7 +103,7 @@ CLUSTER = cluster_preset("a100-40gb-x8")  # 8 ranks
 
 def _trace(steps=4, layers=2, ranks=8, skew=0.8, seed=0, model=MODEL, tokens=512):
     return generate_trace(steps, layers, ranks, model.num_experts, model.top_k, tokens, skew_param=skew,
-                          seed=seed).counts_SLNE
+                          seed=seed).counts_ILNE
 
 
 SYSTEMS = [System("static", StaticEP, sharded_optimizer=False), System("symi", lambda: Symi(3)),
@@ -115,11 +115,11 @@ def test_simulate_costs_every_layer_step_with_fresh_policies():
     counts = _trace()
     ticks = []
     res = simulate(counts, SYSTEMS[2], MODEL, CLUSTER, progress=ticks.append)
-    assert len(ticks) == 4 * 2 and res.phase_SLP.shape == (4, 2, len(PHASES))
+    assert len(ticks) == 4 * 2 and res.phase_ILH.shape == (4, 2, len(PHASES))
     # each (step, layer) is exactly the cost of the plan iter_plans makes for it
     cm = CostModel(MODEL, CLUSTER)
     for step, layer, plan in iter_plans(counts, SYSTEMS[2].make_policy):
-        assert torch.equal(res.phase_SLP[step, layer], cm.cost(plan).straggler_P)
+        assert torch.equal(res.phase_ILH[step, layer], cm.cost(plan).straggler_H)
     s = res.summary()
     assert s["time_s"] == pytest.approx(float(res.iteration_s[1:].mean()))
     assert s["time_s"] == pytest.approx(sum(s[f"{c}_s"] for c in CATEGORIES))
@@ -160,7 +160,7 @@ def test_capacity_drops_are_reported():
 def test_out_of_memory_is_flagged_for_the_whole_model():
     counts = _trace()
     fits = simulate(counts, SYSTEMS[1], MODEL, CLUSTER)
-    peak = float(fits.peak_SN[1:].max())
+    peak = float(fits.peak_IN[1:].max())
     assert not fits.oom
     per_layer = peak / MODEL.num_moe_layers
     tight = simulate(counts, SYSTEMS[1], MODEL, CLUSTER, cost_kwargs={"mem_budget_bytes": per_layer * 0.99})
@@ -182,7 +182,7 @@ def test_simulate_rejects_mismatched_inputs():
 
 def _paper_scale_seconds_per_layer_step(steps, layers):
     model, cluster = model_preset("qwen3-30b-a3b"), cluster_preset("a100-40gb-x8", 8)  # 64 ranks
-    counts = generate_trace(steps, layers, 64, 128, 8, 4096, skew_param=0.6, seed=0).counts_SLNE
+    counts = generate_trace(steps, layers, 64, 128, 8, 4096, skew_param=0.6, seed=0).counts_ILNE
     cm = CostModel(model, cluster)
     memory = MemoryModel(cm.mem_budget_bytes, cm.slot_bytes, cm.pair_bytes)
     system = System("lrmoe", lambda: LRMoE(extra_slots=2, memory=memory))

@@ -11,7 +11,7 @@ def test_trace_round_trips_and_never_overwrites(tmp_path):
     trace = generate_trace(3, 2, 4, 16, 2, 64, seed=3, model="qwen3-30b-a3b-debug")
     path = trace.save(tmp_path / "t.npz")
     back = load_trace(path)
-    assert torch.equal(back.counts_SLNE, trace.counts_SLNE)
+    assert torch.equal(back.counts_ILNE, trace.counts_ILNE)
     assert back.meta["source"] == "synthetic" and back.meta["seed"] == 3 and back.meta["generator"]["skew"] == "zipf"
     with pytest.raises(FileExistsError):
         trace.save(path)
@@ -20,15 +20,15 @@ def test_trace_round_trips_and_never_overwrites(tmp_path):
 def test_counts_sum_to_tokens_times_k_in_both_modes():
     for exact in (False, True):
         trace = generate_trace(2, 2, 3, 16, 4, 50, exact=exact)
-        assert (trace.counts_SLNE.sum(-1) == 200).all()
+        assert (trace.counts_ILNE.sum(-1) == 200).all()
         if exact:  # without replacement: no expert gets more pairs than there are tokens
-            assert trace.counts_SLNE.max() <= 50
+            assert trace.counts_ILNE.max() <= 50
 
 
 def test_same_seed_same_trace():
     a = generate_trace(2, 3, 4, 32, 2, 100, seed=7, skew="dirichlet", skew_param=1.0)
     b = generate_trace(2, 3, 4, 32, 2, 100, seed=7, skew="dirichlet", skew_param=1.0)
-    assert torch.equal(a.counts_SLNE, b.counts_SLNE)
+    assert torch.equal(a.counts_ILNE, b.counts_ILNE)
 
 
 def test_zipf_04_over_128_experts_calibrates_to_gini_023():
@@ -127,7 +127,7 @@ def test_join_ranks_concatenates_source_ranks():
 
     a, b = generate_trace(2, 3, 1, 8, 2, 16, seed=1), generate_trace(2, 3, 2, 8, 2, 16, seed=2)
     joined = join_ranks([a, b])
-    assert joined.num_ranks == 3 and torch.equal(joined.counts_SLNE[:, :, 1:], b.counts_SLNE)
+    assert joined.num_ranks == 3 and torch.equal(joined.counts_ILNE[:, :, 1:], b.counts_ILNE)
     with pytest.raises(ValueError, match="layers"):
         join_ranks([a, generate_trace(2, 2, 1, 8, 2, 16)])
 
@@ -158,14 +158,14 @@ def test_imported_megatron_trace_equals_the_counts_it_encodes(tmp_path):
                                 "num_tokens": 1, "topk": K, "top_indices": [[0, 1]]})  # skipped: not decoder
         _write_jsonl(tmp_path / f"router_trace_rank{rank}.jsonl", records)
     trace = import_megatron_trace(tmp_path, num_experts=E, model="tiny")
-    assert torch.equal(trace.counts_SLNE, want)
+    assert torch.equal(trace.counts_ILNE, want)
     assert trace.meta["steps"] == [5, 6] and trace.meta["layers"] == [1, 3] and trace.meta["ranks"] == [0, 1]
     assert trace.meta["source"] == "recorded" and trace.meta["top_k"] == K
     back = load_trace(trace.save(tmp_path / "imported.npz"))  # the project's format from here on
-    assert torch.equal(back.counts_SLNE, want)
+    assert torch.equal(back.counts_ILNE, want)
     one = import_megatron_trace(tmp_path / "router_trace_rank1.jsonl", num_experts=E)
-    assert torch.equal(one.counts_SLNE, want[:, :, 1:])
-    assert torch.equal(import_megatron_trace(tmp_path, num_experts=E, ranks=[0]).counts_SLNE, want[:, :, :1])
+    assert torch.equal(one.counts_ILNE, want[:, :, 1:])
+    assert torch.equal(import_megatron_trace(tmp_path, num_experts=E, ranks=[0]).counts_ILNE, want[:, :, :1])
 
 
 def test_bad_megatron_records_name_file_and_line(tmp_path):
@@ -212,11 +212,11 @@ def test_recorder_counts_the_routers_choices_of_an_hf_model():
         with torch.no_grad():
             outs = [model(x, output_router_logits=True) for x in ids]
     trace = rec.trace(note="test")
-    assert trace.counts_SLNE.shape == (2, 2, 2, E) and trace.meta["note"] == "test"
+    assert trace.counts_ILNE.shape == (2, 2, 2, E) and trace.meta["note"] == "test"
     for step, out in enumerate(outs):
         for layer, logits_TE in enumerate(out.router_logits):  # HF's own record of the router: top-k of softmax
             idx_TK = torch.topk(torch.softmax(logits_TE, -1), K, dim=-1).indices
             halves = idx_TK.view(2, -1, K)  # virtual ranks: the first and second half of the tokens (2 sequences)
             for n in range(2):
-                assert torch.equal(trace.counts_SLNE[step, layer, n], torch.bincount(halves[n].flatten(), minlength=E))
+                assert torch.equal(trace.counts_ILNE[step, layer, n], torch.bincount(halves[n].flatten(), minlength=E))
     assert len(rec._handles) == 0  # the context manager removed the hooks

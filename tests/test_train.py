@@ -27,8 +27,8 @@ def test_a_few_steps_on_two_ranks_lower_the_loss_and_record_a_trace(tmp_path):
     losses = [h["loss"] for h in history]
     assert losses[-1] < losses[0] - 0.3, losses
     trace = load_trace(tmp_path / "trace.npz")
-    assert trace.meta["source"] == "recorded" and trace.counts_SLNE.shape == (6, 2, 2, 16)
-    assert (trace.counts_SLNE.sum(dim=(2, 3)) == 2 * 2 * 32 * 4).all()  # ranks × batch × seq × top-k
+    assert trace.meta["source"] == "recorded" and trace.counts_ILNE.shape == (6, 2, 2, 16)
+    assert (trace.counts_ILNE.sum(dim=(2, 3)) == 2 * 2 * 32 * 4).all()  # ranks × batch × seq × top-k
     assert "val_loss" in history[-1]
 
 
@@ -95,7 +95,7 @@ def test_an_hf_model_of_each_family_trains_with_complete_records(tmp_path, famil
     assert len(written) == len(history) and all({k: r[k] for k in h} == h for r, h in zip(written, history))
     trace = load_trace(tmp_path / "trace.npz")
     assert trace.meta["architecture"] == {"qwen3": "qwen3_moe", "glm": "glm4_moe"}[family]
-    assert trace.counts_SLNE.shape == (6, 2, 2, 16) and (trace.counts_SLNE.sum(dim=(2, 3)) == PAIRS).all()
+    assert trace.counts_ILNE.shape == (6, 2, 2, 16) and (trace.counts_ILNE.sum(dim=(2, 3)) == PAIRS).all()
 
 
 @pytest.mark.timeout(180)

@@ -127,11 +127,11 @@ def flatten_experts(w_gate_EDF: torch.Tensor, w_up_EDF: torch.Tensor, w_down_EFD
     return torch.cat([w_gate_EDF.reshape(E, -1), w_up_EDF.reshape(E, -1), w_down_EFD.reshape(E, -1)], dim=1)
 
 
-def unflatten_experts(flat_XP: torch.Tensor, hidden: int, ffn: int):
+def unflatten_experts(flat_XW: torch.Tensor, hidden: int, ffn: int):
     """Views (w_gate_XDF, w_up_XDF, w_down_XFD) of a flat [X, P] buffer (X experts or slots)."""
-    X, DF = flat_XP.shape[0], hidden * ffn
-    return (flat_XP[:, :DF].view(X, hidden, ffn), flat_XP[:, DF:2 * DF].view(X, hidden, ffn),
-            flat_XP[:, 2 * DF:].view(X, ffn, hidden))
+    X, DF = flat_XW.shape[0], hidden * ffn
+    return (flat_XW[:, :DF].view(X, hidden, ffn), flat_XW[:, DF:2 * DF].view(X, hidden, ffn),
+            flat_XW[:, 2 * DF:].view(X, ffn, hidden))
 
 
 class ReplicaStore(nn.Module):
@@ -166,25 +166,25 @@ class ReplicaStore(nn.Module):
         self.bounds = shard_bounds(self.numel, self.num_ranks)
         lo, hi = self.bounds[self.rank]
         with torch.no_grad():
-            flat_EP = flatten_experts(w_gate_EDF, w_up_EDF, w_down_EFD).to(device)
-            self.register_buffer("master_EP", flat_EP[:, lo:hi].to(torch.float32).clone())  # [E, P_n] fp32
-            self.register_buffer("exp_avg_EP", torch.zeros_like(self.master_EP))
-            self.register_buffer("exp_avg_sq_EP", torch.zeros_like(self.master_EP))
-            self.slots_SP = nn.Parameter(torch.zeros(self.slots_per_rank, self.numel, dtype=self.dtype,
+            flat_EW = flatten_experts(w_gate_EDF, w_up_EDF, w_down_EFD).to(device)
+            self.register_buffer("master_EW", flat_EW[:, lo:hi].to(torch.float32).clone())  # [E, P_n] fp32
+            self.register_buffer("exp_avg_EW", torch.zeros_like(self.master_EW))
+            self.register_buffer("exp_avg_sq_EW", torch.zeros_like(self.master_EW))
+            self.slots_SW = nn.Parameter(torch.zeros(self.slots_per_rank, self.numel, dtype=self.dtype,
                                                      device=device))
             self.placement_NS = placement_NS.clone().cpu()
             for j, e in enumerate(self.placement_NS[self.rank].tolist()):
                 if e >= 0:
-                    self.slots_SP[j].copy_(flat_EP[e].to(self.dtype))
+                    self.slots_SW[j].copy_(flat_EW[e].to(self.dtype))
         self.adam_steps = 0
-        self.grad_shards_EP: torch.Tensor | None = None  # the last collected gradient shards (fp32, scaled)
+        self.grad_shards_EW: torch.Tensor | None = None  # the last collected gradient shards (fp32, scaled)
         self._reduced: dict[int, torch.Tensor] = {}  # range mode: e -> reduced gradient, between sync and collect
         self._received: list[tuple[list[int], torch.Tensor]] | None = None  # shard mode: per host, its parts
 
     # -- views -------------------------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return self.slots_SP.device
+        return self.slots_SW.device
 
     @property
     def shard_numel(self) -> int:
@@ -193,7 +193,7 @@ class ReplicaStore(nn.Module):
 
     def slot_weights(self):
         """(w_gate_SDF, w_up_SDF, w_down_SFD): differentiable views of the local slots."""
-        return unflatten_experts(self.slots_SP, self.hidden, self.ffn)
+        return unflatten_experts(self.slots_SW, self.hidden, self.ffn)
 
     def local_slot_expert(self) -> list[int]:
         return self.placement_NS[self.rank].tolist()
@@ -220,10 +220,10 @@ class ReplicaStore(nn.Module):
         """The sum of this rank's slots of ``e`` (in at least fp32, in slot order), in the slots' dtype: the
         contribution this rank sends. Zeros if it hosts none or no backward ran."""
         slots = (self.placement_NS[self.rank] == e).nonzero().flatten().tolist()
-        grad_SP = self.slots_SP.grad
-        if not slots or grad_SP is None:
+        grad_SW = self.slots_SW.grad
+        if not slots or grad_SW is None:
             return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        return grad_SP[slots].to(torch.promote_types(self.dtype, torch.float32)).sum(0).to(self.dtype)
+        return grad_SW[slots].to(torch.promote_types(self.dtype, torch.float32)).sum(0).to(self.dtype)
 
     # -- 1. replica gradient sync ------------------------------------------------------------------------------
     def sync_replica_grads(self) -> None:
@@ -277,16 +277,16 @@ class ReplicaStore(nn.Module):
     # -- 2. gradient collection --------------------------------------------------------------------------------
     def collect_grad_shards(self, grad_scale: float = 1.0) -> torch.Tensor:
         """Shard ``rank`` of every expert's summed gradient, scaled by the constant ``grad_scale``, as fp32
-        [E, P_n] (also kept as ``grad_shards_EP``). ``"range"``: fetched from a holder of the reduced gradient
+        [E, P_n] (also kept as ``grad_shards_EW``). ``"range"``: fetched from a holder of the reduced gradient
         (round-robin over holders); ``"shard"``: the hosts' parts added in ascending host rank."""
         if not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be finite, got {grad_scale}")
         with self._phase("grad_collect"), torch.no_grad():
-            shards_EP = self._collect_range() if self.replica_grad == "range" else self._collect_shard()
-            shards_EP.mul_(grad_scale)
-        self.grad_shards_EP = shards_EP
+            shards_EW = self._collect_range() if self.replica_grad == "range" else self._collect_shard()
+            shards_EW.mul_(grad_scale)
+        self.grad_shards_EW = shards_EW
         self._reduced, self._received = {}, None
-        return shards_EP
+        return shards_EW
 
     def _collect_range(self) -> torch.Tensor:
         src_NE = sync_plan(self.placement_NS, self.num_experts).source_NE
@@ -305,19 +305,19 @@ class ReplicaStore(nn.Module):
                 recv_experts[peer] = need
         got = exchange_rows(send, recv_numel, self.dtype, self.device)
         lo, hi = self.bounds[self.rank]
-        shards_EP = torch.zeros(self.num_experts, hi - lo, dtype=torch.float32, device=self.device)
+        shards_EW = torch.zeros(self.num_experts, hi - lo, dtype=torch.float32, device=self.device)
         for e in (src_NE[self.rank] == self.rank).nonzero().flatten().tolist():
-            shards_EP[e] = self._reduced[e][lo:hi].to(torch.float32)
+            shards_EW[e] = self._reduced[e][lo:hi].to(torch.float32)
         for peer, need in recv_experts.items():
-            shards_EP[need] = got[peer].view(len(need), hi - lo).to(torch.float32)
+            shards_EW[need] = got[peer].view(len(need), hi - lo).to(torch.float32)
         self._bytes("grad_collect", sum(b.numel() for b in send.values()) * elem, sum(recv_numel.values()) * elem)
-        return shards_EP
+        return shards_EW
 
     def _collect_shard(self) -> torch.Tensor:
         if self._received is None:
             raise ValueError("collect_grad_shards in shard mode needs sync_replica_grads first")
         c = self.shard_numel
-        shards_EP = torch.zeros(self.num_experts, c, dtype=torch.float32, device=self.device)
+        shards_EW = torch.zeros(self.num_experts, c, dtype=torch.float32, device=self.device)
         started_E = torch.zeros(self.num_experts, dtype=torch.bool)
         for experts, part in self._received:  # hosts in ascending rank: the fold order of the range mode
             if not experts:
@@ -325,22 +325,22 @@ class ReplicaStore(nn.Module):
             idx = torch.tensor(experts)
             part_HC = part.view(len(experts), c).to(torch.float32)
             first = ~started_E[idx]
-            shards_EP[idx[first]] = part_HC[first]  # a copy, not 0 + x: the fold starts at the first host
-            shards_EP[idx[~first]] += part_HC[~first]
+            shards_EW[idx[first]] = part_HC[first]  # a copy, not 0 + x: the fold starts at the first host
+            shards_EW[idx[~first]] += part_HC[~first]
             started_E[idx] = True
         self._bytes("grad_collect", 0, 0)
-        return shards_EP
+        return shards_EW
 
     # -- 3. Adam -----------------------------------------------------------------------------------------------
-    def adam_step(self, grad_shards_EP: torch.Tensor | None = None) -> None:
+    def adam_step(self, grad_shards_EW: torch.Tensor | None = None) -> None:
         """Adam on this rank's fp32 shards (all experts at once: the update is elementwise)."""
-        grad = self.grad_shards_EP if grad_shards_EP is None else grad_shards_EP
-        if grad is None or grad.shape != self.master_EP.shape:
-            raise ValueError(f"adam_step needs gradient shards of shape {tuple(self.master_EP.shape)}, got "
+        grad = self.grad_shards_EW if grad_shards_EW is None else grad_shards_EW
+        if grad is None or grad.shape != self.master_EW.shape:
+            raise ValueError(f"adam_step needs gradient shards of shape {tuple(self.master_EW.shape)}, got "
                              f"{None if grad is None else tuple(grad.shape)}")
         with self._phase("adam"), torch.no_grad():
             self.adam_steps += 1
-            adam_update_(self.master_EP, grad.to(torch.float32), self.exp_avg_EP, self.exp_avg_sq_EP,
+            adam_update_(self.master_EW, grad.to(torch.float32), self.exp_avg_EW, self.exp_avg_sq_EW,
                          self.adam_steps, self.adam)
 
     # -- 4. redistribution -------------------------------------------------------------------------------------
@@ -356,7 +356,7 @@ class ReplicaStore(nn.Module):
         with self._phase("redistribute"), torch.no_grad():
             wanted = {m: hosted_experts(nxt, m) for m in range(self.num_ranks)}
             mine = wanted[self.rank]
-            send = {m: self.master_EP[es].to(self.dtype).flatten() for m, es in wanted.items()
+            send = {m: self.master_EW[es].to(self.dtype).flatten() for m, es in wanted.items()
                     if m != self.rank and es}
             recv_numel = {q: len(mine) * (hi - lo) for q, (lo, hi) in enumerate(self.bounds)
                           if q != self.rank and mine and hi > lo}
@@ -364,19 +364,19 @@ class ReplicaStore(nn.Module):
             full = torch.empty(len(mine), self.numel, dtype=self.dtype, device=self.device)
             for q, (lo, hi) in enumerate(self.bounds):
                 if q == self.rank:
-                    full[:, lo:hi] = self.master_EP[mine].to(self.dtype)
+                    full[:, lo:hi] = self.master_EW[mine].to(self.dtype)
                 elif hi > lo and mine:
                     full[:, lo:hi] = got[q].view(len(mine), hi - lo)
             row = {e: i for i, e in enumerate(mine)}
             for j, e in enumerate(nxt[self.rank].tolist()):
                 if e >= 0:
-                    self.slots_SP[j].copy_(full[row[e]])
+                    self.slots_SW[j].copy_(full[row[e]])
                 else:
-                    self.slots_SP[j].zero_()
+                    self.slots_SW[j].zero_()
             self._bytes("redistribute", sum(b.numel() for b in send.values()) * elem,
                         sum(recv_numel.values()) * elem)
         self.placement_NS = nxt
-        self.slots_SP.grad = None
+        self.slots_SW.grad = None
 
     # -- 0. weight push (online replication) ------------------------------------------------------------------
     def push(self, placement_NS: torch.Tensor, push_src_G: torch.Tensor) -> None:
@@ -402,14 +402,14 @@ class ReplicaStore(nn.Module):
         if bool((held_G[src_G[pushed_G]] != want_G[pushed_G]).any()):
             raise ValueError("a push copies a slot that does not hold the pushed expert")
         rows = push_rows(tgt, src_G)
-        me, elem = self.rank, self.slots_SP.element_size()
+        me, elem = self.rank, self.slots_SW.element_size()
         local = self.local_slot_expert()
         with self._phase("weight_push"), torch.no_grad():
             send, recv_numel = {}, {}
             for m in range(self.num_ranks):
                 out = rows[(rows[:, 0] == me) & (rows[:, 1] == m), 2].tolist()  # ascending experts
                 if out:
-                    send[m] = torch.cat([self.slots_SP[local.index(e)] for e in out])
+                    send[m] = torch.cat([self.slots_SW[local.index(e)] for e in out])
                 got = rows[(rows[:, 0] == m) & (rows[:, 1] == me), 2]
                 if len(got):
                     recv_numel[m] = len(got) * self.numel
@@ -420,11 +420,11 @@ class ReplicaStore(nn.Module):
                     continue
                 q, e = int(src_G[g]) // S, int(want_G[g])
                 if q == me:
-                    self.slots_SP[j].copy_(self.slots_SP[int(src_G[g]) % S])
+                    self.slots_SW[j].copy_(self.slots_SW[int(src_G[g]) % S])
                 else:
                     experts = rows[(rows[:, 0] == q) & (rows[:, 1] == me), 2].tolist()
                     i = experts.index(e)
-                    self.slots_SP[j].copy_(got[q][i * self.numel:(i + 1) * self.numel])
+                    self.slots_SW[j].copy_(got[q][i * self.numel:(i + 1) * self.numel])
             self._bytes("weight_push", sum(b.numel() for b in send.values()) * elem,
                         sum(recv_numel.values()) * elem)
         self.placement_NS = tgt
@@ -437,15 +437,15 @@ class ReplicaStore(nn.Module):
         self.redistribute(next_placement_NS)
 
     # -- inspection (collective; for tests and checkpoints) ----------------------------------------------------
-    def gather_full(self, shards_EP: torch.Tensor) -> torch.Tensor:
+    def gather_full(self, shards_EW: torch.Tensor) -> torch.Tensor:
         """All ranks' shards of a per-expert fp32 quantity, joined into [E, P] (collective)."""
         width = max(hi - lo for lo, hi in self.bounds)  # gloo's all_gather needs equal sizes: pad to the longest
-        padded = torch.zeros(self.num_experts, width, dtype=shards_EP.dtype, device=shards_EP.device)
-        padded[:, :shards_EP.shape[1]] = shards_EP
+        padded = torch.zeros(self.num_experts, width, dtype=shards_EW.dtype, device=shards_EW.device)
+        padded[:, :shards_EW.shape[1]] = shards_EW
         parts = [torch.empty_like(padded) for _ in self.bounds]
         dist.all_gather(parts, padded)
         return torch.cat([part[:, :hi - lo] for part, (lo, hi) in zip(parts, self.bounds)], dim=1)
 
     def full_master(self) -> torch.Tensor:
         """The fp32 master weights of every expert, [E, P] (collective)."""
-        return self.gather_full(self.master_EP)
+        return self.gather_full(self.master_EW)

@@ -51,12 +51,12 @@ def _rank_times(rank: int, placement_NS: torch.Tensor, num_experts: int, hidden:
     w = (torch.randn(num_experts, hidden, ffn), torch.randn(num_experts, hidden, ffn),
          torch.randn(num_experts, ffn, hidden))
     groups = RangeGroups()
-    grad_SP = torch.randn(placement_NS.shape[1], 3 * hidden * ffn, generator=torch.Generator().manual_seed(rank))
+    grad_SW = torch.randn(placement_NS.shape[1], 3 * hidden * ffn, generator=torch.Generator().manual_seed(rank))
     out = {}
     for variant in variants:
         mode = "shard" if variant == "shard" else "range"
         store = ReplicaStore(*w, placement_NS, groups, replica_grad=mode)
-        store.slots_SP.grad = grad_SP
+        store.slots_SW.grad = grad_SW
 
         def once():
             if variant == "range-allreduce":

@@ -237,8 +237,8 @@ class PhaseTimes:
     like this one, which is what the planner checks; ``oom`` compares it with the whole budget.
     """
 
-    time_NP: torch.Tensor  # float64 [N, P] seconds each rank spends in each phase
-    bytes_NP: torch.Tensor  # float64 [N, P] bytes each rank sends in each phase
+    time_NH: torch.Tensor  # float64 [N, H] seconds each rank spends in each phase
+    bytes_NH: torch.Tensor  # float64 [N, H] bytes each rank sends in each phase
     fwd_rows_N: torch.Tensor  # long [N] forward pairs computed on each rank
     bwd_rows_N: torch.Tensor  # long [N] backward rows multiplied on each rank (padded when compaction is off)
     slot_bytes_N: torch.Tensor  # float64 [N] weights + gradients of the allocated slots
@@ -255,33 +255,33 @@ class PhaseTimes:
 
     @property
     def num_ranks(self) -> int:
-        return self.time_NP.shape[0]
+        return self.time_NH.shape[0]
 
     @property
-    def straggler_P(self) -> torch.Tensor:
-        """float64 [P]: the slowest rank's seconds in each phase, which is the phase's duration."""
-        return self.time_NP.max(dim=0).values
+    def straggler_H(self) -> torch.Tensor:
+        """float64 [H]: the slowest rank's seconds in each phase, which is the phase's duration."""
+        return self.time_NH.max(dim=0).values
 
     @property
-    def straggler_rank_P(self) -> torch.Tensor:
-        return self.time_NP.argmax(dim=0)
+    def straggler_rank_H(self) -> torch.Tensor:
+        return self.time_NH.argmax(dim=0)
 
     @property
     def total_s(self) -> float:
-        return float(self.straggler_P.sum())
+        return float(self.straggler_H.sum())
 
     def phase_s(self, name: str) -> float:
-        return float(self.straggler_P[self.phases.index(name)])
+        return float(self.straggler_H[self.phases.index(name)])
 
     def category_s(self) -> dict[str, float]:
         """Seconds of forward compute, backward compute, all-to-all communication, sync and overheads."""
-        strag = self.straggler_P
+        strag = self.straggler_H
         return {cat: float(sum(strag[self.phases.index(p)] for p in names)) for cat, names in CATEGORIES.items()}
 
     @property
-    def bytes_P(self) -> torch.Tensor:
-        """float64 [P]: bytes sent by all ranks in each phase."""
-        return self.bytes_NP.sum(dim=0)
+    def bytes_H(self) -> torch.Tensor:
+        """float64 [H]: bytes sent by all ranks in each phase."""
+        return self.bytes_NH.sum(dim=0)
 
     @property
     def resident_bytes_N(self) -> torch.Tensor:
@@ -502,7 +502,7 @@ class CostModel:
             hosted_NS = placement_NS >= 0
             fwd_rows_NS = torch.where(hosted_NS, torch.clamp(fwd_rows_NS, min=cap), 0)
             bwd_rows_NS = torch.where(hosted_NS, torch.clamp(bwd_rows_NS, min=cap), 0)
-        moved_NS = plan.moved_NG.sum(0).view(n, s) if len(plan.bwd_flows_F4) else None
+        moved_NS = plan.moved_NG.sum(0).view(n, s) if len(plan.bwd_flows_V4) else None
         pairs_N = fwd_NG.sum(1) + plan.dropped_NE.sum(1)  # routed pairs per source rank
         tokens_N = pairs_N.double() / m.top_k
         modes = REPLICA_GRAD_MODES if self.sharded_optimizer else ("range",)
@@ -533,37 +533,37 @@ class CostModel:
         """:class:`PhaseTimes` of a plan's :class:`PlanWork` on this model's cluster and GEMM curve."""
         m, c = self.model, self.cluster
         n = w.placement_NS.shape[0]
-        time_NP = torch.zeros(n, len(PHASES), dtype=torch.float64)
-        bytes_NP = torch.zeros_like(time_NP)
+        time_NH = torch.zeros(n, len(PHASES), dtype=torch.float64)
+        bytes_NH = torch.zeros_like(time_NH)
         for phase, b_NN in w.a2a_NN.items():
-            time_NP[:, _P[phase]], bytes_NP[:, _P[phase]] = self._a2a(b_NN)
-        time_NP[:, _P["plan"]] += w.planner_s
+            time_NH[:, _P[phase]], bytes_NH[:, _P[phase]] = self._a2a(b_NN)
+        time_NH[:, _P["plan"]] += w.planner_s
 
         fwd_f, bwd_f = float(m.pair_fwd_flops), float(m.pair_bwd_flops)
-        time_NP[:, _P["expert_fwd"]] = self.gemm_seconds_N(w.fwd_rows_NS, fwd_f)
-        time_NP[:, _P["expert_bwd"]] = self.gemm_seconds_N(w.bwd_rows_NS, bwd_f)
+        time_NH[:, _P["expert_fwd"]] = self.gemm_seconds_N(w.fwd_rows_NS, fwd_f)
+        time_NH[:, _P["expert_bwd"]] = self.gemm_seconds_N(w.bwd_rows_NS, bwd_f)
         if w.moved_NS is not None:  # moved pairs recompute their gate and up projections where they land
-            time_NP[:, _P["expert_bwd"]] += self.gemm.seconds(w.moved_NS, self.recompute_fraction * fwd_f,
+            time_NH[:, _P["expert_bwd"]] += self.gemm.seconds(w.moved_NS, self.recompute_fraction * fwd_f,
                                                               c.peak_flops).sum(1)
         if m.num_shared_experts:
             shared_f = 6.0 * m.hidden * m.shared_ffn * m.num_shared_experts
-            time_NP[:, _P["shared_fwd"]] = self.gemm.seconds(w.tokens_N, shared_f, c.peak_flops)
-            time_NP[:, _P["shared_bwd"]] = self.gemm.seconds(w.tokens_N, 2 * shared_f, c.peak_flops)
+            time_NH[:, _P["shared_fwd"]] = self.gemm.seconds(w.tokens_N, shared_f, c.peak_flops)
+            time_NH[:, _P["shared_bwd"]] = self.gemm.seconds(w.tokens_N, 2 * shared_f, c.peak_flops)
         launch = self.gemm.launch_s
         recal_N = selection_seconds(w.select_pairs_N, w.tokens_N, m.hidden, c.hbm_bw, launch)
         if c.hbm_bw > 0:
             recal_N = recal_N + w.compact_bytes_N / c.hbm_bw
-        time_NP[:, _P["recalibrate"]] = recal_N + w.compact_passes_N * launch
-        self._sync(w, time_NP, bytes_NP)
+        time_NH[:, _P["recalibrate"]] = recal_N + w.compact_passes_N * launch
+        self._sync(w, time_NH, bytes_NH)
         mem = w.memory
-        return PhaseTimes(time_NP=time_NP, bytes_NP=bytes_NP, fwd_rows_N=w.fwd_rows_N, bwd_rows_N=w.bwd_rows_N,
+        return PhaseTimes(time_NH=time_NH, bytes_NH=bytes_NH, fwd_rows_N=w.fwd_rows_N, bwd_rows_N=w.bwd_rows_N,
                           slot_bytes_N=mem.slot_N, state_bytes_N=w.state_N, saved_bytes_N=mem.saved_N,
                           fwd_buffer_bytes_N=mem.fwd_N, bwd_buffer_bytes_N=mem.bwd_N,
                           mem_budget_bytes=float(self.mem_budget_bytes), dropped_pairs=w.dropped,
                           routed_pairs=w.routed, num_layers=m.num_moe_layers,
                           optimizer_in_budget=self.optimizer_in_budget)
 
-    def _sync(self, w: PlanWork, time_NP: torch.Tensor, bytes_NP: torch.Tensor) -> None:
+    def _sync(self, w: PlanWork, time_NH: torch.Tensor, bytes_NH: torch.Tensor) -> None:
         """Replica sync, gradient collection, Adam and redistribution, in place.
 
         The bytes are :func:`lrmoe.sync_model.step_bytes`'s, the layer's own byte model (the placement of this plan
@@ -599,20 +599,20 @@ class CostModel:
             lat_E = torch.where(crosses_E, c.inter_latency, c.intra_latency).double()
             ring_NE = sb.allreduce_NE.double()
             t_NE = torch.where(group_NE, ring_NE / bw_E + 2 * (h_E - 1) * lat_E, 0.0)
-            time_NP[:, _P["replica_sync"]] = t_NE.sum(1)
-            bytes_NP[:, _P["replica_sync"]] = ring_NE.sum(1)
+            time_NH[:, _P["replica_sync"]] = t_NE.sum(1)
+            bytes_NH[:, _P["replica_sync"]] = ring_NE.sum(1)
         else:
-            time_NP[:, _P["replica_sync"]], bytes_NP[:, _P["replica_sync"]] = self._a2a(sb.sync_NM)
+            time_NH[:, _P["replica_sync"]], bytes_NH[:, _P["replica_sync"]] = self._a2a(sb.sync_NM)
 
         if not self.sharded_optimizer:
             if c.hbm_bw > 0:
                 resident_NS = placement_NS if w.resident_NS is None else w.resident_NS  # pushed copies: no state
                 hosted_N = hosts_mask(resident_NS, e).double().sum(1)
-                time_NP[:, _P["adam"]] = hosted_N * p_e * self.optimizer_traffic_per_param / c.hbm_bw
+                time_NH[:, _P["adam"]] = hosted_N * p_e * self.optimizer_traffic_per_param / c.hbm_bw
             return
         if mode == "range":
-            time_NP[:, _P["grad_collect"]], bytes_NP[:, _P["grad_collect"]] = self._a2a(sb.collect_NM)
+            time_NH[:, _P["grad_collect"]], bytes_NH[:, _P["grad_collect"]] = self._a2a(sb.collect_NM)
         if c.hbm_bw > 0:
             shard_N = torch.tensor(shard_sizes(p_e, n), dtype=torch.float64)
-            time_NP[:, _P["adam"]] = e * shard_N * self.optimizer_traffic_per_param / c.hbm_bw
-        time_NP[:, _P["redistribute"]], bytes_NP[:, _P["redistribute"]] = self._a2a(sb.redistribute_NM)
+            time_NH[:, _P["adam"]] = e * shard_N * self.optimizer_traffic_per_param / c.hbm_bw
+        time_NH[:, _P["redistribute"]], bytes_NH[:, _P["redistribute"]] = self._a2a(sb.redistribute_NM)

@@ -15,7 +15,7 @@ Whole-model memory per rank (:mod:`lrmoe.memory`, the planner's model too): ever
 activations are alive at the end of the forward, and one layer's in-flight buffers at a time on top of them,
 plus the optimizer shard when it counts: Σ_l resident + max_l in flight + fixed (:func:`lrmoe.memory.model_peak`).
 When a trace holds fewer layers than the model, the simulated layers' mean stands for the missing ones
-(:attr:`SimResult.peak_SN`; headlines simulate every layer). The budget is the cost model's per-layer budget times
+(:attr:`SimResult.peak_IN`; headlines simulate every layer). The budget is the cost model's per-layer budget times
 the model's MoE layers (by default the cluster's whole budget).
 
 Sensitivity: ``variants`` names other values of the cost model's uncertain constants
@@ -47,22 +47,22 @@ class System:
     description: str = ""
 
 
-def iter_plans(trace_counts_SLNE: torch.Tensor, make_policy: Callable[[], object],
+def iter_plans(trace_counts_ILNE: torch.Tensor, make_policy: Callable[[], object],
                layers: list[int] | None = None) -> Iterator[tuple[int, int, object]]:
     """Yield ``(step, layer, plan)`` in execution order (step-major), one policy object per layer.
 
     ``prev_counts_E`` is the layer's global counts of the previous step (None at the first step), which is
     what the layer's one small all-reduce in the forward provides to SYMI / LRMoE placement.
     """
-    if trace_counts_SLNE.dim() != 4:
-        raise ValueError(f"trace counts must be [steps, layers, ranks, experts], got {tuple(trace_counts_SLNE.shape)}")
-    layers = list(range(trace_counts_SLNE.shape[1])) if layers is None else list(layers)
+    if trace_counts_ILNE.dim() != 4:
+        raise ValueError(f"trace counts must be [steps, layers, ranks, experts], got {tuple(trace_counts_ILNE.shape)}")
+    layers = list(range(trace_counts_ILNE.shape[1])) if layers is None else list(layers)
     policies = {layer: make_policy() for layer in layers}
-    global_SLE = trace_counts_SLNE.sum(dim=2)
-    for step in range(trace_counts_SLNE.shape[0]):
+    global_ILE = trace_counts_ILNE.sum(dim=2)
+    for step in range(trace_counts_ILNE.shape[0]):
         for layer in layers:
-            prev = global_SLE[step - 1, layer] if step else None
-            yield step, layer, policies[layer].plan(trace_counts_SLNE[step, layer], prev)
+            prev = global_ILE[step - 1, layer] if step else None
+            yield step, layer, policies[layer].plan(trace_counts_ILNE[step, layer], prev)
 
 
 @dataclass
@@ -72,92 +72,92 @@ class SimResult:
     system: str
     model: str
     cluster: str
-    phase_SLP: torch.Tensor  # float64 [S, L, P] straggler seconds of each phase
-    bytes_SLP: torch.Tensor  # float64 [S, L, P] bytes sent by all ranks in each phase
-    dropped_SL: torch.Tensor  # long [S, L] forward pairs dropped
-    routed_SL: torch.Tensor  # long [S, L] pairs routed
-    fwd_imbalance_SL: torch.Tensor  # float64 [S, L] slowest rank's forward rows / mean
-    bwd_ratio_SL: torch.Tensor  # float64 [S, L] slowest rank's backward rows / mean forward rows (rho)
-    peak_SN: torch.Tensor  # float64 [S, N] whole-model MoE memory per rank
-    layer_oom_SL: torch.Tensor  # bool [S, L] a layer over its share of the budget
-    slots_used_SL: torch.Tensor  # long [S, L] non-empty slots over all ranks
+    phase_ILH: torch.Tensor  # float64 [I, L, H] straggler seconds of each phase
+    bytes_ILH: torch.Tensor  # float64 [I, L, H] bytes sent by all ranks in each phase
+    dropped_IL: torch.Tensor  # long [I, L] forward pairs dropped
+    routed_IL: torch.Tensor  # long [I, L] pairs routed
+    fwd_imbalance_IL: torch.Tensor  # float64 [I, L] slowest rank's forward rows / mean
+    bwd_ratio_IL: torch.Tensor  # float64 [I, L] slowest rank's backward rows / mean forward rows (rho)
+    peak_IN: torch.Tensor  # float64 [I, N] whole-model MoE memory per rank
+    layer_oom_IL: torch.Tensor  # bool [I, L] a layer over its share of the budget
+    slots_used_IL: torch.Tensor  # long [I, L] non-empty slots over all ranks
     mem_budget_bytes: float  # whole-model MoE budget per rank
     warmup: int = 1  # leading steps left out of the summary (no previous counts yet)
     micro_batches: int = 1  # all-to-all and GEMM phases run this many times per iteration, sync phases once
     phases: tuple[str, ...] = field(default=PHASES)
-    variant_SLP: dict = field(default_factory=dict)  # {variant name: float64 [S, L, P] straggler seconds}
+    variant_ILH: dict = field(default_factory=dict)  # {variant name: float64 [I, L, H] straggler seconds}
 
-    def weights_P(self, micro_batches: int | None = None) -> torch.Tensor:
-        """float64 [P]: how many times each phase runs per iteration (default: this run's micro-batches)."""
+    def weights_H(self, micro_batches: int | None = None) -> torch.Tensor:
+        """float64 [H]: how many times each phase runs per iteration (default: this run's micro-batches)."""
         mb = float(self.micro_batches if micro_batches is None else micro_batches)
         sync = set(CATEGORIES["sync"])
         return torch.tensor([1.0 if p in sync else mb for p in self.phases], dtype=torch.float64)
 
     @property
-    def weight_P(self) -> torch.Tensor:
-        """float64 [P]: how many times each phase runs per iteration."""
-        return self.weights_P()
+    def weight_H(self) -> torch.Tensor:
+        """float64 [H]: how many times each phase runs per iteration."""
+        return self.weights_H()
 
     @property
     def iteration_s(self) -> torch.Tensor:
-        """float64 [S]: seconds per iteration of the simulated MoE layers (all phases, all micro-batches)."""
-        return (self.phase_SLP * self.weight_P).sum(dim=(1, 2))
+        """float64 [I]: seconds per iteration of the simulated MoE layers (all phases, all micro-batches)."""
+        return (self.phase_ILH * self.weight_H).sum(dim=(1, 2))
 
     def time_s(self, variant: str | None = None, micro_batches: int | None = None) -> float:
         """Mean seconds per iteration after warm-up, under a sensitivity ``variant`` (None: the base constants)
         and a number of ``micro_batches`` (None: this run's)."""
-        s = slice(self.warmup, None) if self.phase_SLP.shape[0] > self.warmup else slice(None)
-        phase_SLP = self.phase_SLP if variant is None else self.variant_SLP[variant]
-        return float((phase_SLP[s].sum(dim=1).mean(dim=0) * self.weights_P(micro_batches)).sum())
+        s = slice(self.warmup, None) if self.phase_ILH.shape[0] > self.warmup else slice(None)
+        phase_ILH = self.phase_ILH if variant is None else self.variant_ILH[variant]
+        return float((phase_ILH[s].sum(dim=1).mean(dim=0) * self.weights_H(micro_batches)).sum())
 
     def category_s(self, variant: str | None = None) -> dict[str, float]:
         """Mean seconds per iteration after warm-up by category (forward, backward, communication, sync, ...),
         under a ``variant`` (None: the base constants)."""
-        s = slice(self.warmup, None) if self.phase_SLP.shape[0] > self.warmup else slice(None)
-        phase_SLP = self.phase_SLP if variant is None else self.variant_SLP[variant]
-        per_step_P = phase_SLP[s].sum(dim=1).mean(dim=0) * self.weight_P
-        return {cat: float(sum(per_step_P[self.phases.index(p)] for p in names)) for cat, names in CATEGORIES.items()}
+        s = slice(self.warmup, None) if self.phase_ILH.shape[0] > self.warmup else slice(None)
+        phase_ILH = self.phase_ILH if variant is None else self.variant_ILH[variant]
+        per_step_H = phase_ILH[s].sum(dim=1).mean(dim=0) * self.weight_H
+        return {cat: float(sum(per_step_H[self.phases.index(p)] for p in names)) for cat, names in CATEGORIES.items()}
 
     @property
     def oom(self) -> bool:
         """Whether the whole model's MoE memory exceeds the budget on some rank at some step after warm-up.
         (A layer over its per-layer share is reported as ``layer_over_share``: memory is pooled over layers.)"""
-        return bool((self.peak_SN[self.warmup:] > self.mem_budget_bytes).any())
+        return bool((self.peak_IN[self.warmup:] > self.mem_budget_bytes).any())
 
     def summary(self) -> dict:
         """Means over the steps after warm-up: seconds per iteration by category, bytes, memory, drops."""
-        s = slice(self.warmup, None) if self.phase_SLP.shape[0] > self.warmup else slice(None)
-        w_P = self.weight_P
-        per_step_P = self.phase_SLP[s].sum(dim=1).mean(dim=0) * w_P  # [P] seconds per iteration, all layers
+        s = slice(self.warmup, None) if self.phase_ILH.shape[0] > self.warmup else slice(None)
+        w_H = self.weight_H
+        per_step_H = self.phase_ILH[s].sum(dim=1).mean(dim=0) * w_H  # [H] seconds per iteration, all layers
         out = {"system": self.system, "model": self.model, "cluster": self.cluster,
-               "time_s": float(per_step_P.sum())}
+               "time_s": float(per_step_H.sum())}
         for cat, names in CATEGORIES.items():
-            out[f"{cat}_s"] = float(sum(per_step_P[self.phases.index(p)] for p in names))
-        bytes_P = self.bytes_SLP[s].sum(dim=1).mean(dim=0) * w_P
-        out["a2a_bytes"] = float(sum(bytes_P[self.phases.index(p)] for p in CATEGORIES["communication"]))
-        out["sync_bytes"] = float(sum(bytes_P[self.phases.index(p)] for p in CATEGORIES["sync"]))
-        out["peak_mem_bytes"] = float(self.peak_SN[s].max())
+            out[f"{cat}_s"] = float(sum(per_step_H[self.phases.index(p)] for p in names))
+        bytes_H = self.bytes_ILH[s].sum(dim=1).mean(dim=0) * w_H
+        out["a2a_bytes"] = float(sum(bytes_H[self.phases.index(p)] for p in CATEGORIES["communication"]))
+        out["sync_bytes"] = float(sum(bytes_H[self.phases.index(p)] for p in CATEGORIES["sync"]))
+        out["peak_mem_bytes"] = float(self.peak_IN[s].max())
         out["mem_budget_bytes"] = self.mem_budget_bytes
         out["oom"] = self.oom
-        out["layer_over_share"] = float(self.layer_oom_SL[s].double().mean())
-        out["drop_rate"] = float(self.dropped_SL[s].sum() / self.routed_SL[s].sum().clamp(min=1))
-        out["fwd_imbalance"] = float(self.fwd_imbalance_SL[s].mean())
-        out["rho"] = float(self.bwd_ratio_SL[s].mean())
-        out["slots_per_rank"] = float(self.slots_used_SL[s].double().mean() / self.peak_SN.shape[1])
+        out["layer_over_share"] = float(self.layer_oom_IL[s].double().mean())
+        out["drop_rate"] = float(self.dropped_IL[s].sum() / self.routed_IL[s].sum().clamp(min=1))
+        out["fwd_imbalance"] = float(self.fwd_imbalance_IL[s].mean())
+        out["rho"] = float(self.bwd_ratio_IL[s].mean())
+        out["slots_per_rank"] = float(self.slots_used_IL[s].double().mean() / self.peak_IN.shape[1])
         return out
 
 
-def simulate(trace_counts_SLNE: torch.Tensor, system: System, model: MoEConfig, cluster: ClusterConfig,
+def simulate(trace_counts_ILNE: torch.Tensor, system: System, model: MoEConfig, cluster: ClusterConfig,
              cost_kwargs: dict | None = None, layers: list[int] | None = None, warmup: int = 1,
              micro_batches: int = 1, progress: Callable[[int], None] | None = None,
              variants: dict[str, dict] | None = None) -> SimResult:
     """Plan and cost every (step, layer) of a trace for one system. ``progress(1)`` is called per layer-step.
 
-    ``trace_counts_SLNE`` is a trace's ``counts_SLNE``; its rank and expert dimensions must match the cluster
+    ``trace_counts_ILNE`` is a trace's ``counts_ILNE``; its rank and expert dimensions must match the cluster
     and the model. ``cost_kwargs`` go to :class:`CostModel` (e.g. ``gemm``, ``mem_budget_bytes``, ``overheads``).
     ``variants``: {name: keyword arguments of :meth:`CostModel.variant`}, each priced from the same work.
     """
-    num_steps, num_layers, n, e = trace_counts_SLNE.shape
+    num_steps, num_layers, n, e = trace_counts_ILNE.shape
     if n != cluster.num_ranks:
         raise ValueError(f"trace has {n} ranks but cluster {cluster.name!r} has num_ranks={cluster.num_ranks}")
     if e != model.num_experts:
@@ -171,43 +171,43 @@ def simulate(trace_counts_SLNE: torch.Tensor, system: System, model: MoEConfig, 
                    **(cost_kwargs or {}))
     priced = {name: cm.variant(**kw) for name, kw in (variants or {}).items()}
     num_l, p = len(layers), len(PHASES)
-    phase_SLP = torch.zeros(num_steps, num_l, p, dtype=torch.float64)
-    bytes_SLP = torch.zeros_like(phase_SLP)
-    dropped_SL = torch.zeros(num_steps, num_l, dtype=torch.long)
-    routed_SL = torch.zeros_like(dropped_SL)
-    slots_SL = torch.zeros_like(dropped_SL)
-    imb_SL = torch.zeros(num_steps, num_l, dtype=torch.float64)
-    rho_SL = torch.zeros_like(imb_SL)
-    oom_SL = torch.zeros(num_steps, num_l, dtype=torch.bool)
-    resident_SLN = torch.zeros(num_steps, num_l, n, dtype=torch.float64)
-    buffer_SLN = torch.zeros_like(resident_SLN)
-    variant_SLP = {name: torch.zeros_like(phase_SLP) for name in priced}
+    phase_ILH = torch.zeros(num_steps, num_l, p, dtype=torch.float64)
+    bytes_ILH = torch.zeros_like(phase_ILH)
+    dropped_IL = torch.zeros(num_steps, num_l, dtype=torch.long)
+    routed_IL = torch.zeros_like(dropped_IL)
+    slots_IL = torch.zeros_like(dropped_IL)
+    imb_IL = torch.zeros(num_steps, num_l, dtype=torch.float64)
+    rho_IL = torch.zeros_like(imb_IL)
+    oom_IL = torch.zeros(num_steps, num_l, dtype=torch.bool)
+    resident_ILN = torch.zeros(num_steps, num_l, n, dtype=torch.float64)
+    buffer_ILN = torch.zeros_like(resident_ILN)
+    variant_ILH = {name: torch.zeros_like(phase_ILH) for name in priced}
     fixed_N = torch.zeros(n, dtype=torch.float64)
     where = {layer: i for i, layer in enumerate(layers)}
-    for step, layer, plan in iter_plans(trace_counts_SLNE, system.make_policy, layers):
+    for step, layer, plan in iter_plans(trace_counts_ILNE, system.make_policy, layers):
         li = where[layer]
         work = cm.work(plan)
         t: PhaseTimes = cm.price(work)
         for name, vcm in priced.items():
-            variant_SLP[name][step, li] = vcm.price(work).straggler_P
-        phase_SLP[step, li] = t.straggler_P
+            variant_ILH[name][step, li] = vcm.price(work).straggler_H
+        phase_ILH[step, li] = t.straggler_H
         fixed_N = t.fixed_bytes_N
-        bytes_SLP[step, li] = t.bytes_P
-        dropped_SL[step, li] = t.dropped_pairs
-        routed_SL[step, li] = t.routed_pairs
-        slots_SL[step, li] = int((plan.placement_NS >= 0).sum())
+        bytes_ILH[step, li] = t.bytes_H
+        dropped_IL[step, li] = t.dropped_pairs
+        routed_IL[step, li] = t.routed_pairs
+        slots_IL[step, li] = int((plan.placement_NS >= 0).sum())
         mean_fwd = t.fwd_rows_N.double().mean().clamp(min=1e-12)
-        imb_SL[step, li] = t.fwd_rows_N.max() / mean_fwd
-        rho_SL[step, li] = t.bwd_rows_N.max() / mean_fwd
-        oom_SL[step, li] = t.oom
-        resident_SLN[step, li] = t.resident_bytes_N
-        buffer_SLN[step, li] = t.buffer_bytes_N
+        imb_IL[step, li] = t.fwd_rows_N.max() / mean_fwd
+        rho_IL[step, li] = t.bwd_rows_N.max() / mean_fwd
+        oom_IL[step, li] = t.oom
+        resident_ILN[step, li] = t.resident_bytes_N
+        buffer_ILN[step, li] = t.buffer_bytes_N
         if progress is not None:
             progress(1)
-    peak_SN = torch.stack([model_peak(resident_SLN[st], buffer_SLN[st], fixed_N, model.num_moe_layers)
+    peak_IN = torch.stack([model_peak(resident_ILN[st], buffer_ILN[st], fixed_N, model.num_moe_layers)
                            for st in range(num_steps)])
-    return SimResult(system=system.name, model=model.name, cluster=cluster.name, phase_SLP=phase_SLP,
-                     bytes_SLP=bytes_SLP, dropped_SL=dropped_SL, routed_SL=routed_SL, fwd_imbalance_SL=imb_SL,
-                     bwd_ratio_SL=rho_SL, peak_SN=peak_SN, layer_oom_SL=oom_SL, slots_used_SL=slots_SL,
+    return SimResult(system=system.name, model=model.name, cluster=cluster.name, phase_ILH=phase_ILH,
+                     bytes_ILH=bytes_ILH, dropped_IL=dropped_IL, routed_IL=routed_IL, fwd_imbalance_IL=imb_IL,
+                     bwd_ratio_IL=rho_IL, peak_IN=peak_IN, layer_oom_IL=oom_IL, slots_used_IL=slots_IL,
                      mem_budget_bytes=float(cm.mem_budget_bytes) * model.num_moe_layers, warmup=warmup,
-                     micro_batches=micro_batches, variant_SLP=variant_SLP)
+                     micro_batches=micro_batches, variant_ILH=variant_ILH)
