@@ -35,12 +35,13 @@ lint: setup
 	@cp -R paper_figures $(LINT_TREE)/lrmoe/paper_figures
 	cd $(LINT_TREE) && $(abspath $(VENV))/bin/lint-imports --no-logo --no-cache $(CURDIR)/pyproject.toml
 
+# the tests run on every core (pytest-xdist); each test file also runs alone with plain pytest
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 # also the tests marked slow (large shapes, long runs)
 test-all: lint
-	$(PY) -m pytest -q -m ""
+	$(PY) -m pytest -q -n auto -m ""
 
 reproduce: setup
 	$(PY) experiments/reproduce.py --mode $(MODE)
