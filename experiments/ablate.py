@@ -82,7 +82,7 @@ CATS = ["forward", "backward", "communication", "sync", "overhead"]
 PLOTTED = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless-lrmoe-slots", "lrmoe", "lrmoe-host-groups",
            "lrmoe-no-memplace", "lrmoe-no-quotas", "lrmoe-padded"]
 # The headline's systems, priced again at every corner of the uncertain constants (the sensitivity band).
-BANDED = ["lrmoe", "symi-dropless", "symi-cf1", "symi-dropless-lrmoe-slots"]
+BANDED = ["lrmoe", "symi-dropless", "symi-cf1", "symi-dropless-lrmoe-slots", "online", "online-rho0.75"]
 # The uncertain constants and their ranges (DESIGN.md §5.4; issue 15): GEMM efficiency 0.5-0.9 of peak,
 # half-efficiency rows 32-512, links at 70-100 % of the datasheet, 1-32 micro-batches per iteration.
 SENSITIVITY = {"eff_max": (0.5, 0.9), "m_half": (32.0, 512.0), "bw_scale": (0.7, 1.0)}
@@ -470,7 +470,7 @@ def _ratio(a, b, col: str = "iter_s") -> str:
     if a is None or b is None or pd.isna(getattr(a, col, float("nan"))) or pd.isna(getattr(b, col, float("nan"))):
         return "n/a"
     value = f"{getattr(a, col) / getattr(b, col):.2f}"
-    ref = {"symi-dropless": "vs_symi_dropless", "symi-cf1": "vs_symi_cf1"}.get(b.system)
+    ref = {"symi-dropless": "vs_symi_dropless", "symi-cf1": "vs_symi_cf1", "online": "vs_online"}.get(b.system)
     lo, hi = (getattr(a, f"{ref}_lo", float("nan")), getattr(a, f"{ref}_hi", float("nan"))) if ref else (None, None)
     if ref and not pd.isna(lo) and not pd.isna(hi):
         value += f" [{lo:.2f}–{hi:.2f}]"
@@ -484,12 +484,14 @@ def headline(table: pd.DataFrame, args) -> str:
     sel = table[(table.mem_gb == args.headline_mem_gb) & table.ranks.isin([ranks_per_node, 2 * ranks_per_node])]
     lines = ["| model | nodes x GPUs | skew | rank max/mean | expert max/mean | Gini | LRMoE / SYMI-dropless | "
              "LRMoE / SYMI-cf1 | LRMoE / SYMI-dropless with LRMoE's slots | LRMoE host groups / SYMI-dropless | "
+             "LRMoE / online | (online + budget) / online | "
              "SYMI-cf1 drops | slots LRMoE / SYMI-dl / SYMI-cf1 | replica grads LRMoE / SYMI-dl / SYMI-cf1 | OOM |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (model, ranks, label), cell in sel.groupby(["model", "ranks", "skew_label"], sort=True):
         by = {r.system: r for r in cell.itertuples()}
         lr, dl, cf = by.get("lrmoe"), by.get("symi-dropless"), by.get("symi-cf1")
         hosts, same = by.get("lrmoe-host-groups"), by.get("symi-dropless-lrmoe-slots")
+        online, online_budget = by.get("online"), by.get("online-rho0.75")
         nodes = f"{ranks // ranks_per_node} x {ranks_per_node}"
         first = cell.iloc[0]
         skew = f"{label} | {first.trace_rank_max_over_mean:.2f} | {first.trace_max_over_mean:.1f} | " \
@@ -497,7 +499,7 @@ def headline(table: pd.DataFrame, args) -> str:
         if lr is None or not hasattr(lr, "iter_s") or pd.isna(getattr(lr, "iter_s", float("nan"))):
             note = lr.note if lr is not None else "not run"
             what = "failed" if note.startswith("error") else "does not fit"
-            lines.append(f"| {model} | {nodes} | {skew} | {what}: {note} | | | | | | |")
+            lines.append(f"| {model} | {nodes} | {skew} | {what}: {note} | | | | | | | | | |")
             continue
 
         def slots(r):
@@ -510,7 +512,9 @@ def headline(table: pd.DataFrame, args) -> str:
         oom = ", ".join(r.system for r in (lr, dl, cf) if r is not None and getattr(r, "oom", False) is True)
         drops = "n/a" if cf is None or pd.isna(getattr(cf, "drop_rate", float("nan"))) else f"{cf.drop_rate:.1%}"
         lines.append(f"| {model} | {nodes} | {skew} | {_ratio(lr, dl)} | {_ratio(lr, cf)} | "
-                     f"{_ratio(lr, same)} | {_ratio(hosts, dl)} | {drops} | {slots(lr)} / {slots(dl)} / {slots(cf)} | "
+                     f"{_ratio(lr, same)} | {_ratio(hosts, dl)} | {_ratio(lr, online)} | "
+                     f"{_ratio(online_budget, online)} | "
+                     f"{drops} | {slots(lr)} / {slots(dl)} / {slots(cf)} | "
                      f"{mode(lr)} / {mode(dl)} / {mode(cf)} | {oom or 'none'} |")
     return "\n".join(lines)
 
