@@ -21,7 +21,7 @@ from lrmoe.distributed.comm import all_gather_rows
 from lrmoe.distributed.launch import launch
 from lrmoe.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
 from lrmoe.layer import EPMoELayer, NeedsRecalibration, initial_placement
-from lrmoe.policies import LRMoE, StaticEP
+from lrmoe.policies import LRMoE, StaticEP, Symi, Trimmed
 from lrmoe.reference import ReferenceMoE
 
 D, F, E, K, T = 8, 5, 8, 2, 16
@@ -152,6 +152,12 @@ def _lrmoe_cases(rank):
     assert run_case(rank, groups, LRMoE(eps=0.0, forward="even", backward_routing=False),
                     BackwardConfig())["flows"] == 0
     run_case(rank, groups, LRMoE(eps=0.0, extra_slots=0), BackwardConfig())
+    # the retention budget (every rank trimmed to ceil(rho * mean)), LRMoE's and the random-trim control on SYMI
+    for policy, cfg in ((LRMoE(rho=0.6, extra_slots=1), BackwardConfig(metric="m2")),
+                        (LRMoE(rho=0.6, extra_slots=1), BackwardConfig(metric="m2", mode="unbiased")),
+                        (Trimmed(Symi(slots_per_rank=E // dist.get_world_size() + 1), 0.6),
+                         BackwardConfig(metric="random", compact=False))):
+        assert run_case(rank, groups, policy, cfg)["trimmed"] > 0
     return summary
 
 
