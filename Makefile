@@ -33,7 +33,8 @@ lint: setup
 	@cp -R kernels $(LINT_TREE)/lrmoe/kernels
 	@cp -R experiments $(LINT_TREE)/lrmoe/experiments
 	@cp -R paper_figures $(LINT_TREE)/lrmoe/paper_figures
-	cd $(LINT_TREE) && $(abspath $(VENV))/bin/lint-imports --no-logo --no-cache $(CURDIR)/pyproject.toml
+	cd $(LINT_TREE) && $(abspath $(VENV))/bin/lint-imports --no-logo --no-cache --config $(CURDIR)/pyproject.toml
+	cd $(LINT_TREE) && $(abspath $(VENV))/bin/lint-imports --no-logo --no-cache --config $(CURDIR)/importlinter-installed.toml
 
 # serial: with pytest-xdist (installed; `pytest -n 2`) the suite takes 3 minutes here instead of 4, but a notebook
 # test and a W&B test sometimes stall each other for minutes, so the README command stays serial
