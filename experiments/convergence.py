@@ -162,6 +162,7 @@ def train_argv(args, policy: str, seed: int, results: Path) -> list[str]:
     return ["--preset", args.preset, "--policy", policy, "--ranks", str(args.ranks),
             "--steps", str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
             "--eval-every", str(args.eval_every), "--seed", str(seed),
+            "--lr-schedule", args.lr_schedule, "--warmup", str(min(args.warmup, args.steps - 1)),
             "--extra-slots", str(args.lrmoe_extra_slots if lrmoe else args.extra_slots),
             "--eps", str(args.lrmoe_eps), "--aux-coef", str(args.aux_coef),
             "--ckpt-dir", str(folder / "checkpoints" / policy), "--ckpt-every", str(args.ckpt_every),
@@ -178,6 +179,10 @@ def parse_args(argv=None):
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine",
+                        help="every run's schedule (train.py): 'cosine' decays to a tenth of the lr at the last "
+                             "step, so the curves have flattened by then")
+    parser.add_argument("--warmup", type=int, default=10, help="warm-up steps of the cosine schedule")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0, help="one seed (ignored when --seeds is given)")

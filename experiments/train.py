@@ -28,6 +28,8 @@ steps), and the per-layer routing counts, saved as a recorded trace. Checkpoints
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 import time
 from pathlib import Path
@@ -60,6 +62,31 @@ def system_context(args, cfg, world: int) -> SystemContext:
     ``--extra-slots`` per rank."""
     return SystemContext(num_experts=cfg.num_experts, num_ranks=world, spare_slots=args.extra_slots, eps=args.eps,
                          gamma=args.gamma, pairs_per_rank=args.batch * args.seq_len * cfg.top_k)
+
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_at(step: int, args) -> float:
+    """The learning rate of (0-based) ``step``: ``--lr`` throughout ("constant"), or a linear warm-up over
+    ``--warmup`` steps then a cosine decay to ``--min-lr-frac`` × ``--lr`` at the last step ("cosine"), so a run's
+    curve has flattened by its end whatever its length. A pure function of the step: a resumed run continues it."""
+    if args.lr_schedule == "constant":
+        return args.lr
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    span = max(args.steps - args.warmup - 1, 1)
+    frac = min((step - args.warmup) / span, 1.0)
+    floor = args.min_lr_frac * args.lr
+    return floor + 0.5 * (args.lr - floor) * (1 + math.cos(math.pi * frac))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, layers: list[EPMoELayer], lr: float) -> None:
+    """The dense optimizer's and every layer's expert Adam's learning rate."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    for layer in layers:
+        layer.store.adam = dataclasses.replace(layer.store.adam, lr=lr)
 
 
 def all_reduce_mean_(tensors: list[torch.Tensor], world: int) -> None:
@@ -309,6 +336,7 @@ def worker(rank: int, args) -> list[dict]:
         for step in range(start, args.steps):
             t0 = time.perf_counter()
             x, y = get_batch(corpus.train, args.batch, args.seq_len, gen)
+            set_lr(run.opt, run.ep.layers if isinstance(run, HFModel) else run.layers, lr_at(step, args))
             loss, plans, counts_LNE = run.train_step(x.to(device), y.to(device))
             elapsed = time.perf_counter() - t0
             loss_sum = loss.double().reshape(1)
@@ -359,6 +387,10 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                        help="'cosine': linear warm-up, then cosine decay to --min-lr-frac x --lr at the last step")
+    parser.add_argument("--warmup", type=int, default=0, help="warm-up steps of the cosine schedule")
+    parser.add_argument("--min-lr-frac", type=float, default=0.1, help="the cosine schedule's final lr / --lr")
     parser.add_argument("--aux-coef", type=float, default=0.1,
                         help="global-batch load-balancing loss weight (0.1: recorded Gini 0.3-0.4 on the debug "
                              "models; 1e-3, Qwen3's value at scale, lets the tiny models collapse to Gini 0.65)")
@@ -394,6 +426,10 @@ def parse_args(argv=None):
     for name in ("steps", "batch", "seq_len", "ranks", "eval_every", "eval_batches"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f"--warmup must be in [0, --steps), got {args.warmup}")
+    if not 0 < args.min_lr_frac <= 1:
+        parser.error(f"--min-lr-frac must be in (0, 1], got {args.min_lr_frac}")
     return args
 
 

@@ -33,14 +33,30 @@ def test_a_few_steps_on_two_ranks_lower_the_loss_and_record_a_trace(tmp_path):
 
 
 def test_stop_and_resume_give_the_same_losses(tmp_path):
-    full = run(tmp_path, "--policy", "symi-cf1", "--steps", "4", "--ckpt-every", "2", "--out",
+    sched = ["--lr-schedule", "cosine", "--warmup", "1"]  # the schedule continues from the checkpoint's step
+    full = run(tmp_path, "--policy", "symi-cf1", "--steps", "4", "--ckpt-every", "2", *sched, "--out",
                str(tmp_path / "a.jsonl"), "--ckpt-dir", str(tmp_path / "a"))
-    run(tmp_path, "--policy", "symi-cf1", "--steps", "4", "--ckpt-every", "2", "--stop-after", "3",
+    run(tmp_path, "--policy", "symi-cf1", "--steps", "4", "--ckpt-every", "2", "--stop-after", "3", *sched,
         "--out", str(tmp_path / "b.jsonl"), "--ckpt-dir", str(tmp_path / "b"))
-    resumed = run(tmp_path, "--policy", "symi-cf1", "--steps", "4", "--ckpt-every", "2", "--resume",
+    resumed = run(tmp_path, "--policy", "symi-cf1", "--steps", "4", "--ckpt-every", "2", "--resume", *sched,
                   "--out", str(tmp_path / "b.jsonl"), "--ckpt-dir", str(tmp_path / "b"))
     assert [h["loss"] for h in resumed] == [h["loss"] for h in full]
     assert full[-1]["dropped_frac"] > 0  # SYMI-cf1 drops overflow
+
+
+def test_the_cosine_schedule_warms_up_then_decays_to_its_floor():
+    args = train.parse_args(["--steps", "101", "--lr", "1e-2", "--lr-schedule", "cosine", "--warmup", "10",
+                             "--min-lr-frac", "0.1"])
+    lrs = [train.lr_at(step, args) for step in range(args.steps)]
+    assert lrs[0] == pytest.approx(1e-3) and lrs[9] == pytest.approx(1e-2)  # linear warm-up to --lr
+    assert all(a >= b - 1e-12 for a, b in zip(lrs[9:], lrs[10:]))  # then never rises
+    assert lrs[-1] == pytest.approx(1e-3)  # the floor at the last step
+    assert lrs[55] == pytest.approx(0.55e-2)  # half-way through the decay: the mid-point of lr and floor
+    constant = train.parse_args(["--lr", "1e-2"])
+    assert {train.lr_at(step, constant) for step in range(100)} == {1e-2}
+    for bad in (["--warmup", "5", "--steps", "5"], ["--min-lr-frac", "0"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(bad)
 
 
 def test_bad_arguments_are_named(tmp_path):
