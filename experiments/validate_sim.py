@@ -383,7 +383,7 @@ def constants_table(cal: dict) -> pd.DataFrame:
         fits = c.get("fits", {})
         rows.append({"clock": clock, "GEMM GFLOP/s": c["peak_flops"] / 1e9, "m_half rows": c["gemm"]["m_half"],
                      "launch us": c["gemm"]["launch_s"] * 1e6, "a2a latency us": c["a2a_latency"] * 1e6,
-                     "a2a GB/s": c["a2a_bw"] / 1e9, "Adam mem GB/s": c["mem_bw"] / 1e9,
+                     "a2a GB/s": c["a2a_bw"] / 1e9, "mem copy GB/s": c["mem_bw"] / 1e9,
                      "GEMM fit err": fits.get("gemm", {}).get("median_rel_error", float("nan")),
                      "GEMM fwd err": fits.get("gemm", {}).get("median_rel_error_fwd", float("nan")),
                      "GEMM bwd err": fits.get("gemm", {}).get("median_rel_error_bwd", float("nan")),

@@ -27,6 +27,20 @@ Replica-gradient modes (one switch, ``replica_grad``, for every system):
 Redistribution (both modes): owner q sends its updated shard of each expert to every other rank hosting it next,
 q → m carries shard_q·|X_m|·b_w.
 
+Local memory traffic (the host-side passes around each exchange, read + written bytes per rank; the cost model prices
+them at memory bandwidth, the counters do not count them). S_n: rank n's occupied slots, S'_n next; c_n: its shard;
+G_n: the multi-member range groups n belongs to; R_n: the hosted parts n folds (Σ_q |H_q| for its shard); fold
+arithmetic in fp32 (4 bytes):
+
+* replica sync, ``range``: the local sums (read S_n·P·b_g, write |H_n|·P·b_g; a member hosting nothing writes zeros),
+  then per multi-member group the fold's read of the parts and the all-gather's repeat and output, ≈ 4·P·b_g;
+* replica sync, ``shard``: the local sums, then the owner-major pack (read + write |H_n|·P·b_g);
+* gradient collection, ``range``: the served slices gathered (2 × sent), the received copied in (received), the
+  [E, c_n] fp32 shards zeroed, filled and scaled (16·E·c_n); ``shard``: every part converted and added
+  (R_n·c_n·(b_g + 12)) and the shards zeroed and scaled (12·E·c_n);
+* redistribution: the sent shards gathered (2 × sent), the received placed (2 × received), the own shard cast
+  (2·|X_n|·c_n·b_w), the full weights copied into the slots (2·S'_n·P·b_w).
+
 Weight push (online replication, :mod:`lrmoe.online`; before the expert compute, not in the optimizer step): a plan's
 ``push_src_G`` fills empty slots with copies of resident ones. Rank q sends rank m ≠ q each distinct expert that
 m's pushed slots take from q's slots once, whole: q → m carries |{e pushed from q to m}|·P·b_w. A push from a slot
@@ -173,6 +187,7 @@ class StepBytes:
     sync_NM: torch.Tensor  # long [N, N]
     collect_NM: torch.Tensor  # long [N, N]
     redistribute_NM: torch.Tensor  # long [N, N]
+    local_N3: torch.Tensor  # long [N, 3]: local memory traffic of replica_sync, grad_collect, redistribute
 
     def per_rank(self) -> dict[str, torch.Tensor]:
         """``<phase>.sent_bytes`` / ``.recv_bytes`` ([N] each) of ``replica_sync``, ``grad_collect`` and
@@ -220,8 +235,38 @@ def step_bytes(placement_NS: torch.Tensor, next_placement_NS: torch.Tensor, num_
         collect_NM = zeros_NN
     distinct_next_N = hosts_mask(next_placement_NS, e).sum(1)
     redistribute_NM = _off_diagonal(shard_N[:, None] * distinct_next_N[None, :] * weight_bytes)
+    local_N3 = local_bytes(placement_NS, next_placement_NS, e, p, grad_bytes, weight_bytes, replica_grad,
+                           group_NE, collect_NM, redistribute_NM)
     return StepBytes(replica_grad=replica_grad, allreduce_NE=allreduce_NE, group_NE=group_NE, sync_NM=sync_NM,
-                     collect_NM=collect_NM, redistribute_NM=redistribute_NM)
+                     collect_NM=collect_NM, redistribute_NM=redistribute_NM, local_N3=local_N3)
+
+
+LOCAL_PHASES = ("replica_sync", "grad_collect", "redistribute")  # the columns of StepBytes.local_N3
+
+
+def local_bytes(placement_NS: torch.Tensor, next_placement_NS: torch.Tensor, num_experts: int, params: int,
+                grad_bytes: int, weight_bytes: int, replica_grad: str, group_NE: torch.Tensor,
+                collect_NM: torch.Tensor, redistribute_NM: torch.Tensor) -> torch.Tensor:
+    """[N, 3] long: each rank's local memory traffic (bytes read + written) in the optimizer step's three exchange
+    phases (:data:`LOCAL_PHASES`), by the rules of the module doc."""
+    n, e, p, bg, bw = placement_NS.shape[0], num_experts, int(params), int(grad_bytes), int(weight_bytes)
+    shard_N = torch.tensor(shard_sizes(p, n), dtype=torch.long)
+    hosts_NE = hosts_mask(placement_NS, e)
+    slots_N, hosted_N = (placement_NS >= 0).sum(1), hosts_NE.sum(1)
+    sums_N = (slots_N + hosted_N) * p * bg
+    if replica_grad == "range":
+        idle_N = (group_NE & ~hosts_NE).sum(1)  # members of a range that host nothing write zeros
+        sync_N = sums_N + idle_N * p * bg + 4 * group_NE.sum(1) * p * bg
+        sent_N, recv_N = collect_NM.sum(1), collect_NM.sum(0)
+        collect_N = 2 * sent_N + recv_N + 16 * e * shard_N
+    else:
+        sync_N = sums_N + 2 * hosted_N * p * bg
+        parts = int(hosted_N.sum())  # owner q folds shard q of every host's every hosted class
+        collect_N = parts * shard_N * (bg + 12) + 12 * e * shard_N
+    next_slots_N, next_hosted_N = (next_placement_NS >= 0).sum(1), hosts_mask(next_placement_NS, e).sum(1)
+    redistribute_N = (2 * redistribute_NM.sum(1) + 2 * redistribute_NM.sum(0) + 2 * next_hosted_N * shard_N * bw
+                      + 2 * next_slots_N * p * bw)
+    return torch.stack([sync_N, collect_N, redistribute_N], dim=1)
 
 
 # -- the weight push of online replication -----------------------------------------------------------------------

@@ -17,9 +17,12 @@ than ranks the ranks share the cores, and the constants must describe the machin
   ranks arrive staggered as in the layer (a staggered collective costs its last rank more than an aligned one).
   The layer's point-to-point exchange (:func:`lrmoe.distributed.comm.exchange_rows`, gradient collection and
   redistribution) is timed the same way, as a diagnostic the cost model does not use.
-* **Adam**: :func:`lrmoe.distributed.replica.adam_update_` on one rank's fp32 shard of every expert (E × ⌈3DF/N⌉), as an
-  effective memory bandwidth ``mem_bw = 32 bytes/parameter / seconds per parameter`` (the cost model charges Adam
-  32 bytes of memory traffic per parameter).
+* **Memory copy**: ``dst.copy_(src)`` of buffers the size of a rank's replica-gradient sums ((E/N + 1) experts'
+  parameters), cycling through a pool larger than the caches (the optimizer step's passes touch data the backward
+  has evicted), as ``mem_bw = 2 × bytes / seconds`` (read + written): the bandwidth at which the cost model prices
+  every memory-bound pass (Adam's 32 bytes per parameter, the optimizer step's sums, packing and folding).
+* **Adam**: :func:`lrmoe.distributed.replica.adam_update_` on one rank's fp32 shard of every expert (E × ⌈3DF/N⌉),
+  kept as a diagnostic: its effective bandwidth at the cost model's 32 bytes of traffic per parameter.
 
 Clocks and statistics (the same ones the validation applies to the measured layer). Every repetition (of the
 compute after a barrier) is timed by two clocks: the process's CPU time (``cpu``, the default constants: a rank
@@ -54,6 +57,7 @@ GEMM_MODEL = "t = launch_s + sum over non-empty groups of flops_per_row * (rows 
 A2A_MODEL = "t = a2a_latency + bytes sent to other ranks / a2a_bw"
 ADAM_TRAFFIC_BYTES = 32.0  # the cost model's default optimizer_traffic_per_param
 ALLOCATOR_WARMUP_BYTES = 24 << 20  # below glibc's largest dynamic mmap threshold (32 MiB)
+COPY_POOL_BYTES = 64 << 20  # the copy benchmark's pool: larger than any cache of a CPU this runs on
 
 
 # -- fits (pure) ---------------------------------------------------------------------------------------------------
@@ -207,6 +211,11 @@ class CalibrationSpec:
         return calls
 
     @property
+    def copy_bytes(self) -> int:
+        """The copy benchmark's buffer: a rank's replica-gradient sums, (E/N + 1) experts' parameters."""
+        return (-(-self.num_experts // self.num_ranks) + 1) * 3 * self.hidden * self.ffn * self.elem_bytes
+
+    @property
     def shard_numel(self) -> int:
         return -(-3 * self.hidden * self.ffn // self.num_ranks)
 
@@ -300,6 +309,17 @@ def _bench_rank(rank: int, spec: CalibrationSpec) -> dict:
         p2p = _timed(lambda: exchange_rows(bufs, sizes, dtype, torch.device("cpu")), spec, work)
         out["a2a"].append({"bytes_per_peer": numel * spec.elem_bytes, "bytes_sent": numel * spec.elem_bytes * (n - 1),
                            "s": a2a, "p2p_s": p2p})
+    # memory copy: buffers of a rank's replica sums, a pool of COPY_POOL_BYTES so that no copy hits the caches
+    copy_numel = max(1, spec.copy_bytes // spec.elem_bytes)
+    pool = [rand(copy_numel) for _ in range(max(2, COPY_POOL_BYTES // spec.copy_bytes))]
+    turn = [0]
+
+    def copy():
+        turn[0] += 1
+        pool[turn[0] % len(pool)].copy_(pool[(turn[0] + len(pool) // 2) % len(pool)])
+
+    out["copy"] = {"bytes": 2 * copy_numel * spec.elem_bytes, "s": _timed(copy, spec)}
+    del pool
     shape = (spec.num_experts, spec.shard_numel)
     master, grad = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     m1, m2 = torch.zeros(shape), torch.zeros(shape)
@@ -347,6 +367,8 @@ def summarise(spec: CalibrationSpec, per_rank: list[dict], clock: str = "cpu") -
             "p2p_seconds": across_ranks([r["a2a"][i]["p2p_s"][clock] for r in per_rank], coll)}
            for i, c in enumerate(per_rank[0]["a2a"])]
     adam_s = across_ranks([r["adam"]["s"][clock] for r in per_rank], local)
+    copy_s = across_ranks([r["copy"]["s"][clock] for r in per_rank], local)
+    mem_bw = per_rank[0]["copy"]["bytes"] / copy_s
     params = per_rank[0]["adam"]["params"]
     gfit = fit_gemm([[s["rows"]] * s["groups"] for s in gemm], [s["flops_per_row"] for s in gemm],
                     [s["seconds"] for s in gemm])
@@ -360,7 +382,7 @@ def summarise(spec: CalibrationSpec, per_rank: list[dict], clock: str = "cpu") -
         s["predicted_s"] = lfit.predict(s["bytes_sent"])
     return {
         "peak_flops": gfit.peak_flops, "gemm": gfit.as_preset(), "a2a_bw": lfit.bandwidth,
-        "a2a_latency": lfit.latency_s, "mem_bw": ADAM_TRAFFIC_BYTES * params / adam_s,
+        "a2a_latency": lfit.latency_s, "mem_bw": mem_bw,
         "fits": {"gemm": {**asdict(gfit), "median_rel_error_fwd": per_kind["fwd"],
                           "median_rel_error_bwd": per_kind["bwd"], "model": GEMM_MODEL, "ranks": local},
                  "a2a": {**asdict(lfit), "model": A2A_MODEL, "ranks": coll},
@@ -368,8 +390,11 @@ def summarise(spec: CalibrationSpec, per_rank: list[dict], clock: str = "cpu") -
                  "p2p": {**asdict(pfit), "model": "t = latency_s + bytes sent to other ranks / bandwidth",
                          "ranks": coll,
                          "note": "diagnostic: lrmoe.distributed.comm.exchange_rows, one buffer per peer"},
+                 "copy": {"bytes": per_rank[0]["copy"]["bytes"], "seconds": copy_s, "ranks": local,
+                          "model": "mem_bw = bytes read + written / seconds of dst.copy_(src)"},
+                 # a diagnostic: the cost model prices Adam at mem_bw and this many bytes per parameter
                  "adam": {"params": params, "seconds": adam_s, "traffic_bytes_per_param": ADAM_TRAFFIC_BYTES,
-                          "ranks": local}},
+                          "effective_bw": ADAM_TRAFFIC_BYTES * params / adam_s, "ranks": local}},
         "measurements": {"gemm": gemm, "a2a": a2a},
     }
 

@@ -577,6 +577,8 @@ class CostModel:
           its messages are pipelined); there is no collection phase (the owners' fold of what they receive is a
           local add, not priced).
         * Redistribution: one all-to-all in both modes; Adam: E/N experts' state at HBM bandwidth.
+        * Each exchange phase also pays its local passes (the sums, packing, folding and placing of
+          :func:`lrmoe.sync_model.local_bytes`) at HBM bandwidth, after its transfer.
 
         No overlap: each phase starts when the previous one ends on the slowest rank (the module's rule), and the
         step's phases are not overlapped with the backward of later layers. ``sharded_optimizer=False`` (static EP)
@@ -603,6 +605,8 @@ class CostModel:
             bytes_NH[:, _P["replica_sync"]] = ring_NE.sum(1)
         else:
             time_NH[:, _P["replica_sync"]], bytes_NH[:, _P["replica_sync"]] = self._a2a(sb.sync_NM)
+        local_N3 = sb.local_N3.double() / c.hbm_bw if c.hbm_bw > 0 else torch.zeros(n, 3, dtype=torch.float64)
+        time_NH[:, _P["replica_sync"]] += local_N3[:, 0]
 
         if not self.sharded_optimizer:
             if c.hbm_bw > 0:
@@ -612,7 +616,9 @@ class CostModel:
             return
         if mode == "range":
             time_NH[:, _P["grad_collect"]], bytes_NH[:, _P["grad_collect"]] = self._a2a(sb.collect_NM)
+        time_NH[:, _P["grad_collect"]] += local_N3[:, 1]
         if c.hbm_bw > 0:
             shard_N = torch.tensor(shard_sizes(p_e, n), dtype=torch.float64)
             time_NH[:, _P["adam"]] = e * shard_N * self.optimizer_traffic_per_param / c.hbm_bw
         time_NH[:, _P["redistribute"]], bytes_NH[:, _P["redistribute"]] = self._a2a(sb.redistribute_NM)
+        time_NH[:, _P["redistribute"]] += local_N3[:, 2]
