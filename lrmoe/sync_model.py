@@ -27,17 +27,19 @@ Replica-gradient modes (one switch, ``replica_grad``, for every system):
 Redistribution (both modes): owner q sends its updated shard of each expert to every other rank hosting it next,
 q → m carries shard_q·|X_m|·b_w.
 
-Local memory traffic (the host-side passes around each exchange, read + written bytes per rank; the cost model prices
-them at memory bandwidth, the counters do not count them). S_n: rank n's occupied slots, S'_n next; c_n: its shard;
-G_n: the multi-member range groups n belongs to; R_n: the hosted parts n folds (Σ_q |H_q| for its shard); fold
-arithmetic in fp32 (4 bytes):
+Local memory traffic (the host-side passes around each exchange, as the store runs them: bytes read + written per
+rank; the cost model prices them at memory bandwidth, the counters do not count them). k_ne: the slots of e on n;
+a = max(b_g, 4) (the sums run in at least fp32); c_n: rank n's shard; S'_n the occupied slots of the next placement:
 
-* replica sync, ``range``: the local sums (read S_n·P·b_g, write |H_n|·P·b_g; a member hosting nothing writes zeros),
-  then per multi-member group the fold's read of the parts and the all-gather's repeat and output, ≈ 4·P·b_g;
-* replica sync, ``shard``: the local sums, then the owner-major pack (read + write |H_n|·P·b_g);
+* the local sum of a hosted class (both modes): the k slots gathered (2k·P·b_g), widened to fp32 when b_g < 4
+  (k·P·(b_g + 4)), summed (k·P·a + P·a) and narrowed back when b_g < 4 (P·(4 + b_g));
+* replica sync, ``range``: the local sums (a member of a range that hosts nothing writes zeros, P·b_g), then per
+  multi-member group the fold of the chunks and the all-gather's repeat, ≈ 4·P·b_g;
+  ``shard``: the local sums, stacked (2·|H_n|·P·b_g) and packed owner-major (slices copied, then joined: 4·|H_n|·P·b_g);
 * gradient collection, ``range``: the served slices gathered (2 × sent), the received copied in (received), the
-  [E, c_n] fp32 shards zeroed, filled and scaled (16·E·c_n); ``shard``: every part converted and added
-  (R_n·c_n·(b_g + 12)) and the shards zeroed and scaled (12·E·c_n);
+  [E, c_n] fp32 shards zeroed, filled and scaled (16·E·c_n); ``shard``: every received part widened when b_g < 4,
+  masked and put in place by index (R_n·c_n·16, R_n the parts: Σ_q |H_q|; a class's later hosts add in place, a few
+  passes more, not counted) and the shards zeroed and scaled (12·E·c_n);
 * redistribution: the sent shards gathered (2 × sent), the received placed (2 × received), the own shard cast
   (2·|X_n|·c_n·b_w), the full weights copied into the slots (2·S'_n·P·b_w).
 
@@ -253,16 +255,18 @@ def local_bytes(placement_NS: torch.Tensor, next_placement_NS: torch.Tensor, num
     shard_N = torch.tensor(shard_sizes(p, n), dtype=torch.long)
     hosts_NE = hosts_mask(placement_NS, e)
     slots_N, hosted_N = (placement_NS >= 0).sum(1), hosts_NE.sum(1)
-    sums_N = (slots_N + hosted_N) * p * bg
+    acc = max(bg, 4)
+    widen = bg < 4
+    sums_N = p * (slots_N * (2 * bg + acc + widen * (bg + 4)) + hosted_N * (acc + widen * (4 + bg)))
     if replica_grad == "range":
         idle_N = (group_NE & ~hosts_NE).sum(1)  # members of a range that host nothing write zeros
         sync_N = sums_N + idle_N * p * bg + 4 * group_NE.sum(1) * p * bg
         sent_N, recv_N = collect_NM.sum(1), collect_NM.sum(0)
         collect_N = 2 * sent_N + recv_N + 16 * e * shard_N
     else:
-        sync_N = sums_N + 2 * hosted_N * p * bg
+        sync_N = sums_N + 6 * hosted_N * p * bg
         parts = int(hosted_N.sum())  # owner q folds shard q of every host's every hosted class
-        collect_N = parts * shard_N * (bg + 12) + 12 * e * shard_N
+        collect_N = parts * shard_N * (16 + widen * (bg + 4)) + 12 * e * shard_N
     next_slots_N, next_hosted_N = (next_placement_NS >= 0).sum(1), hosts_mask(next_placement_NS, e).sum(1)
     redistribute_N = (2 * redistribute_NM.sum(1) + 2 * redistribute_NM.sum(0) + 2 * next_hosted_N * shard_N * bw
                       + 2 * next_slots_N * p * bw)

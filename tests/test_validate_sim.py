@@ -115,8 +115,8 @@ def _fake_ranks(spec: CalibrationSpec):
                 "s": reps(lat + b * (spec.num_ranks - 1) / bw, 1.0 if r == 2 else 3.0, spike=r == 0),
                 "p2p_s": reps(2 * lat + b / bw, 1.0)} for b in spec.a2a_bytes]
         params = spec.num_experts * spec.shard_numel
-        copy = {"bytes": 2 * spec.copy_bytes, "s": reps(2 * spec.copy_bytes / mem_bw, 2.0)}
-        ranks.append({"gemm": gemm, "a2a": a2a, "copy": copy,
+        passes = {"bytes": 4 * spec.sums_bytes, "s": reps(4 * spec.sums_bytes / mem_bw, 2.0)}
+        ranks.append({"gemm": gemm, "a2a": a2a, "mem_passes": passes,
                       "adam": {"params": params, "s": reps(64.0 * params / mem_bw, 2.0)}})
     return ranks
 

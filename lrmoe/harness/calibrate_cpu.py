@@ -17,10 +17,11 @@ than ranks the ranks share the cores, and the constants must describe the machin
   ranks arrive staggered as in the layer (a staggered collective costs its last rank more than an aligned one).
   The layer's point-to-point exchange (:func:`lrmoe.distributed.comm.exchange_rows`, gradient collection and
   redistribution) is timed the same way, as a diagnostic the cost model does not use.
-* **Memory copy**: ``dst.copy_(src)`` of buffers the size of a rank's replica-gradient sums ((E/N + 1) experts'
-  parameters), cycling through a pool larger than the caches (the optimizer step's passes touch data the backward
-  has evicted), as ``mem_bw = 2 × bytes / seconds`` (read + written): the bandwidth at which the cost model prices
-  every memory-bound pass (Adam's 32 bytes per parameter, the optimizer step's sums, packing and folding).
+* **Memory passes**: the replica store's local sum of a class (its slot gathered, widened, summed, narrowed) for a
+  rank's (E/N + 1) classes, from a pool of slot gradients larger than the caches (the optimizer step's passes touch
+  data the backward has evicted), as ``mem_bw = bytes / seconds``, bytes read + written as
+  :func:`lrmoe.sync_model.local_bytes` counts them: the bandwidth at which the cost model prices every memory-bound
+  pass (Adam's 32 bytes per parameter, the optimizer step's sums, packing, folding and placing).
 * **Adam**: :func:`lrmoe.distributed.replica.adam_update_` on one rank's fp32 shard of every expert (E × ⌈3DF/N⌉),
   kept as a diagnostic: its effective bandwidth at the cost model's 32 bytes of traffic per parameter.
 
@@ -57,7 +58,7 @@ GEMM_MODEL = "t = launch_s + sum over non-empty groups of flops_per_row * (rows 
 A2A_MODEL = "t = a2a_latency + bytes sent to other ranks / a2a_bw"
 ADAM_TRAFFIC_BYTES = 32.0  # the cost model's default optimizer_traffic_per_param
 ALLOCATOR_WARMUP_BYTES = 24 << 20  # below glibc's largest dynamic mmap threshold (32 MiB)
-COPY_POOL_BYTES = 64 << 20  # the copy benchmark's pool: larger than any cache of a CPU this runs on
+POOL_BYTES = 64 << 20  # the memory-pass benchmark's pool: larger than any cache of a CPU this runs on
 
 
 # -- fits (pure) ---------------------------------------------------------------------------------------------------
@@ -211,8 +212,8 @@ class CalibrationSpec:
         return calls
 
     @property
-    def copy_bytes(self) -> int:
-        """The copy benchmark's buffer: a rank's replica-gradient sums, (E/N + 1) experts' parameters."""
+    def sums_bytes(self) -> int:
+        """A rank's replica-gradient sums, (E/N + 1) experts' parameters: the memory-pass benchmark's size."""
         return (-(-self.num_experts // self.num_ranks) + 1) * 3 * self.hidden * self.ffn * self.elem_bytes
 
     @property
@@ -309,17 +310,22 @@ def _bench_rank(rank: int, spec: CalibrationSpec) -> dict:
         p2p = _timed(lambda: exchange_rows(bufs, sizes, dtype, torch.device("cpu")), spec, work)
         out["a2a"].append({"bytes_per_peer": numel * spec.elem_bytes, "bytes_sent": numel * spec.elem_bytes * (n - 1),
                            "s": a2a, "p2p_s": p2p})
-    # memory copy: buffers of a rank's replica sums, a pool of COPY_POOL_BYTES so that no copy hits the caches
-    copy_numel = max(1, spec.copy_bytes // spec.elem_bytes)
-    pool = [rand(copy_numel) for _ in range(max(2, COPY_POOL_BYTES // spec.copy_bytes))]
+    # memory passes: the replica store's local sum of a class (its slots gathered, summed), for a rank's
+    # (E/N + 1) classes of one slot each, from a pool of POOL_BYTES of slot gradients so that no pass hits the
+    # caches (the optimizer step runs after the backward has evicted them)
+    numel, classes = 3 * D * F, spec.sums_bytes // (3 * D * F * spec.elem_bytes)
+    pool = rand(max(2 * classes, POOL_BYTES // (numel * spec.elem_bytes)), numel)
     turn = [0]
 
-    def copy():
-        turn[0] += 1
-        pool[turn[0] % len(pool)].copy_(pool[(turn[0] + len(pool) // 2) % len(pool)])
+    def sums():
+        for _ in range(classes):
+            turn[0] = (turn[0] + 1) % pool.shape[0]
+            pool[[turn[0]]].to(torch.promote_types(dtype, torch.float32)).sum(0).to(dtype)
 
-    out["copy"] = {"bytes": 2 * copy_numel * spec.elem_bytes, "s": _timed(copy, spec)}
-    del pool
+    acc = max(spec.elem_bytes, 4)
+    widen = spec.elem_bytes < 4
+    per_class = numel * (2 * spec.elem_bytes + 2 * acc + widen * 2 * (spec.elem_bytes + 4))  # lrmoe.sync_model
+    out["mem_passes"] = {"bytes": classes * per_class, "s": _timed(sums, spec)}
     shape = (spec.num_experts, spec.shard_numel)
     master, grad = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     m1, m2 = torch.zeros(shape), torch.zeros(shape)
@@ -367,8 +373,8 @@ def summarise(spec: CalibrationSpec, per_rank: list[dict], clock: str = "cpu") -
             "p2p_seconds": across_ranks([r["a2a"][i]["p2p_s"][clock] for r in per_rank], coll)}
            for i, c in enumerate(per_rank[0]["a2a"])]
     adam_s = across_ranks([r["adam"]["s"][clock] for r in per_rank], local)
-    copy_s = across_ranks([r["copy"]["s"][clock] for r in per_rank], local)
-    mem_bw = per_rank[0]["copy"]["bytes"] / copy_s
+    passes_s = across_ranks([r["mem_passes"]["s"][clock] for r in per_rank], local)
+    mem_bw = per_rank[0]["mem_passes"]["bytes"] / passes_s
     params = per_rank[0]["adam"]["params"]
     gfit = fit_gemm([[s["rows"]] * s["groups"] for s in gemm], [s["flops_per_row"] for s in gemm],
                     [s["seconds"] for s in gemm])
@@ -390,8 +396,8 @@ def summarise(spec: CalibrationSpec, per_rank: list[dict], clock: str = "cpu") -
                  "p2p": {**asdict(pfit), "model": "t = latency_s + bytes sent to other ranks / bandwidth",
                          "ranks": coll,
                          "note": "diagnostic: lrmoe.distributed.comm.exchange_rows, one buffer per peer"},
-                 "copy": {"bytes": per_rank[0]["copy"]["bytes"], "seconds": copy_s, "ranks": local,
-                          "model": "mem_bw = bytes read + written / seconds of dst.copy_(src)"},
+                 "mem_passes": {"bytes": per_rank[0]["mem_passes"]["bytes"], "seconds": passes_s, "ranks": local,
+                          "model": "mem_bw = bytes read + written / seconds of the store's local sums"},
                  # a diagnostic: the cost model prices Adam at mem_bw and this many bytes per parameter
                  "adam": {"params": params, "seconds": adam_s, "traffic_bytes_per_param": ADAM_TRAFFIC_BYTES,
                           "effective_bw": ADAM_TRAFFIC_BYTES * params / adam_s, "ranks": local}},
