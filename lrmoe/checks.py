@@ -79,48 +79,48 @@ def _zero_weight_error(what: str, total: np.ndarray, weight: np.ndarray) -> None
         raise ValueError(f"apportion: {what} {bad[0]} has total {int(total[bad[0]])} but zero weight")
 
 
-def apportion_array(total_S: np.ndarray, weight_K: np.ndarray, segment_K: np.ndarray,
+def apportion_array(total_Y: np.ndarray, weight_Z: np.ndarray, segment_Z: np.ndarray,
                     rule: str = "cumulative") -> np.ndarray:
-    """:func:`apportion` on int64 NumPy arrays (no rule check)."""
-    S, K = len(total_S), len(weight_K)
-    W_S = np.bincount(segment_K, weights=weight_K, minlength=S).astype(np.int64)
-    _zero_weight_error("segment", total_S, W_S)
+    """:func:`apportion` on int64 NumPy arrays (no rule check). Y: segments, Z: items (local letters)."""
+    Y, Z = len(total_Y), len(weight_Z)
+    W_Y = np.bincount(segment_Z, weights=weight_Z, minlength=Y).astype(np.int64)
+    _zero_weight_error("segment", total_Y, W_Y)
     if rule == "largest_remainder":
-        W_K = np.maximum(W_S, 1)[segment_K]
-        scaled_K = total_S[segment_K] * weight_K
-        share_K = scaled_K // W_K
-        remainder_K = scaled_K - share_K * W_K
-        leftover_S = total_S - np.bincount(segment_K, weights=share_K, minlength=S).astype(np.int64)
-        order = np.lexsort((-remainder_K, segment_K))  # by segment, largest remainder first, then index
-        size_S = np.bincount(segment_K, minlength=S)
-        position_K = np.empty_like(order)
-        position_K[order] = np.arange(K) - (np.cumsum(size_S) - size_S)[segment_K[order]]
-        return share_K + (position_K < leftover_S[segment_K])
+        W_Z = np.maximum(W_Y, 1)[segment_Z]
+        scaled_Z = total_Y[segment_Z] * weight_Z
+        share_Z = scaled_Z // W_Z
+        remainder_Z = scaled_Z - share_Z * W_Z
+        leftover_Y = total_Y - np.bincount(segment_Z, weights=share_Z, minlength=Y).astype(np.int64)
+        order = np.lexsort((-remainder_Z, segment_Z))  # by segment, largest remainder first, then index
+        size_Y = np.bincount(segment_Z, minlength=Y)
+        position_Z = np.empty_like(order)
+        position_Z[order] = np.arange(Z) - (np.cumsum(size_Y) - size_Y)[segment_Z[order]]
+        return share_Z + (position_Z < leftover_Y[segment_Z])
     order = None
-    if K > 1 and (segment_K[1:] < segment_K[:-1]).any():
-        order = np.argsort(segment_K, kind="stable")
-        segment_K, weight_K = segment_K[order], weight_K[order]
-    before_S = np.cumsum(W_S) - W_S  # weight of all earlier segments
-    upto_K = np.cumsum(weight_K) - before_S[segment_K]
-    cum_share_K = total_S[segment_K] * upto_K // np.maximum(W_S, 1)[segment_K]
-    alloc_K = cum_share_K.copy()
-    if K > 1:
-        alloc_K[1:] -= cum_share_K[:-1] * (segment_K[1:] == segment_K[:-1])
+    if Z > 1 and (segment_Z[1:] < segment_Z[:-1]).any():
+        order = np.argsort(segment_Z, kind="stable")
+        segment_Z, weight_Z = segment_Z[order], weight_Z[order]
+    before_Y = np.cumsum(W_Y) - W_Y  # weight of all earlier segments
+    upto_Z = np.cumsum(weight_Z) - before_Y[segment_Z]
+    cum_share_Z = total_Y[segment_Z] * upto_Z // np.maximum(W_Y, 1)[segment_Z]
+    alloc_Z = cum_share_Z.copy()
+    if Z > 1:
+        alloc_Z[1:] -= cum_share_Z[:-1] * (segment_Z[1:] == segment_Z[:-1])
     if order is None:
-        return alloc_K
-    out = np.empty_like(alloc_K)
-    out[order] = alloc_K
+        return alloc_Z
+    out = np.empty_like(alloc_Z)
+    out[order] = alloc_Z
     return out
 
 
-def apportion_rows_array(total_R: np.ndarray, weight_RK: np.ndarray) -> np.ndarray:
+def apportion_rows_array(total_R: np.ndarray, weight_RZ: np.ndarray) -> np.ndarray:
     """:func:`apportion_rows` on int64 NumPy arrays."""
-    W_R = weight_RK.sum(1)
+    W_R = weight_RZ.sum(1)
     _zero_weight_error("row", total_R, W_R)
-    cum_share_RK = total_R[:, None] * np.cumsum(weight_RK, 1) // np.maximum(W_R, 1)[:, None]
-    alloc_RK = cum_share_RK.copy()
-    alloc_RK[:, 1:] -= cum_share_RK[:, :-1]
-    return alloc_RK
+    cum_share_RZ = total_R[:, None] * np.cumsum(weight_RZ, 1) // np.maximum(W_R, 1)[:, None]
+    alloc_RZ = cum_share_RZ.copy()
+    alloc_RZ[:, 1:] -= cum_share_RZ[:, :-1]
+    return alloc_RZ
 
 
 def long_array(t: Tensor) -> np.ndarray:
@@ -128,8 +128,8 @@ def long_array(t: Tensor) -> np.ndarray:
     return t.detach().cpu().long().numpy()
 
 
-def apportion(total_S: Tensor, weight_K: Tensor, segment_K: Tensor, rule: str = "cumulative") -> Tensor:
-    """Split each integer total_S[s] over the items k with segment_K[k] = s, in proportion to weight_K.
+def apportion(total_Y: Tensor, weight_Z: Tensor, segment_Z: Tensor, rule: str = "cumulative") -> Tensor:
+    """Split each integer total_Y[y] over the items z with segment_Z[z] = y, in proportion to weight_Z.
 
     Exact integer arithmetic; sums are exact, every item gets the floor or the ceiling of its share
     T·w_k / W, zero weights get nothing, and when T <= W no item gets more than its weight. Two rules for
@@ -138,17 +138,17 @@ def apportion(total_S: Tensor, weight_K: Tensor, segment_K: Tensor, rule: str = 
     * "cumulative" (default, no sort when segments are contiguous and in order): in item order, item k gets
       floor(T·W_{<=k} / W) - floor(T·W_{<k} / W), W_{<=k} the segment's weights up to and including k;
     * "largest_remainder": floor(T·w_k / W) each, the leftover units one each to the largest remainders,
-      ties to the lower item index (one sort of K items).
+      ties to the lower item index (one sort of Z items).
 
-    Raises ``ValueError`` when a segment with a positive total has zero weight. LongTensor[K] on
-    weight_K's device.
+    Raises ``ValueError`` when a segment with a positive total has zero weight. LongTensor[Z] on
+    weight_Z's device.
     """
     if rule not in APPORTION_RULES:
         raise ValueError(f"apportion: rule={rule!r} is not one of {APPORTION_RULES}")
-    out = apportion_array(long_array(total_S), long_array(weight_K), long_array(segment_K), rule)
-    return torch.from_numpy(out).to(weight_K.device)
+    out = apportion_array(long_array(total_Y), long_array(weight_Z), long_array(segment_Z), rule)
+    return torch.from_numpy(out).to(weight_Z.device)
 
 
-def apportion_rows(total_R: Tensor, weight_RK: Tensor) -> Tensor:
-    """:func:`apportion` with rule "cumulative" where segment r is row r of a dense [R, K] weight matrix."""
-    return torch.from_numpy(apportion_rows_array(long_array(total_R), long_array(weight_RK))).to(weight_RK.device)
+def apportion_rows(total_R: Tensor, weight_RZ: Tensor) -> Tensor:
+    """:func:`apportion` with rule "cumulative" where segment r is row r of a dense [R, Z] weight matrix."""
+    return torch.from_numpy(apportion_rows_array(long_array(total_R), long_array(weight_RZ))).to(weight_RZ.device)

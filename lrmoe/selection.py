@@ -111,65 +111,65 @@ def select(scores_P: torch.Tensor, group_P: torch.Tensor, quota_Q: torch.Tensor,
     num_pairs, num_groups = scores_P.numel(), quota_Q.numel()
     group_P = group_P.to(torch.int64)
     perm_P = group_order(scores_P, group_P)
-    # S: the pairs in sorted order, each group a contiguous segment [start_Q, end_Q)
-    group_S = group_P.index_select(0, perm_P)
+    # Z: the pairs in sorted order (a local letter), each group a contiguous segment [start_Q, end_Q)
+    group_Z = group_P.index_select(0, perm_P)
     size_Q = torch.bincount(group_P, minlength=num_groups)
     end_Q = torch.cumsum(size_Q, 0)
     start_Q = end_Q - size_Q
-    rank_S = torch.arange(num_pairs, device=scores_P.device) - start_Q.index_select(0, group_S)
+    rank_Z = torch.arange(num_pairs, device=scores_P.device) - start_Q.index_select(0, group_Z)
     quota_Q = torch.minimum(quota_Q.to(torch.int64), size_Q)
-    quota_S = quota_Q.index_select(0, group_S)
+    quota_Z = quota_Q.index_select(0, group_Z)
 
     if mode == "topk":
         keep_P = torch.empty(num_pairs, dtype=torch.bool, device=scores_P.device)
-        keep_P.scatter_(0, perm_P, rank_S < quota_S)
+        keep_P.scatter_(0, perm_P, rank_Z < quota_Z)
         weight_P = keep_P.to(scores_P.dtype)
         return Selection(keep_P=keep_P, scale_P=weight_P, prob_P=weight_P.clone())
 
-    s_S = scores_P.index_select(0, perm_P).to(torch.float64)
-    prob_S = _inclusion_probabilities(s_S, group_S, rank_S, start_Q, end_Q, quota_Q, uniform_mix)
-    keep_S = _systematic_sample(prob_S, group_S, rank_S, start_Q, end_Q, quota_S, generator)
-    keep_P = torch.empty_like(keep_S).scatter_(0, perm_P, keep_S)
-    prob_P = torch.empty_like(prob_S).scatter_(0, perm_P, prob_S)
+    s_Z = scores_P.index_select(0, perm_P).to(torch.float64)
+    prob_Z = _inclusion_probabilities(s_Z, group_Z, rank_Z, start_Q, end_Q, quota_Q, uniform_mix)
+    keep_Z = _systematic_sample(prob_Z, group_Z, rank_Z, start_Q, end_Q, quota_Z, generator)
+    keep_P = torch.empty_like(keep_Z).scatter_(0, perm_P, keep_Z)
+    prob_P = torch.empty_like(prob_Z).scatter_(0, perm_P, prob_Z)
     # kept: 1/p; dropped: 0 (a finite 1/p times 0, never 0/0)
     scale_P = keep_P.to(torch.float64) / prob_P.clamp_min(torch.finfo(torch.float64).tiny)
     return Selection(keep_P=keep_P, scale_P=scale_P.to(scores_P.dtype), prob_P=prob_P.to(scores_P.dtype))
 
 
-def _segment_cumsum(x_S: torch.Tensor, start_Q: torch.Tensor, end_Q: torch.Tensor):
-    """Prefix sums of x_S with a leading 0, and each segment's total (segments are contiguous)."""
-    prefix = torch.cat([x_S.new_zeros(1), torch.cumsum(x_S, 0)])
+def _segment_cumsum(x_Z: torch.Tensor, start_Q: torch.Tensor, end_Q: torch.Tensor):
+    """Prefix sums of x_Z with a leading 0, and each segment's total (segments are contiguous)."""
+    prefix = torch.cat([x_Z.new_zeros(1), torch.cumsum(x_Z, 0)])
     return prefix, prefix.index_select(0, end_Q) - prefix.index_select(0, start_Q)
 
 
-def _inclusion_probabilities(s_S, group_S, rank_S, start_Q, end_Q, quota_Q, uniform_mix) -> torch.Tensor:
-    """Water-filling p = min(1, c·s) with Σp = quota per group; s_S sorted descending inside each group.
+def _inclusion_probabilities(s_Z, group_Z, rank_Z, start_Q, end_Q, quota_Q, uniform_mix) -> torch.Tensor:
+    """Water-filling p = min(1, c·s) with Σp = quota per group; s_Z sorted descending inside each group.
 
     With r pairs capped at 1, c = (q - r) / tail_r, where tail_r sums the scores from position r on. The pairs
     capped are the positions r < q with (q - r)·s_r >= tail_r: a prefix of the group, because
     tail_r - (q - r)·s_r is non-decreasing in r for r < q.
     """
     size_Q = end_Q - start_Q
-    _, total_Q = _segment_cumsum(s_S, start_Q, end_Q)
+    _, total_Q = _segment_cumsum(s_Z, start_Q, end_Q)
     # uniform mix, so no pair has p = 0; all-zero groups become uniform
     add_Q = uniform_mix * total_Q / size_Q.clamp_min(1) + (total_Q <= 0).to(torch.float64)
-    s_S = s_S + add_Q.index_select(0, group_S)
-    prefix, _ = _segment_cumsum(s_S, start_Q, end_Q)
-    tail_S = prefix.index_select(0, end_Q).index_select(0, group_S) - prefix[:-1]
-    quota_S = quota_Q.index_select(0, group_S)
-    capped_S = (rank_S < quota_S) & ((quota_S - rank_S).to(torch.float64) * s_S >= tail_S)
-    num_capped_Q = torch.zeros_like(quota_Q).index_add_(0, group_S, capped_S.to(torch.int64))
+    s_Z = s_Z + add_Q.index_select(0, group_Z)
+    prefix, _ = _segment_cumsum(s_Z, start_Q, end_Q)
+    tail_Z = prefix.index_select(0, end_Q).index_select(0, group_Z) - prefix[:-1]
+    quota_Z = quota_Q.index_select(0, group_Z)
+    capped_Z = (rank_Z < quota_Z) & ((quota_Z - rank_Z).to(torch.float64) * s_Z >= tail_Z)
+    num_capped_Q = torch.zeros_like(quota_Q).index_add_(0, group_Z, capped_Z.to(torch.int64))
     num_capped_Q = torch.where(quota_Q >= size_Q, size_Q, num_capped_Q)  # q = size: every pair, exactly
     # c from the tail at the first uncapped position (groups with nothing left to draw get c = 0)
-    at_Q = (start_Q + num_capped_Q).clamp_max(max(s_S.numel() - 1, 0))
-    tail_at_Q = tail_S.index_select(0, at_Q) if s_S.numel() else s_S.new_zeros(quota_Q.numel())
+    at_Q = (start_Q + num_capped_Q).clamp_max(max(s_Z.numel() - 1, 0))
+    tail_at_Q = tail_Z.index_select(0, at_Q) if s_Z.numel() else s_Z.new_zeros(quota_Q.numel())
     left_Q = (quota_Q - num_capped_Q).clamp_min(0).to(torch.float64)
     c_Q = left_Q / tail_at_Q.clamp_min(torch.finfo(torch.float64).tiny)
-    prob_S = (c_Q.index_select(0, group_S) * s_S).clamp_(max=1.0)
-    return torch.maximum(prob_S, (rank_S < num_capped_Q.index_select(0, group_S)).to(torch.float64))
+    prob_Z = (c_Q.index_select(0, group_Z) * s_Z).clamp_(max=1.0)
+    return torch.maximum(prob_Z, (rank_Z < num_capped_Q.index_select(0, group_Z)).to(torch.float64))
 
 
-def _systematic_sample(prob_S, group_S, rank_S, start_Q, end_Q, quota_S, generator) -> torch.Tensor:
+def _systematic_sample(prob_Z, group_Z, rank_Z, start_Q, end_Q, quota_Z, generator) -> torch.Tensor:
     """Systematic sampling along each group's cumulative probabilities: exactly the quota, P(keep i) = p_i.
 
     With u ~ U[0, 1) per group and U_i the group's cumulative probability up to and including pair i, pair i
@@ -177,13 +177,13 @@ def _systematic_sample(prob_S, group_S, rank_S, start_Q, end_Q, quota_S, generat
     The group's last U is pinned to its quota so rounding can neither add nor lose a pair.
     """
     num_groups = start_Q.numel()
-    prefix, _ = _segment_cumsum(prob_S, start_Q, end_Q)
-    within_S = prefix[1:] - prefix.index_select(0, start_Q).index_select(0, group_S)  # U_i
-    quota_f_S = quota_S.to(torch.float64)
-    last_S = (rank_S == (end_Q - start_Q - 1).index_select(0, group_S)).to(torch.float64)
-    within_S = torch.minimum(within_S, quota_f_S)
-    within_S = within_S + last_S * (quota_f_S - within_S)
-    u_Q = torch.rand(num_groups, generator=generator, dtype=torch.float64, device=prob_S.device)
-    k_S = torch.floor(within_S + u_Q.index_select(0, group_S))
-    k_prev_S = torch.roll(k_S, 1) * (rank_S > 0).to(torch.float64)  # before a group's first pair: floor(u) = 0
-    return (k_S > k_prev_S) | (prob_S >= 1.0)
+    prefix, _ = _segment_cumsum(prob_Z, start_Q, end_Q)
+    within_Z = prefix[1:] - prefix.index_select(0, start_Q).index_select(0, group_Z)  # U_i
+    quota_f_Z = quota_Z.to(torch.float64)
+    last_Z = (rank_Z == (end_Q - start_Q - 1).index_select(0, group_Z)).to(torch.float64)
+    within_Z = torch.minimum(within_Z, quota_f_Z)
+    within_Z = within_Z + last_Z * (quota_f_Z - within_Z)
+    u_Q = torch.rand(num_groups, generator=generator, dtype=torch.float64, device=prob_Z.device)
+    k_Z = torch.floor(within_Z + u_Q.index_select(0, group_Z))
+    k_prev_Z = torch.roll(k_Z, 1) * (rank_Z > 0).to(torch.float64)  # before a group's first pair: floor(u) = 0
+    return (k_Z > k_prev_Z) | (prob_Z >= 1.0)
