@@ -49,7 +49,7 @@ sim_path = RESULTS / "ablate.jsonl"
 if QUICK or not sim_path.exists():
     sim_path = OUT / "ablate_notebook.jsonl"
     ablate.main(["--models", "qwen3-30b-a3b", "--ranks", "16", "--skews", "zipf:0.4", "zipf:0.8", "--mem-gb", "40",
-                 "--steps", "2" if QUICK else "3", *(["--layers", "2"] if QUICK else []),
+                 "--steps", "2" if QUICK else "3", *(["--layers", "2", "--no-band"] if QUICK else []),
                  "--out", str(sim_path), "--no-wandb", "--overwrite" if sim_path.exists() else "--resume"])
 style.apply()
 print("simulator results:", sim_path)
