@@ -389,7 +389,9 @@ def targets(totals: pd.DataFrame, trace: str) -> pd.DataFrame:
     rows = []
     for policy in [p for p in df.index if p.startswith("lrmoe")]:
         me = df.loc[policy]
-        symi = df.loc["symi-dropless"] if "symi-dropless" in df.index else None
+        mode = policy[policy.index(" ("):] if " (" in policy else ""  # "lrmoe (shard)": SYMI-dropless in that mode
+        reference = f"symi-dropless{mode}"
+        symi = df.loc[reference] if reference in df.index else None
         values = {"bwd_balance": me["bwd_pairs_max"] / me["bwd_pairs_mean"],
                   "bwd_bytes": me["bwd_a2a_KiB"] / symi["bwd_a2a_KiB"] if symi is not None else float("nan"),
                   "cpu_time": me["slowest_cpu_ms"] / symi["slowest_cpu_ms"] if symi is not None else float("nan")}
