@@ -31,11 +31,12 @@ Local memory traffic (the host-side passes around each exchange, as the store ru
 rank; the cost model prices them at memory bandwidth, the counters do not count them). k_ne: the slots of e on n;
 a = max(b_g, 4) (the sums run in at least fp32); c_n: rank n's shard; S'_n the occupied slots of the next placement:
 
-* the local sum of a hosted class (both modes): the k slots gathered (2k·P·b_g), widened to fp32 when b_g < 4
-  (k·P·(b_g + 4)), summed (k·P·a + P·a) and narrowed back when b_g < 4 (P·(4 + b_g));
+* the local sum of a hosted class (both modes): nothing for one slot (its gradient is the sum); for k > 1 slots,
+  gathered (2k·P·b_g), widened to fp32 when b_g < 4 (k·P·(b_g + 4)), summed (k·P·a + P·a) and narrowed back when
+  b_g < 4 (P·(4 + b_g));
 * replica sync, ``range``: the local sums (a member of a range that hosts nothing writes zeros, P·b_g), then per
   multi-member group the fold of the chunks and the all-gather's repeat, ≈ 4·P·b_g;
-  ``shard``: the local sums, stacked (2·|H_n|·P·b_g) and packed owner-major (slices copied, then joined: 4·|H_n|·P·b_g);
+  ``shard``: the local sums, each written straight into the owner-major send buffer (2·|H_n|·P·b_g);
 * gradient collection, ``range``: the served slices gathered (2 × sent), the received copied in (received), the
   [E, c_n] fp32 shards zeroed, filled and scaled (16·E·c_n); ``shard``: every received part widened when b_g < 4,
   masked and put in place by index (R_n·c_n·16, R_n the parts: Σ_q |H_q|; a class's later hosts add in place, a few
@@ -254,17 +255,20 @@ def local_bytes(placement_NS: torch.Tensor, next_placement_NS: torch.Tensor, num
     n, e, p, bg, bw = placement_NS.shape[0], num_experts, int(params), int(grad_bytes), int(weight_bytes)
     shard_N = torch.tensor(shard_sizes(p, n), dtype=torch.long)
     hosts_NE = hosts_mask(placement_NS, e)
-    slots_N, hosted_N = (placement_NS >= 0).sum(1), hosts_NE.sum(1)
+    hosted_N = hosts_NE.sum(1)
     acc = max(bg, 4)
     widen = bg < 4
-    sums_N = p * (slots_N * (2 * bg + acc + widen * (bg + 4)) + hosted_N * (acc + widen * (4 + bg)))
+    k_NE = torch.stack([(placement_NS == x).sum(1) for x in range(e)], dim=1)  # slots of each class per rank
+    multi_NE = k_NE > 1
+    summed_slots_N, summed_N = (k_NE * multi_NE).sum(1), multi_NE.sum(1)
+    sums_N = p * (summed_slots_N * (2 * bg + acc + widen * (bg + 4)) + summed_N * (acc + widen * (4 + bg)))
     if replica_grad == "range":
         idle_N = (group_NE & ~hosts_NE).sum(1)  # members of a range that host nothing write zeros
         sync_N = sums_N + idle_N * p * bg + 4 * group_NE.sum(1) * p * bg
         sent_N, recv_N = collect_NM.sum(1), collect_NM.sum(0)
         collect_N = 2 * sent_N + recv_N + 16 * e * shard_N
     else:
-        sync_N = sums_N + 6 * hosted_N * p * bg
+        sync_N = sums_N + 2 * hosted_N * p * bg
         parts = int(hosted_N.sum())  # owner q folds shard q of every host's every hosted class
         collect_N = parts * shard_N * (16 + widen * (bg + 4)) + 12 * e * shard_N
     next_slots_N, next_hosted_N = (next_placement_NS >= 0).sum(1), hosts_mask(next_placement_NS, e).sum(1)

@@ -174,19 +174,22 @@ def test_the_byte_model_and_the_cost_model_stay_off_torch_distributed():
 
 def test_local_traffic_follows_the_passes_of_each_mode():
     """The optimizer step's local memory passes (priced at memory bandwidth by the cost model), as the store runs
-    them: every hosted class's slots gathered and summed; shard mode stacks and packs the sums, range mode folds and
-    all-gathers every multi-member group; redistribution writes every next slot whole."""
+    them: a class's slots summed where it has several; shard mode writes each sum into the send buffer, range mode
+    folds and all-gathers every multi-member group; redistribution writes every next slot whole."""
     placement_NS = torch.tensor([[0, 1, 3], [2, 3, 1]])  # 3 slots per rank, classes 1 and 3 on both ranks
     e, p, b = 4, 12, 4
     shard = step_bytes(placement_NS, placement_NS, e, p, b, replica_grad="shard")
     rng = step_bytes(placement_NS, placement_NS, e, p, b, replica_grad="range")
-    sums = (3 * 3 + 3) * p * b  # fp32: three single-slot classes, each gathered (2), summed (1 + 1)
-    assert shard.local_N3[:, 0].tolist() == [sums + 6 * 3 * p * b] * 2  # stacked, packed
-    assert rng.local_N3[:, 0].tolist() == [sums + 4 * 2 * p * b] * 2  # two two-member groups per rank
+    # one slot per class: its gradient is its sum (no pass); shard mode writes each into the send buffer
+    assert shard.local_N3[:, 0].tolist() == [2 * 3 * p * b] * 2
+    assert rng.local_N3[:, 0].tolist() == [4 * 2 * p * b] * 2  # two two-member groups per rank: fold, gather
+    doubled = torch.tensor([[0, 0, 3], [2, 3, 1]])  # two slots of class 0 on rank 0: gathered and summed
+    two = step_bytes(doubled, doubled, e, p, b, replica_grad="shard").local_N3[:, 0].tolist()
+    assert two == [(2 * 2 * b + 2 * 4 + 4) * p + 2 * 2 * p * b, 2 * 3 * p * b]
     parts = 6  # three hosted classes per rank, both ranks fold shard q of each
     assert shard.local_N3[:, 1].tolist() == [parts * 6 * 16 + 12 * e * 6] * 2
-    half = step_bytes(placement_NS, placement_NS, e, p, 2, replica_grad="shard")  # bf16: widened and narrowed
-    assert half.local_N3[0, 0] == 3 * p * (2 * 2 + 4 + 6) + 3 * p * (4 + 6) + 6 * 3 * p * 2
+    half = step_bytes(doubled, doubled, e, p, 2, replica_grad="shard")  # bf16: widened, summed, narrowed
+    assert half.local_N3[0, 0] == 2 * p * (2 * 2 + 4 + 6) + p * (4 + 6) + 2 * 2 * p * 2
     assert (shard.local_N3[:, 2] == rng.local_N3[:, 2]).all()  # the same redistribution in both modes
     sent = shard.redistribute_NM.sum(1)
     assert shard.local_N3[:, 2].tolist() == (4 * sent + 2 * 3 * 6 * b + 2 * 3 * p * b).tolist()

@@ -96,6 +96,29 @@ def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     param.addcdiv_(exp_avg, denom, value=-cfg.lr / bias_correction1)
 
 
+def owner_runs(bounds: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(vector start, vector end, owners) of each run of consecutive non-empty shards of equal width (the first
+    P mod N shards are one longer than the rest): the strided copies :func:`pack_owner_major_` makes."""
+    runs, q = [], 0
+    while q < len(bounds):
+        width, q1 = bounds[q][1] - bounds[q][0], q + 1
+        while q1 < len(bounds) and bounds[q1][1] - bounds[q1][0] == width:
+            q1 += 1
+        if width:
+            runs.append((bounds[q][0], bounds[q1 - 1][1], q1 - q))
+        q = q1
+    return runs
+
+
+def pack_owner_major_(send: torch.Tensor, src: torch.Tensor, h: int, num_h: int,
+                      runs: list[tuple[int, int, int]]) -> None:
+    """Write ``src`` (one class's summed gradient, [P]) as class ``h`` of ``num_h`` into the owner-major send buffer
+    ``send`` ([owner q: num_h × shard_q], flat): one strided copy per run of equal-width shards."""
+    for a, b, owners in runs:
+        width = (b - a) // owners
+        send[num_h * a:num_h * b].view(owners, num_h, width)[:, h].copy_(src[a:b].view(owners, width))
+
+
 # -- process groups --------------------------------------------------------------------------------------------
 class RangeGroups:
     """The process groups of every consecutive rank range [lo, hi], lo < hi: N(N-1)/2 groups, created once at
@@ -218,11 +241,14 @@ class ReplicaStore(nn.Module):
 
     def _local_sum(self, e: int) -> torch.Tensor:
         """The sum of this rank's slots of ``e`` (in at least fp32, in slot order), in the slots' dtype: the
-        contribution this rank sends. Zeros if it hosts none or no backward ran."""
+        contribution this rank sends. Zeros if it hosts none or no backward ran. A single slot's gradient is
+        returned as it is (a view, read-only by contract): the sum of one row, exactly, without a copy."""
         slots = (self.placement_NS[self.rank] == e).nonzero().flatten().tolist()
         grad_SW = self.slots_SW.grad
         if not slots or grad_SW is None:
             return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        if len(slots) == 1:
+            return grad_SW[slots[0]]
         return grad_SW[slots].to(torch.promote_types(self.dtype, torch.float32)).sum(0).to(self.dtype)
 
     # -- 1. replica gradient sync ------------------------------------------------------------------------------
@@ -266,9 +292,12 @@ class ReplicaStore(nn.Module):
     def _sync_shard(self) -> None:
         hosted = [hosted_experts(self.placement_NS, n) for n in range(self.num_ranks)]
         mine = hosted[self.rank]
-        sums_HP = (torch.stack([self._local_sum(e) for e in mine]) if mine
-                   else torch.zeros(0, self.numel, dtype=self.dtype, device=self.device))
-        send = torch.cat([sums_HP[:, lo:hi].reshape(-1) for lo, hi in self.bounds])  # owner-major
+        # owner-major [owner q: H × shard_q]: each local sum written straight into its place, one strided copy per
+        # run of equal-width shards (the first P mod N shards are one longer), no stacking and no repacking
+        num_h, runs = len(mine), owner_runs(self.bounds)
+        send = torch.empty(num_h * self.numel, dtype=self.dtype, device=self.device)
+        for h, e in enumerate(mine):
+            pack_owner_major_(send, self._local_sum(e), h, num_h, runs)
         c = self.shard_numel
         got = self._exchange("replica_sync", send, [len(mine) * (hi - lo) for lo, hi in self.bounds],
                              [len(es) * c for es in hosted])

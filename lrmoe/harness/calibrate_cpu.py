@@ -17,11 +17,11 @@ than ranks the ranks share the cores, and the constants must describe the machin
   ranks arrive staggered as in the layer (a staggered collective costs its last rank more than an aligned one).
   The layer's point-to-point exchange (:func:`lrmoe.distributed.comm.exchange_rows`, gradient collection and
   redistribution) is timed the same way, as a diagnostic the cost model does not use.
-* **Memory passes**: the replica store's local sum of a class (its slot gathered, widened, summed, narrowed) for a
-  rank's (E/N + 1) classes, from a pool of slot gradients larger than the caches (the optimizer step's passes touch
-  data the backward has evicted), as ``mem_bw = bytes / seconds``, bytes read + written as
-  :func:`lrmoe.sync_model.local_bytes` counts them: the bandwidth at which the cost model prices every memory-bound
-  pass (Adam's 32 bytes per parameter, the optimizer step's sums, packing, folding and placing).
+* **Memory passes**: the replica store's own packing (:func:`lrmoe.distributed.replica.pack_owner_major_`) of a
+  rank's (E/N + 1) class sums into its owner-major send buffer, reading slot gradients from a pool larger than the
+  caches (the optimizer step's passes touch data the backward has evicted), as ``mem_bw = bytes read + written /
+  seconds``: the bandwidth at which the cost model prices every memory-bound pass (Adam's 32 bytes per parameter,
+  the optimizer step's sums, packing, folding and placing; :func:`lrmoe.sync_model.local_bytes`).
 * **Adam**: :func:`lrmoe.distributed.replica.adam_update_` on one rank's fp32 shard of every expert (E × ⌈3DF/N⌉),
   kept as a diagnostic: its effective bandwidth at the cost model's 32 bytes of traffic per parameter.
 
@@ -264,7 +264,8 @@ def _timed(fn, spec: CalibrationSpec, between=None) -> dict[str, list[float]]:
 def _bench_rank(rank: int, spec: CalibrationSpec) -> dict:
     """Every measurement of the grid on this rank: lists of per-repetition seconds."""
     from ..distributed.comm import all_to_all_rows, exchange_rows
-    from ..distributed.replica import AdamConfig, adam_update_
+    from ..distributed.replica import AdamConfig, adam_update_, owner_runs, pack_owner_major_
+    from ..sync_model import shard_bounds
     from ..expert_compute import slot_offsets, swiglu_backward, swiglu_forward
 
     gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank)
@@ -310,22 +311,21 @@ def _bench_rank(rank: int, spec: CalibrationSpec) -> dict:
         p2p = _timed(lambda: exchange_rows(bufs, sizes, dtype, torch.device("cpu")), spec, work)
         out["a2a"].append({"bytes_per_peer": numel * spec.elem_bytes, "bytes_sent": numel * spec.elem_bytes * (n - 1),
                            "s": a2a, "p2p_s": p2p})
-    # memory passes: the replica store's local sum of a class (its slots gathered, summed), for a rank's
-    # (E/N + 1) classes of one slot each, from a pool of POOL_BYTES of slot gradients so that no pass hits the
-    # caches (the optimizer step runs after the backward has evicted them)
+    # memory passes: the replica store's packing of a rank's (E/N + 1) single-slot class sums into its owner-major
+    # send buffer, reading slot gradients from a pool of POOL_BYTES so that no pass hits the caches (the optimizer
+    # step runs after the backward has evicted them)
     numel, classes = 3 * D * F, spec.sums_bytes // (3 * D * F * spec.elem_bytes)
     pool = rand(max(2 * classes, POOL_BYTES // (numel * spec.elem_bytes)), numel)
+    send = torch.empty(classes * numel, dtype=dtype)
+    runs = owner_runs(shard_bounds(numel, spec.num_ranks))
     turn = [0]
 
-    def sums():
-        for _ in range(classes):
+    def pack():
+        for h in range(classes):
             turn[0] = (turn[0] + 1) % pool.shape[0]
-            pool[[turn[0]]].to(torch.promote_types(dtype, torch.float32)).sum(0).to(dtype)
+            pack_owner_major_(send, pool[turn[0]], h, classes, runs)
 
-    acc = max(spec.elem_bytes, 4)
-    widen = spec.elem_bytes < 4
-    per_class = numel * (2 * spec.elem_bytes + 2 * acc + widen * 2 * (spec.elem_bytes + 4))  # lrmoe.sync_model
-    out["mem_passes"] = {"bytes": classes * per_class, "s": _timed(sums, spec)}
+    out["mem_passes"] = {"bytes": classes * 2 * numel * spec.elem_bytes, "s": _timed(pack, spec)}  # read + write
     shape = (spec.num_experts, spec.shard_numel)
     master, grad = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     m1, m2 = torch.zeros(shape), torch.zeros(shape)
@@ -397,7 +397,7 @@ def summarise(spec: CalibrationSpec, per_rank: list[dict], clock: str = "cpu") -
                          "ranks": coll,
                          "note": "diagnostic: lrmoe.distributed.comm.exchange_rows, one buffer per peer"},
                  "mem_passes": {"bytes": per_rank[0]["mem_passes"]["bytes"], "seconds": passes_s, "ranks": local,
-                          "model": "mem_bw = bytes read + written / seconds of the store's local sums"},
+                          "model": "mem_bw = bytes read + written / seconds of the store's owner-major packing"},
                  # a diagnostic: the cost model prices Adam at mem_bw and this many bytes per parameter
                  "adam": {"params": params, "seconds": adam_s, "traffic_bytes_per_param": ADAM_TRAFFIC_BYTES,
                           "effective_bw": ADAM_TRAFFIC_BYTES * params / adam_s, "ranks": local}},
