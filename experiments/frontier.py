@@ -29,11 +29,10 @@ import pandas as pd
 from tqdm import tqdm
 
 from lrmoe.config import cluster_preset, model_preset
+from lrmoe.experiments import ablate
 from lrmoe.experiments.convergence import BASELINE, last_per_step, per_run, summarise, time_to_reach
-from lrmoe.placement import MemoryModel
-from lrmoe.sim.cost import CostModel
 from lrmoe.sim.simulator import simulate
-from lrmoe.systems import SystemContext, get_system, plan_twins
+from lrmoe.systems import get_system, plan_twins
 from lrmoe.tracking import Tracker, add_tracking_args, read_results
 from lrmoe.traces import generate_trace
 
@@ -172,27 +171,32 @@ def headline_text(h: dict) -> str:
 
 
 def modelled_times(policies: list[str], args, known: list[dict] = ()) -> tuple[dict[str, float], list[dict]]:
-    """Modelled paper-scale MoE time per iteration (ms, all layers) of each system, on one synthetic trace, with the
-    fair-memory context the ablation sweep uses (per-layer budget, memory-sized SYMI slots). ``known``: rows of an
-    earlier run's "simulated" table; those at the same scale are reused instead of simulated again."""
+    """Modelled paper-scale MoE time per iteration (ms, all layers) of each system, on one synthetic trace, built as
+    the ablation sweep builds a cell's systems (experiments/ablate.py: the memory model of the cost model's
+    accounting, memory-sized slots, and the planned-headroom rule: each dropless system's buffers sized for its own
+    planned peak on the trace's first iteration, which is not timed). ``known``: rows of an earlier run's
+    "simulated" table; those at the same scale are reused instead of simulated again."""
     m, c = model_preset(args.model), cluster_preset(args.cluster, args.nodes)
     layers = min(args.layers or m.num_moe_layers, m.num_moe_layers)
-    budget = (args.mem_gb * 1e9 if args.mem_gb else c.mem_budget_bytes) / m.num_moe_layers
+    mem_gb = args.mem_gb if args.mem_gb else c.mem_budget_bytes / 1e9
     scale = {"model": m.name, "cluster": c.name, "ranks": c.num_ranks, "nodes": c.num_nodes, "skew": args.skew,
              "tokens_per_rank": args.tokens_per_rank, "layers_simulated": layers, "sim_steps": args.sim_steps,
-             "micro_batches": args.micro_batches, "mem_gb": budget * m.num_moe_layers / 1e9, "eps": args.eps,
-             "gamma": args.gamma, "symi_headroom": args.symi_headroom, "sim_seed": args.sim_seed,
+             "micro_batches": args.micro_batches, "mem_gb": mem_gb, "eps": args.eps, "gamma": args.gamma,
+             "headroom_rule": "planned", "sim_seed": args.sim_seed,
              "replica_grad": "best"}  # each system priced in range and shard mode, reported in its faster one
     reuse = {r["policy"]: r for r in known if all(r.get(k) == v for k, v in scale.items())}
-    cm = CostModel(m, c, mem_budget_bytes=budget)
-    ctx = SystemContext(num_experts=m.num_experts, num_ranks=c.num_ranks, spare_slots=m.num_experts // c.num_ranks,
-                        eps=args.eps, gamma=args.gamma, memory=MemoryModel(budget, cm.slot_bytes, cm.pair_bytes),
-                        pairs_per_rank=args.tokens_per_rank * m.top_k, symi_headroom=args.symi_headroom)
-    trace = generate_trace(args.sim_steps, layers, c.num_ranks, m.num_experts, m.top_k, args.tokens_per_rank,
+    cell = ablate.Cell(m, c, ("zipf", args.skew), mem_gb, args.tokens_per_rank)
+    sweep = ablate.parse_args(["--eps", str(args.eps), "--gamma", str(args.gamma), "--micro-batches",
+                               str(args.micro_batches)])  # the ablation's rules, at this cell
+    # one iteration more than timed: the first is the planners' reference (the planned-headroom rule)
+    trace = generate_trace(args.sim_steps + 1, layers, c.num_ranks, m.num_experts, m.top_k, args.tokens_per_rank,
                            skew="zipf", skew_param=args.skew, seed=args.sim_seed, model=m.name)
+    counts_ILNE = trace.counts_ILNE
     twins = plan_twins(policies)  # variants with the same plans (metric, selection) are simulated once
     times, rows = {}, []
     todo = [p for p in policies if p not in twins and p not in reuse]
+    systems, skipped, notes, headrooms = (ablate.build_systems(cell, todo, sweep, (counts_ILNE[0], counts_ILNE[1]))
+                                          if todo else ({}, {}, {}, {}))
     with tqdm(total=len(todo) * args.sim_steps * layers, desc="layer-steps", disable=None, mininterval=1.0) as bar:
         for policy in policies:
             if policy in twins:
@@ -201,9 +205,9 @@ def modelled_times(policies: list[str], args, known: list[dict] = ()) -> tuple[d
                 times[policy] = reuse[policy]["iter_ms"]
                 rows.append({k: v for k, v in reuse[policy].items() if k not in ("kind", "run_id", "table", "step")})
                 continue
-            spec = get_system(policy)
-            res = simulate(trace.counts_ILNE, spec.simulator_system(ctx), m, c,
-                           cost_kwargs={"mem_budget_bytes": budget, **spec.cost_options()},
+            if policy in skipped:
+                raise SystemExit(f"frontier.py: error: {policy} cannot run at this scale: {skipped[policy]}")
+            res = simulate(counts_ILNE[1:], systems[policy], m, c, cost_kwargs=ablate.cost_kwargs(policy, cell, sweep),
                            micro_batches=args.micro_batches, progress=bar.update,
                            variants={"shard": {"replica_grad": "shard"}})
             s = res.summary()
@@ -212,8 +216,8 @@ def modelled_times(policies: list[str], args, known: list[dict] = ()) -> tuple[d
             times[policy] = 1e3 * by_mode[mode] * m.num_moe_layers / layers
             rows.append({"policy": policy, "iter_ms": times[policy], "oom": s["oom"], "drop_rate": s["drop_rate"],
                          "bwd_max_over_mean_fwd": s["rho"], "fwd_imbalance": s["fwd_imbalance"],
-                         "slots_per_rank": s["slots_per_rank"], "replica_grad": mode, "note": spec.note(ctx),
-                         **scale})
+                         "slots_per_rank": s["slots_per_rank"], "replica_grad": mode, "note": notes.get(policy, ""),
+                         **{f"planned_headroom_{k}": v for k, v in headrooms.items()}, **scale})
     for policy, twin in twins.items():
         if policy in policies:
             times[policy] = times[twin]
@@ -290,7 +294,8 @@ def markdown_report(table: pd.DataFrame, h: dict, scale: dict, curves: pd.DataFr
         f"({scale['model']}, {scale['cluster']}: {scale['ranks']} ranks on {scale['nodes']} nodes, "
         f"{scale['mem_gb']:.0f} GB MoE budget per rank, synthetic Zipf {scale['skew']:g} trace, "
         f"{scale['tokens_per_rank']} tokens per rank per micro-batch, {scale['micro_batches']} micro-batches, "
-        f"{scale['layers_simulated']} layers simulated, {scale['sim_steps']} iterations, the first warm-up). "
+        f"{scale['layers_simulated']} layers simulated, {scale['sim_steps']} iterations, the first warm-up, after "
+        "one that sizes each dropless system's buffers for its own planned peak, as in ablate.py). "
         f"Loss: validation loss of the debug model trained on 4 CPU ranks for {steps} steps, seeds {seeds}; the gap "
         "to dropless static EP is taken seed by seed (same data order), then averaged; min/max over seeds. "
         "Neither scale measures the other quantity: the two are joined by system name only.", "",
@@ -317,7 +322,6 @@ def parse_args(argv=None):
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--eps", type=float, default=0.1)
     parser.add_argument("--gamma", type=float, default=0.1)
-    parser.add_argument("--symi-headroom", type=float, default=1.5)
     parser.add_argument("--sim-seed", type=int, default=0)
     parser.add_argument("--sim-from", default=None,
                         help="an earlier frontier results file: reuse its simulated times at the same scale")
