@@ -218,6 +218,11 @@ def modelled_times(policies: list[str], args, known: list[dict] = ()) -> tuple[d
                          "bwd_max_over_mean_fwd": s["rho"], "fwd_imbalance": s["fwd_imbalance"],
                          "slots_per_rank": s["slots_per_rank"], "replica_grad": mode, "note": notes.get(policy, ""),
                          **{f"planned_headroom_{k}": v for k, v in headrooms.items()}, **scale})
+    oom = sorted(r["policy"] for r in rows if r.get("oom"))
+    if oom:
+        raise SystemExit(f"frontier.py: error: {', '.join(oom)} run out of memory at this scale ({m.name}, "
+                         f"{c.num_ranks} ranks, {mem_gb:g} GB, {args.tokens_per_rank} tokens per rank): a time "
+                         "there means nothing; give a larger --mem-gb or fewer --tokens-per-rank")
     for policy, twin in twins.items():
         if policy in policies:
             times[policy] = times[twin]
@@ -315,7 +320,8 @@ def parse_args(argv=None):
     parser.add_argument("--cluster", default="a100-40gb-x8")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--skew", type=float, default=0.8, help="Zipf s of the synthetic trace")
-    parser.add_argument("--tokens-per-rank", type=int, default=4096)
+    parser.add_argument("--tokens-per-rank", type=int, default=None,
+                        help="tokens per rank per micro-batch (default: the ablation's for the model)")
     parser.add_argument("--mem-gb", type=float, default=None, help="per-rank MoE budget, GB (default: the device)")
     parser.add_argument("--sim-steps", type=int, default=3, help="simulated iterations (the first is warm-up)")
     parser.add_argument("--layers", type=int, default=None, help="simulated MoE layers (default all)")
@@ -330,6 +336,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.sim_steps = args.layers or 4, 2
+    if args.tokens_per_rank is None:
+        args.tokens_per_rank = ablate.TOKENS.get(args.model, 2048)
     if args.sim_steps < 2:
         parser.error("--sim-steps must be at least 2 (the first is warm-up)")
     return args
