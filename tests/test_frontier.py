@@ -183,3 +183,12 @@ def test_last20_drop_says_how_much_the_curve_still_fell_in_the_last_fifth():
     # every run falls 0.1 per step: from final + 0.2 at step 8 to final at step 10
     table = convergence.summarise(curves({"static-ep": [2.0, 2.0]})).set_index("policy")
     assert table.loc["static-ep", "last20_drop_pct"] == pytest.approx(100 * (1 - 2.0 / 2.2))
+
+
+def test_a_scale_where_a_system_runs_out_of_memory_is_an_error():
+    """GLM-4.5-Air's MoE layers at 4096 tokens per rank do not fit 40 GB per GPU on 16 GPUs: no time is reported."""
+    args = frontier.parse_args(["--model", "glm-4.5-air", "--tokens-per-rank", "4096", "--layers", "1",
+                                "--sim-steps", "2"])
+    with pytest.raises(SystemExit, match="run out of memory"):
+        frontier.modelled_times(["symi-dropless"], args)
+    assert frontier.parse_args(["--model", "glm-4.5-air"]).tokens_per_rank == 1024  # the ablation's default
