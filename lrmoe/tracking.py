@@ -113,6 +113,19 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def portable_argv(argv: list[str]) -> list[str]:
+    """``argv`` with absolute paths under the working folder written relative to it, so that a results file names
+    no machine's folders (``python -m`` puts the script's absolute path first)."""
+    cwd = Path.cwd()
+    out = []
+    for arg in argv:
+        path = Path(arg)
+        if path.is_absolute() and path.is_relative_to(cwd):
+            arg = str(path.relative_to(cwd))
+        out.append(arg)
+    return out
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see either the old file or the whole new one, never a part: a
     temporary file in the same folder, fsynced, then renamed over ``path``."""
@@ -223,7 +236,7 @@ class Tracker:
             self._file = open(self.results, "a" if resume else "w", encoding="utf-8")
             header = {"kind": "run", "run_id": self.run_id, "name": name, "config": self.config, "seed": seed,
                       "git_commit": git_commit(), "versions": package_versions(), "device": device_description(),
-                      "argv": sys.argv, "time": time.time(), "attempt": self.attempt}
+                      "argv": portable_argv(sys.argv), "time": time.time(), "attempt": self.attempt}
             if self.attempt > 1:
                 header["resumed_from_step"] = self.resumed_from_step
             self._write(header)

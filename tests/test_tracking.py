@@ -216,3 +216,11 @@ def test_a_resumed_run_continues_the_same_wandb_run_offline(tmp_path, monkeypatc
 def offline_run_ids(wandb_dir) -> list[str]:
     """The run id of every offline W&B run folder (one per attempt) under ``wandb_dir``."""
     return sorted(f.name[len("run-"):-len(".wandb")] for f in (wandb_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_argv_names_paths_relative_to_the_working_folder(monkeypatch, tmp_path):
+    from lrmoe.tracking import portable_argv
+
+    monkeypatch.chdir(tmp_path)
+    assert portable_argv([str(tmp_path / "experiments" / "x.py"), "--out", str(tmp_path / "o.jsonl"), "/elsewhere/y",
+                          "rel/z"]) == ["experiments/x.py", "--out", "o.jsonl", "/elsewhere/y", "rel/z"]
