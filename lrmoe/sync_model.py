@@ -258,7 +258,9 @@ def local_bytes(placement_NS: torch.Tensor, next_placement_NS: torch.Tensor, num
     hosted_N = hosts_NE.sum(1)
     acc = max(bg, 4)
     widen = bg < 4
-    k_NE = torch.stack([(placement_NS == x).sum(1) for x in range(e)], dim=1)  # slots of each class per rank
+    occupied_NS = placement_NS >= 0
+    k_NE = torch.zeros(placement_NS.shape[0], e, dtype=torch.long).scatter_add_(  # slots of each class per rank
+        1, placement_NS.clamp(min=0), occupied_NS.long())
     multi_NE = k_NE > 1
     summed_slots_N, summed_N = (k_NE * multi_NE).sum(1), multi_NE.sum(1)
     sums_N = p * (summed_slots_N * (2 * bg + acc + widen * (bg + 4)) + summed_N * (acc + widen * (4 + bg)))
