@@ -18,9 +18,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "setting up $(VENV) (torch CPU build pinned by $(CONSTRAINTS))"
 	@# pip takes torch (it finds the CPU build pinned by the constraints) and the installer uv; uv installs the rest,
-	@# in parallel, keeping the torch pip installed (pip alone takes about two minutes more here). Neither compiles
-	@# bytecode ahead: Python compiles the modules that are imported, once, on first import.
-	@$(PY) -m pip install --quiet --no-compile --disable-pip-version-check -c $(CONSTRAINTS) torch uv 2>&1 \
+	@# in parallel, keeping the torch pip installed (pip alone takes about two minutes more here). torch's bytecode is
+	@# compiled at install: where Python does not write bytecode itself, every process would compile it again
+	@$(PY) -m pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) torch uv 2>&1 \
 	    | grep -v "is ignored: it is neither a file nor a directory" || true
 	@$(VENV)/bin/uv pip install --quiet --python $(PY) -c $(CONSTRAINTS) -e '.[dev,hf]'
 	@$(PY) -c "import lrmoe, lrmoe.kernels, torch, triton" 
