@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@# compiled at install: where Python does not write bytecode itself, every process would compile it again
 	@$(PY) -m pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) torch uv 2>&1 \
 	    | grep -v "is ignored: it is neither a file nor a directory" || true
-	@$(VENV)/bin/uv pip install --quiet --python $(PY) -c $(CONSTRAINTS) -e '.[dev,hf]'
+	@$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -c $(CONSTRAINTS) -e '.[dev,hf]'
 	@$(PY) -c "import lrmoe, lrmoe.kernels, torch, triton" 
 	@touch $(STAMP)
 
