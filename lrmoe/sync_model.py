@@ -254,13 +254,12 @@ def local_bytes(placement_NS: torch.Tensor, next_placement_NS: torch.Tensor, num
     phases (:data:`LOCAL_PHASES`), by the rules of the module doc."""
     n, e, p, bg, bw = placement_NS.shape[0], num_experts, int(params), int(grad_bytes), int(weight_bytes)
     shard_N = torch.tensor(shard_sizes(p, n), dtype=torch.long)
-    hosts_NE = hosts_mask(placement_NS, e)
-    hosted_N = hosts_NE.sum(1)
     acc = max(bg, 4)
     widen = bg < 4
-    occupied_NS = placement_NS >= 0
-    k_NE = torch.zeros(placement_NS.shape[0], e, dtype=torch.long).scatter_add_(  # slots of each class per rank
-        1, placement_NS.clamp(min=0), occupied_NS.long())
+    k_NE = torch.zeros(n, e, dtype=torch.long).scatter_add_(  # slots of each class per rank
+        1, placement_NS.clamp(min=0), (placement_NS >= 0).long())
+    hosts_NE = k_NE > 0
+    hosted_N = hosts_NE.sum(1)
     multi_NE = k_NE > 1
     summed_slots_N, summed_N = (k_NE * multi_NE).sum(1), multi_NE.sum(1)
     sums_N = p * (summed_slots_N * (2 * bg + acc + widen * (bg + 4)) + summed_N * (acc + widen * (4 + bg)))
