@@ -17,12 +17,15 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "setting up $(VENV) (torch CPU build pinned by $(CONSTRAINTS))"
-	@# pip takes torch (it finds the CPU build pinned by the constraints) and the installer uv; uv installs the rest,
-	@# in parallel, keeping the torch pip installed (pip alone takes about two minutes more here). torch's bytecode is
-	@# compiled at install: where Python does not write bytecode itself, every process would compile it again (uv's
-	@# --compile-bytecode for the rest cost 35 s of setup and saved nothing measurable in the suite)
-	@$(PY) -m pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) torch uv 2>&1 \
+	@# pip installs the installer uv; uv installs torch (from where pip's own settings find it: its find-links, when
+	@# set, hold the CPU build that the constraints pin) and compiles its bytecode on every core: where Python does not
+	@# write bytecode itself, every process would compile torch again. Then uv installs the rest in parallel, keeping
+	@# that torch (compiling the rest's bytecode cost 35 s of setup and saved nothing measurable in the suite).
+	@$(PY) -m pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) uv 2>&1 \
 	    | grep -v "is ignored: it is neither a file nor a directory" || true
+	@links="$${PIP_FIND_LINKS:-$$($(PY) -m pip config get global.find-links 2>/dev/null)}"; \
+	    $(VENV)/bin/uv pip install --quiet --python $(PY) $${links:+--find-links "$$links"} --compile-bytecode \
+	        -c $(CONSTRAINTS) torch
 	@$(VENV)/bin/uv pip install --quiet --python $(PY) -c $(CONSTRAINTS) -e '.[dev,hf]'
 	@$(PY) -c "import lrmoe, lrmoe.kernels, torch, triton" 
 	@touch $(STAMP)

@@ -3,7 +3,8 @@
 * ``TRITON_INTERPRET=1`` when no GPU is present, so Triton kernels run in the interpreter;
 * W&B offline, and W&B / Jupyter / matplotlib files kept in a temporary folder, not in ``$HOME``;
 * a non-interactive matplotlib backend;
-* one intra-op torch thread (bitwise determinism, see below).
+* one intra-op torch thread (bitwise determinism, see below), in the processes the tests start too
+  (``OMP_NUM_THREADS``: notebook kernels, scripts, the main job; two test workers share two cores).
 """
 
 import os
@@ -23,6 +24,7 @@ if not _gpu_present():
 os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_SILENT"] = "true"
 os.environ["MPLBACKEND"] = "Agg"
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 for _var, _sub in [("WANDB_DIR", "wandb"), ("WANDB_CACHE_DIR", "wandb-cache"), ("WANDB_CONFIG_DIR", "wandb-config"),
                    ("WANDB_DATA_DIR", "wandb-data"), ("MPLCONFIGDIR", "matplotlib"), ("JUPYTER_CONFIG_DIR", "jupyter"),
                    ("JUPYTER_DATA_DIR", "jupyter-data"), ("JUPYTER_RUNTIME_DIR", "jupyter-runtime"),

@@ -17,7 +17,7 @@ from lrmoe.placement import MemoryModel
 from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi
 from lrmoe.reference import ReferenceMoE
 from lrmoe.sim.cost import CATEGORIES, PHASES, CostModel
-from lrmoe.sim.simulator import System, iter_plans, simulate
+from lrmoe.sim.simulator import System, iter_plans, one_intra_op_thread, simulate
 from lrmoe.traces import generate_trace
 
 D, F, E, K, T = 8, 5, 8, 2, 16
@@ -259,3 +259,18 @@ def test_ablation_rejects_bad_arguments():
     with pytest.raises(SystemExit):  # argparse: a skew family that does not exist
         ablate.parse_args(["--skews", "pareto:1.0"])
     assert ablate.parse_args(["--skews", "0.6", "dirichlet:0.5"]).skews == [("zipf", 0.6), ("dirichlet", 0.5)]
+
+
+def test_simulate_runs_on_one_thread_and_gives_the_thread_count_back():
+    """The simulator's tensors are small: it runs on one intra-op thread and restores the caller's count."""
+    seen = []
+    torch.set_num_threads(2)
+    try:
+        with one_intra_op_thread():
+            seen.append(torch.get_num_threads())
+        assert seen == [1] and torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), one_intra_op_thread():
+            raise RuntimeError("the count comes back after an error too")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
