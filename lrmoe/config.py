@@ -157,10 +157,21 @@ class ClusterConfig:
     peak_flops: float  # dense matmul FLOP/s per rank at the model dtype
     hbm_bw: float = 0.0  # device memory bandwidth, bytes/s (0: unknown)
     source: str = ""  # where the numbers come from
+    # Measured fixed seconds of an optimizer-step phase, (("<mode>/<phase>", s), ...): the phase run with negligible
+    # bytes (its loops, launches and collective wake-ups), which then stands in for its latency terms. Empty on the
+    # GPU presets (not measured there: their step phases pay the latency model); the CPU calibration measures it.
+    step_fixed_s: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         positive_fields(self, "num_ranks", "ranks_per_node", "mem_budget_bytes", "intra_bw", "inter_bw", "peak_flops")
         non_negative_fields(self, "intra_latency", "inter_latency", "hbm_bw")
+        bad = [(k, v) for k, v in self.step_fixed_s if not (v >= 0 and "/" in k)]
+        if bad:
+            raise ValueError(f"ClusterConfig.step_fixed_s needs ('<mode>/<phase>', seconds >= 0) entries, got {bad}")
+
+    def step_fixed(self, mode: str, phase: str) -> float | None:
+        """The measured fixed seconds of optimizer-step ``phase`` in replica-gradient ``mode``; None if unmeasured."""
+        return dict(self.step_fixed_s).get(f"{mode}/{phase}")
         if self.num_ranks % self.ranks_per_node:
             raise ValueError(f"ClusterConfig.num_ranks={self.num_ranks} is not a multiple of "
                              f"ranks_per_node={self.ranks_per_node}")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from lrmoe.config import ClusterConfig, MoEConfig, cluster_preset, model_preset
 from lrmoe.distributed.accounting import expected_layer, expected_step
+from lrmoe.layout import STEP_PHASES
 from lrmoe.placement import MemoryModel, lrmoe_placement
 from lrmoe.plan import LayerPlan, no_flows
 from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi
@@ -208,6 +209,29 @@ def test_sync_modes_hand_computed():
     assert r1.time_NH[:, i].tolist() == [0, 0] and r1.time_NH[:, j].tolist() == pytest.approx([0.98, 0.98])
     assert s1.time_NH[:, i].tolist() == pytest.approx([0.98, 0.98]) and s1.time_NH[:, j].tolist() == [0, 0]
     assert r1.phase_s("redistribute") == s1.phase_s("redistribute")
+
+
+def test_measured_step_fixed_times_replace_the_latency_terms():
+    """The same two plans on TOY with a measured fixed time per step phase (shard mode 0.25 s, range 0.75 s, Adam
+    0.125 s): every rank pays it once per phase, and the phase's latency terms go (they are part of it)."""
+    both = dropless(torch.tensor([[0, 1], [0, 1]]), torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1]]), 2)
+    fixed = {"shard": 0.25, "range": 0.75}
+    toy = TOY.replace(step_fixed_s=tuple((f"{mode}/{phase}", 0.125 if phase == "adam" else fixed[mode])
+                                         for mode in fixed for phase in STEP_PHASES))
+    for mode, f in fixed.items():
+        for plan in (both, HAND_PLAN):
+            plain = CostModel(TINY, TOY, gemm=CURVE, replica_grad=mode).cost(plan)
+            timed = CostModel(TINY, toy, gemm=CURVE, replica_grad=mode).cost(plan)
+            for phase in STEP_PHASES:
+                k = PHASES.index(phase)
+                latency = 0.5 * (plain.bytes_NH[:, k] > 0)  # one message between the two ranks...
+                if mode == "range" and phase == "replica_sync":
+                    latency = 2 * 2 * 0.5 * (plain.bytes_NH[:, k] > 0)  # ...or a ring hop per expert, twice
+                want = plain.time_NH[:, k] - latency + (0.125 if phase == "adam" else f)
+                assert timed.time_NH[:, k].tolist() == pytest.approx(want.tolist()), (mode, phase)
+                assert timed.bytes_NH[:, k].tolist() == plain.bytes_NH[:, k].tolist()
+    with pytest.raises(ValueError, match="step_fixed_s"):
+        TOY.replace(step_fixed_s=(("shard/adam", -1.0),))
 
 
 def test_shard_mode_is_cheaper_for_scattered_replicas():

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 import torch
 
-from lrmoe.harness.calibrate_cpu import (CalibrationSpec, across_ranks, calibrate, calibration_data, fit_gemm,
-                                         fit_line, spec_for_bench, write_calibration)
+from lrmoe.harness.calibrate_cpu import (STEP_HOST_PHASES, CalibrationSpec, across_ranks, calibrate, calibration_data,
+                                         fit_gemm, fit_line, spec_for_bench, write_calibration)
 from lrmoe.sim.cost import cpu_gloo_preset
 from lrmoe.tracking import read_results
 
@@ -116,9 +116,15 @@ def _fake_ranks(spec: CalibrationSpec):
                 "p2p_s": reps(2 * lat + b / bw, 1.0)} for b in spec.a2a_bytes]
         params = spec.num_experts * spec.shard_numel
         passes = {"bytes": 4 * spec.sums_bytes, "s": reps(4 * spec.sums_bytes / mem_bw, 2.0)}
-        ranks.append({"gemm": gemm, "a2a": a2a, "mem_passes": passes,
+        step_host = {mode: {phase: reps(FIXED[f"{mode}/{phase}"], 1.0 if r == 3 else 2.0) for phase in STEP_HOST_PHASES}
+                     for mode in ("range", "shard")}
+        ranks.append({"gemm": gemm, "a2a": a2a, "mem_passes": passes, "step_host": step_host,
                       "adam": {"params": params, "s": reps(64.0 * params / mem_bw, 2.0)}})
     return ranks
+
+
+FIXED = {f"{mode}/{phase}": (2e-3 if mode == "range" else 1e-3) * (k + 1)
+         for mode in ("range", "shard") for k, phase in enumerate(STEP_HOST_PHASES)}
 
 
 def test_calibration_file_holds_both_clocks_and_the_cost_model_reads_it(tmp_path):
@@ -141,6 +147,12 @@ def test_calibration_file_holds_both_clocks_and_the_cost_model_reads_it(tmp_path
         write_calibration(data, path)
     cluster, curve = cpu_gloo_preset(path, 4)
     assert cluster.peak_flops == data["peak_flops"] and curve.eff_max == 1.0 and curve.m_half == data["gemm"]["m_half"]
+    # the step phases' fixed times: the slowest rank by the CPU clock; by the wall clock the exchanges' fastest rank
+    # (rank 3) and Adam's slowest; the cost model reads them per mode and phase
+    assert data["step_fixed_s"] == pytest.approx({k: 1.1 * v for k, v in FIXED.items()})
+    assert wall["step_fixed_s"]["shard/replica_sync"] == pytest.approx(FIXED["shard/replica_sync"])
+    assert wall["step_fixed_s"]["range/adam"] == pytest.approx(1.1 * 2 * FIXED["range/adam"])
+    assert cluster.step_fixed("range", "redistribute") == data["step_fixed_s"]["range/redistribute"]
     cluster, curve = cpu_gloo_preset(path, 4, clock="wall")
     assert cluster.intra_latency == wall["a2a_latency"]
     with pytest.raises(ValueError, match="clock='gpu'"):
@@ -258,8 +270,10 @@ def test_validate_sim_reports_one_row_per_covered_phase(tiny_bench, tmp_path):
     assert list(table["phase"]) == timed and len(timed) == 10
     assert table["cells"].eq(8).all()  # 2 traces x 4 policies
     predicted = table.set_index("phase")["predicted_ms"]
-    # no spare slot, so no replica to sync: nothing to send, and a single slot's gradient is its sum (no pass)
-    assert predicted["replica_sync"] == 0
+    # no spare slot, so no replica to sync: nothing to send, and a single slot's gradient is its sum (no pass); what
+    # is left is the phase's measured fixed time (range mode, the bench's)
+    fixed_ms = 1e3 * json.loads(cal.read_text())["step_fixed_s"]["range/replica_sync"]
+    assert predicted["replica_sync"] == pytest.approx(fixed_ms)
     assert predicted.drop("replica_sync").gt(0).all()
     records = read_results(out)
     assert {r["phase"] for r in records if r["table"] == "phase"} == set(timed)

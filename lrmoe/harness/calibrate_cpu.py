@@ -1,7 +1,7 @@
 """CPU micro-benchmarks that calibrate the cost model's "cpu-gloo" cluster (:func:`lrmoe.sim.cost.cpu_gloo_preset`),
 so that its predictions can be checked against the layer measured on the same machine (``experiments/validate_sim.py``).
 
-Three measurements, each on ``num_ranks`` forked gloo processes (:func:`lrmoe.distributed.launch.launch`, one thread
+The measurements, each on ``num_ranks`` forked gloo processes (:func:`lrmoe.distributed.launch.launch`, one thread
 each) running *concurrently*, as the ranks of ``experiments/layer_bench.py`` do: on a machine with fewer cores
 than ranks the ranks share the cores, and the constants must describe the machine as the benchmark sees it.
 
@@ -24,6 +24,11 @@ than ranks the ranks share the cores, and the constants must describe the machin
   the optimizer step's sums, packing, folding and placing; :func:`lrmoe.sync_model.local_bytes`).
 * **Adam**: :func:`lrmoe.distributed.replica.adam_update_` on one rank's fp32 shard of every expert (E × ⌈3DF/N⌉),
   kept as a diagnostic: its effective bandwidth at the cost model's 32 bytes of traffic per parameter.
+* **Optimizer-step fixed costs**: each phase of a :class:`~lrmoe.distributed.replica.ReplicaStore` (replica sync,
+  gradient collection, Adam, redistribution), in both replica-gradient modes, on experts of 3 × 1 × N parameters
+  (negligible bytes) at the benchmark's expert and rank counts (:func:`host_placement`): what is left is the phase's
+  host loops, launches and collective wake-ups, which the cost model adds once per phase in place of that phase's
+  latency terms (``step_fixed_s``; :meth:`lrmoe.config.ClusterConfig.step_fixed`).
 
 Clocks and statistics (the same ones the validation applies to the measured layer). Every repetition (of the
 compute after a barrier) is timed by two clocks: the process's CPU time (``cpu``, the default constants: a rank
@@ -336,6 +341,54 @@ def _bench_rank(rank: int, spec: CalibrationSpec) -> dict:
         adam_update_(master, grad, m1, m2, step[0], cfg)
 
     out["adam"] = {"params": spec.num_experts * spec.shard_numel, "s": _timed(adam, spec)}
+    out["step_host"] = _step_host(rank, spec)
+    return out
+
+
+STEP_HOST_PHASES = ("replica_sync", "grad_collect", "adam", "redistribute")
+
+
+def host_placement(num_ranks: int, num_experts: int) -> torch.Tensor:
+    """[N, S] the host-cost benchmark's placement: experts round-robin over the ranks, then one extra slot per rank
+    with a replica of an expert homed on the next rank (so every class with a replica spans two ranks)."""
+    per_rank = -(-num_experts // num_ranks)
+    placement_NS = torch.full((num_ranks, per_rank + 1), -1, dtype=torch.long)
+    for e in range(num_experts):
+        placement_NS[e % num_ranks, e // num_ranks] = e
+    for n in range(num_ranks):
+        placement_NS[n, per_rank] = (n + 1) % min(num_ranks, num_experts)
+    return placement_NS
+
+
+def _step_host(rank: int, spec: CalibrationSpec) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """Seconds of each optimizer-step phase of a :class:`~lrmoe.distributed.replica.ReplicaStore` whose experts hold
+    one parameter per rank (3 x 1 x N): the bytes are negligible, what is left is each phase's fixed host cost (its
+    Python loops over classes and peers, launches, a collective's wake-up), in both replica-gradient modes, at the
+    benchmark's expert and rank counts. {mode: {phase: {clock: [seconds per repetition]}}}."""
+    import torch.distributed as dist
+
+    from ..distributed.replica import RangeGroups, ReplicaStore
+
+    n, e = spec.num_ranks, spec.num_experts
+    placement_NS = host_placement(n, e)
+    zeros = torch.zeros(e, 1, n, dtype=spec.torch_dtype)
+    out = {}
+    for mode in ("range", "shard"):
+        store = ReplicaStore(zeros, zeros, zeros.transpose(1, 2).contiguous(), placement_NS,
+                             RangeGroups() if mode == "range" else None, replica_grad=mode)
+        phases = (store.sync_replica_grads, store.collect_grad_shards, store.adam_step, store.redistribute)
+        times = {p: {"wall": [], "cpu": []} for p in STEP_HOST_PHASES}
+        for i in range(spec.warmup + spec.repeats):
+            store.slots_SW.grad = torch.zeros_like(store.slots_SW)
+            dist.barrier()
+            for name, fn in zip(STEP_HOST_PHASES, phases):
+                w0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                w1, c1 = time.perf_counter(), time.process_time()
+                if i >= spec.warmup:
+                    times[name]["wall"].append(w1 - w0)
+                    times[name]["cpu"].append(c1 - c0)
+        out[mode] = times
     return out
 
 
@@ -386,9 +439,12 @@ def summarise(spec: CalibrationSpec, per_rank: list[dict], clock: str = "cpu") -
     pfit = fit_line([s["bytes_sent"] for s in a2a], [s["p2p_seconds"] for s in a2a])
     for s in a2a:
         s["predicted_s"] = lfit.predict(s["bytes_sent"])
+    step_fixed = {f"{mode}/{phase}": across_ranks([r["step_host"][mode][phase][clock] for r in per_rank],
+                                                  local if phase == "adam" else coll)
+                  for mode in ("range", "shard") for phase in STEP_HOST_PHASES}
     return {
         "peak_flops": gfit.peak_flops, "gemm": gfit.as_preset(), "a2a_bw": lfit.bandwidth,
-        "a2a_latency": lfit.latency_s, "mem_bw": mem_bw,
+        "a2a_latency": lfit.latency_s, "mem_bw": mem_bw, "step_fixed_s": step_fixed,
         "fits": {"gemm": {**asdict(gfit), "median_rel_error_fwd": per_kind["fwd"],
                           "median_rel_error_bwd": per_kind["bwd"], "model": GEMM_MODEL, "ranks": local},
                  "a2a": {**asdict(lfit), "model": A2A_MODEL, "ranks": coll},
@@ -398,6 +454,10 @@ def summarise(spec: CalibrationSpec, per_rank: list[dict], clock: str = "cpu") -
                          "note": "diagnostic: lrmoe.distributed.comm.exchange_rows, one buffer per peer"},
                  "mem_passes": {"bytes": per_rank[0]["mem_passes"]["bytes"], "seconds": passes_s, "ranks": local,
                           "model": "mem_bw = bytes read + written / seconds of the store's owner-major packing"},
+                 "step_fixed": {"placement": host_placement(spec.num_ranks, spec.num_experts).tolist(),
+                                "model": "a step phase's fixed seconds (the store's phase, experts of 3 x 1 x N "
+                                         "parameters): added once per phase, its latency terms dropped",
+                                "ranks": f"{local} (adam), {coll} (the exchanges)"},
                  # a diagnostic: the cost model prices Adam at mem_bw and this many bytes per parameter
                  "adam": {"params": params, "seconds": adam_s, "traffic_bytes_per_param": ADAM_TRAFFIC_BYTES,
                           "effective_bw": ADAM_TRAFFIC_BYTES * params / adam_s, "ranks": local}},

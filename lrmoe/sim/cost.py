@@ -84,7 +84,8 @@ from ..layout import PHASES as LAYOUT_PHASES
 from ..memory import (STATE_BYTES_PER_PARAM, Footprint, LayerMemory, footprint, layer_memory, optimizer_shard_bytes,
                       plan_loads, slot_capacity)
 from ..placement import MemoryModel
-from ..sync_model import REPLICA_GRAD_MODES, check_replica_grad, hosts_mask, push_bytes, shard_sizes, step_bytes
+from ..sync_model import (LOCAL_PHASES, REPLICA_GRAD_MODES, check_replica_grad, hosts_mask, push_bytes, shard_sizes,
+                          step_bytes)
 from .overheads import OVERHEADS, check_overheads, planner_seconds, selection_seconds
 
 # The modelled phases, named as the layer names them (one vocabulary: lrmoe.layout.PHASES), in execution order. The
@@ -201,9 +202,9 @@ def cpu_gloo_preset(calibration_json: str | Path, num_ranks: int,
     """A CPU "cluster" (one node of gloo processes) and its GEMM curve, from micro-benchmark constants.
 
     The seam for validating the model against measured CPU runs: the calibration file (written by
-    :mod:`lrmoe.harness.calibrate_cpu`) holds ``peak_flops``, ``a2a_bw``, ``a2a_latency``, ``mem_bw`` and a ``gemm``
-    fit (``eff_max``, ``m_half``, ``launch_s``); ``clock`` picks the constants of one clock from its ``clocks``
-    entry instead of the top-level ones.
+    :mod:`lrmoe.harness.calibrate_cpu`) holds ``peak_flops``, ``a2a_bw``, ``a2a_latency``, ``mem_bw``, a ``gemm``
+    fit (``eff_max``, ``m_half``, ``launch_s``) and the step phases' ``step_fixed_s`` (older files: none);
+    ``clock`` picks the constants of one clock from its ``clocks`` entry instead of the top-level ones.
     """
     data = json.loads(Path(calibration_json).read_text())
     if clock is not None:
@@ -219,6 +220,7 @@ def cpu_gloo_preset(calibration_json: str | Path, num_ranks: int,
             "mem_budget_bytes", 8e9)), intra_bw=float(data["a2a_bw"]), inter_bw=float(data["a2a_bw"]),
         intra_latency=float(data["a2a_latency"]), inter_latency=float(data["a2a_latency"]),
         peak_flops=float(data["peak_flops"]), hbm_bw=float(data.get("mem_bw", 0.0)),
+        step_fixed_s=tuple(sorted((k, float(v)) for k, v in data.get("step_fixed_s", {}).items())),
         source=f"CPU micro-benchmarks ({Path(calibration_json).name})")
     g = data["gemm"]
     return cluster, GemmCurve(eff_max=float(g["eff_max"]), m_half=float(g["m_half"]),
@@ -448,8 +450,9 @@ class CostModel:
         """float64 [N]: each rank's time in an all-to-all where rank n sends ``bytes_NM[n, m]`` to rank m."""
         return self._a2a(bytes_NM)[0]
 
-    def _a2a(self, bytes_NM: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seconds [N], bytes sent to other ranks [N]) of an all-to-all; the diagonal stays local."""
+    def _a2a(self, bytes_NM: torch.Tensor, latency: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seconds [N], bytes sent to other ranks [N]) of an all-to-all; the diagonal stays local. ``latency=False``:
+        the transfer alone (a phase whose fixed time is measured as a whole)."""
         c = self.cluster
         n = bytes_NM.shape[0]
         intra_w_NM, inter_w_NM = _link_masks(n, c.ranks_per_node)
@@ -461,7 +464,7 @@ class CostModel:
         recv_N = torch.maximum(intra_in_N / c.intra_bw, inter_in_N / c.inter_bw)
         latency_N = torch.maximum(((intra_out_N + intra_in_N) > 0) * c.intra_latency,
                                   ((inter_out_N + inter_in_N) > 0) * c.inter_latency)
-        return torch.maximum(send_N, recv_N) + latency_N, intra_out_N + inter_out_N
+        return torch.maximum(send_N, recv_N) + latency * latency_N, intra_out_N + inter_out_N
 
     def gemm_seconds_N(self, rows_NS: torch.Tensor, flops_per_row: float) -> torch.Tensor:
         """float64 [N]: grouped GEMM of ``rows_NS[n, s]`` rows on slot s of rank n, plus a launch per busy rank."""
@@ -579,6 +582,9 @@ class CostModel:
         * Redistribution: one all-to-all in both modes; Adam: E/N experts' state at HBM bandwidth.
         * Each exchange phase also pays its local passes (the sums, packing, folding and placing of
           :func:`lrmoe.sync_model.local_bytes`) at HBM bandwidth, after its transfer.
+        * Where the cluster holds a measured fixed time of a phase (:meth:`ClusterConfig.step_fixed`, the phase run
+          with negligible bytes: its host loops, launches and collective wake-ups), every rank pays it once and the
+          phase's latency terms are dropped (they are part of it); elsewhere the latency model above stands.
 
         No overlap: each phase starts when the previous one ends on the slowest rank (the module's rule), and the
         step's phases are not overlapped with the backward of later layers. ``sharded_optimizer=False`` (static EP)
@@ -590,6 +596,8 @@ class CostModel:
         p_e = m.expert_params
         mode = self.replica_grad if self.sharded_optimizer else "range"
         sb = w.steps[mode]
+        fixed = {phase: c.step_fixed(mode, phase) for phase in STEP_PHASES}
+        lat = {phase: fixed[phase] is None for phase in STEP_PHASES}  # latency terms, unless measured as a whole
         if mode == "range":
             group_NE = sb.group_NE
             h_E = group_NE.sum(0)
@@ -598,27 +606,39 @@ class CostModel:
             hi_node_E = torch.where(group_NE, node_N[:, None], -1).max(0).values
             crosses_E = hi_node_E > lo_node_E
             bw_E = torch.where(crosses_E, c.inter_bw, c.intra_bw).double()
-            lat_E = torch.where(crosses_E, c.inter_latency, c.intra_latency).double()
+            lat_E = torch.where(crosses_E, c.inter_latency, c.intra_latency).double() * lat["replica_sync"]
             ring_NE = sb.allreduce_NE.double()
             t_NE = torch.where(group_NE, ring_NE / bw_E + 2 * (h_E - 1) * lat_E, 0.0)
             time_NH[:, _P["replica_sync"]] = t_NE.sum(1)
             bytes_NH[:, _P["replica_sync"]] = ring_NE.sum(1)
         else:
-            time_NH[:, _P["replica_sync"]], bytes_NH[:, _P["replica_sync"]] = self._a2a(sb.sync_NM)
+            time_NH[:, _P["replica_sync"]], bytes_NH[:, _P["replica_sync"]] = self._a2a(sb.sync_NM,
+                                                                                          lat["replica_sync"])
         local_N3 = sb.local_N3.double() / c.hbm_bw if c.hbm_bw > 0 else torch.zeros(n, 3, dtype=torch.float64)
-        time_NH[:, _P["replica_sync"]] += local_N3[:, 0]
+        time_NH[:, _P["replica_sync"]] += local_N3[:, LOCAL_PHASES.index("replica_sync")]
 
         if not self.sharded_optimizer:
             if c.hbm_bw > 0:
                 resident_NS = placement_NS if w.resident_NS is None else w.resident_NS  # pushed copies: no state
                 hosted_N = hosts_mask(resident_NS, e).double().sum(1)
                 time_NH[:, _P["adam"]] = hosted_N * p_e * self.optimizer_traffic_per_param / c.hbm_bw
+            self._add_fixed(time_NH, fixed, ("replica_sync", "adam"))
             return
         if mode == "range":
-            time_NH[:, _P["grad_collect"]], bytes_NH[:, _P["grad_collect"]] = self._a2a(sb.collect_NM)
-        time_NH[:, _P["grad_collect"]] += local_N3[:, 1]
+            time_NH[:, _P["grad_collect"]], bytes_NH[:, _P["grad_collect"]] = self._a2a(sb.collect_NM,
+                                                                                          lat["grad_collect"])
+        time_NH[:, _P["grad_collect"]] += local_N3[:, LOCAL_PHASES.index("grad_collect")]
         if c.hbm_bw > 0:
             shard_N = torch.tensor(shard_sizes(p_e, n), dtype=torch.float64)
             time_NH[:, _P["adam"]] = e * shard_N * self.optimizer_traffic_per_param / c.hbm_bw
-        time_NH[:, _P["redistribute"]], bytes_NH[:, _P["redistribute"]] = self._a2a(sb.redistribute_NM)
-        time_NH[:, _P["redistribute"]] += local_N3[:, 2]
+        time_NH[:, _P["redistribute"]], bytes_NH[:, _P["redistribute"]] = self._a2a(sb.redistribute_NM,
+                                                                                      lat["redistribute"])
+        time_NH[:, _P["redistribute"]] += local_N3[:, LOCAL_PHASES.index("redistribute")]
+        self._add_fixed(time_NH, fixed, STEP_PHASES)
+
+    @staticmethod
+    def _add_fixed(time_NH: torch.Tensor, fixed: dict[str, float | None], phases) -> None:
+        """Every rank pays each of ``phases``' measured fixed time (where the cluster has one)."""
+        for phase in phases:
+            if fixed[phase] is not None:
+                time_NH[:, _P[phase]] += fixed[phase]
