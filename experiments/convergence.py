@@ -9,6 +9,8 @@ routing is saved as a recorded trace. experiments/frontier.py puts these losses 
 
     python experiments/convergence.py --steps 300 --seeds 0 1 2    # the full comparison
     python experiments/convergence.py --quick                      # one seed, 40 steps (the main job's quick mode)
+    python experiments/convergence.py --steps 300 --seeds 0 1 2 --resume --slim   # a finished sweep aggregated
+                                        # again (nothing retrains) without its per-layer load statistics
 """
 
 from __future__ import annotations
@@ -200,6 +202,9 @@ def parse_args(argv=None):
     parser.add_argument("--ckpt-every", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="one seed, 40 steps, batch 2, the quick grid")
     parser.add_argument("--quiet", action="store_true", help="no progress bars from the runs")
+    parser.add_argument("--slim", action="store_true",
+                        help="leave the per-layer load statistics (load/*, three quarters of a record) out of the "
+                             "aggregate results file; the per-run files keep them")
     add_tracking_args(parser, "outputs/convergence.jsonl")
     args = parser.parse_args(argv)
     if args.quick:
@@ -247,7 +252,8 @@ def main(argv=None) -> pd.DataFrame:
             frame["time_s"] = frame.modelled_s.cumsum()
             frames.append(frame)
             for rec in frame.to_dict("records"):
-                run.log({k: v for k, v in rec.items() if k not in ("run_id", "kind") and v == v}, step=None)
+                run.log({k: v for k, v in rec.items() if k not in ("run_id", "kind") and v == v
+                         and not (args.slim and k.startswith("load/"))}, step=None)
         curves = pd.concat(frames, ignore_index=True)
         table, reach = summarise(curves), time_to_reach(curves, args.target_step)
         run.log_summary({"table": table.to_dict("records"), "per_run": per_run(curves).to_dict("records"),

@@ -192,3 +192,26 @@ def test_a_scale_where_a_system_runs_out_of_memory_is_an_error():
     with pytest.raises(SystemExit, match="run out of memory"):
         frontier.modelled_times(["symi-dropless"], args)
     assert frontier.parse_args(["--model", "glm-4.5-air"]).tokens_per_rank == 1024  # the ablation's default
+
+
+def test_slim_leaves_the_load_statistics_out_of_the_aggregate_only(tmp_path):
+    """A finished sweep resumed with --slim trains nothing and writes an aggregate without load/* keys; the per-run
+    files keep theirs."""
+    from lrmoe.tracking import Tracker, read_results
+
+    out = tmp_path / "sweep.jsonl"
+    args = ["--policies", "static-ep", "symi-cf1", "--ranks", "2", "--steps", "10", "--seeds", "0", "1",
+            "--out", str(out), "--no-wandb", "--quiet"]
+    for policy, finals in {"static-ep": [2.0, 2.1], "symi-cf1": [2.2, 2.3]}.items():
+        for seed, final in enumerate(finals):
+            run = tmp_path / "sweep" / f"seed{seed}" / f"{policy}.jsonl"
+            with Tracker("train", {}, results=run, wandb=False) as t:
+                for rec in curve(policy, seed, final):
+                    t.log({**rec, "load/gini_mean": 0.5}, step=rec["step"])
+    convergence.main([*args, "--slim"])
+    records = read_results(out)
+    assert len(records) == 40 and not any(k.startswith("load/") for r in records for k in r)
+    assert all("load/gini_mean" in r for r in read_results(tmp_path / "sweep" / "seed1" / "symi-cf1.jsonl"))
+    table = convergence.main([*args, "--resume"])  # without it, the statistics come back
+    assert all("load/gini_mean" in r for r in read_results(out))
+    assert table.set_index("policy").gap_pct["symi-cf1"] == pytest.approx(100 * np.mean([2.2 / 2.0 - 1, 2.3 / 2.1 - 1]))

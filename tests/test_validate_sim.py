@@ -115,7 +115,7 @@ def _fake_ranks(spec: CalibrationSpec):
                 "s": reps(lat + b * (spec.num_ranks - 1) / bw, 1.0 if r == 2 else 3.0, spike=r == 0),
                 "p2p_s": reps(2 * lat + b / bw, 1.0)} for b in spec.a2a_bytes]
         params = spec.num_experts * spec.shard_numel
-        passes = {"bytes": 4 * spec.sums_bytes, "s": reps(4 * spec.sums_bytes / mem_bw, 2.0)}
+        passes = {"bytes": 4 * spec.packed_bytes, "s": reps(4 * spec.packed_bytes / mem_bw, 2.0)}
         step_host = {mode: {phase: reps(FIXED[f"{mode}/{phase}"], 1.0 if r == 3 else 2.0) for phase in STEP_HOST_PHASES}
                      for mode in ("range", "shard")}
         ranks.append({"gemm": gemm, "a2a": a2a, "mem_passes": passes, "step_host": step_host,

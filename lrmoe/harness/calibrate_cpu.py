@@ -217,8 +217,8 @@ class CalibrationSpec:
         return calls
 
     @property
-    def sums_bytes(self) -> int:
-        """A rank's replica-gradient sums, (E/N + 1) experts' parameters: the memory-pass benchmark's size."""
+    def packed_bytes(self) -> int:
+        """The memory-pass benchmark's size: a rank's replica-gradient sums of (E/N + 1) experts, packed."""
         return (-(-self.num_experts // self.num_ranks) + 1) * 3 * self.hidden * self.ffn * self.elem_bytes
 
     @property
@@ -319,7 +319,7 @@ def _bench_rank(rank: int, spec: CalibrationSpec) -> dict:
     # memory passes: the replica store's packing of a rank's (E/N + 1) single-slot class sums into its owner-major
     # send buffer, reading slot gradients from a pool of POOL_BYTES so that no pass hits the caches (the optimizer
     # step runs after the backward has evicted them)
-    numel, classes = 3 * D * F, spec.sums_bytes // (3 * D * F * spec.elem_bytes)
+    numel, classes = 3 * D * F, spec.packed_bytes // (3 * D * F * spec.elem_bytes)
     pool = rand(max(2 * classes, POOL_BYTES // (numel * spec.elem_bytes)), numel)
     send = torch.empty(classes * numel, dtype=dtype)
     runs = owner_runs(shard_bounds(numel, spec.num_ranks))
