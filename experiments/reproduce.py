@@ -7,6 +7,10 @@ Outputs go to outputs/<mode>/: one results file (JSON lines) per stage, its figu
 SUMMARY.md. An existing output folder is never overwritten: pass --overwrite to start again, or --resume to
 skip the stages that completed and run the rest.
 
+Stages run one after the other, except a ``background`` stage (the paper-scale simulator: deterministic, one
+thread), which runs beside the stages after it until a ``measured`` one (a benchmark on this machine), which waits
+for it: nothing runs beside a measurement. A failed stage fails the job at once and stops a running background one.
+
 A killed job resumes cleanly. A stage is complete only when its end marker (``<stage>.done``, holding the stage's
 part of the summary) exists: it is written atomically after the stage exited cleanly. SUMMARY.md is the job's own
 end marker, removed when a run starts and written (atomically) last. ``--resume`` reruns every stage without a
@@ -40,14 +44,19 @@ class Stage:
     quick: list[str] = field(default_factory=list)
     full: list[str] = field(default_factory=list)
     table: int = -1  # which Markdown table of the stage's output goes into the summary (its headline)
+    # runs beside the stages after it (a deterministic stage on one thread: the simulator), until a measured stage
+    background: bool = False
+    # times something on this machine: waits for every background stage, so that nothing runs beside it
+    measured: bool = False
 
 
 STAGES = [
     Stage("trace_stats", "experiments/trace_stats.py",
           quick=["--steps", "10", "--layers", "4"], full=["--steps", "100", "--layers", "48"]),
+    # the paper-scale simulator (one thread, deterministic): beside metric fidelity, convergence and the frontier
+    Stage("ablate", "experiments/ablate.py", quick=["--quick"], full=[], background=True),
     Stage("metric_fidelity", "experiments/metric_fidelity.py", quick=[], full=["--draws", "16", "--tokens", "2048"],
           table=-2),
-    Stage("ablate", "experiments/ablate.py", quick=["--quick"], full=[]),
     Stage("convergence", "experiments/convergence.py", quick=["--quick"],
           full=["--seeds", "0", "1", "2", "--steps", "300", "--eval-every", "15"]),
     # time (paper-scale simulator) against loss (the convergence runs): the retention budget's frontier
@@ -56,16 +65,16 @@ STAGES = [
     # the real layer on synthetic traces and on the routing recorded by the convergence run's dropless policy
     Stage("layer_bench", "experiments/layer_bench.py",
           quick=["--trace", "{out}/convergence/trace_static-ep.npz"],
-          full=["--steps", "20", "--trace", "{out}/convergence/trace_static-ep.npz"]),
+          full=["--steps", "20", "--trace", "{out}/convergence/trace_static-ep.npz"], measured=True),
     # the cost model's per-phase predictions against the layer benchmark's measured times (CPU calibration)
     Stage("validate_sim", "experiments/validate_sim.py", quick=["--quick", "--bench", "{out}/layer_bench.jsonl"],
-          full=["--bench", "{out}/layer_bench.jsonl"]),
+          full=["--bench", "{out}/layer_bench.jsonl"], measured=True),
     # memory-constrained: no spare replica slot, so the backward quotas do the balancing
     Stage("layer_bench_constrained", "experiments/layer_bench.py",
           quick=["--spare-slots", "0", "--skew-param", "0.8", "--policies", "static-ep", "symi-dropless", "lrmoe",
                  "lrmoe-random"],
           full=["--spare-slots", "0", "--steps", "20", "--policies", "static-ep", "symi-dropless", "lrmoe-m1",
-                "lrmoe", "lrmoe-m1-unbiased", "lrmoe-random"]),
+                "lrmoe", "lrmoe-m1-unbiased", "lrmoe-random"], measured=True),
 ]
 
 
@@ -96,10 +105,41 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def run_stage(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
-    """Run one stage's command, its stdout captured (the summary takes its tables), stderr passed through."""
+@dataclass
+class Running:
+    """A started stage: its process, its captured stdout (a file: a background stage's output may outgrow a pipe
+    that nobody reads while it runs) and when it started."""
+
+    stage: Stage
+    proc: subprocess.Popen
+    stdout: Path
+    started: float
+
+
+def start_stage(stage: Stage, cmd: list[str], env: dict, out: Path) -> Running:
+    """Start one stage's command, its stdout captured into ``out/.<stage>.stdout`` (the summary takes its tables),
+    stderr (progress bars, errors) passed through."""
     die = functools.partial(_die_with, os.getpid()) if sys.platform.startswith("linux") else None
-    return subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=None, text=True, preexec_fn=die)
+    stdout = out / f".{stage.name}.stdout"
+    with open(stdout, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=None, text=True, preexec_fn=die)
+    return Running(stage, proc, stdout, time.time())
+
+
+def finish_stage(run: Running, out: Path) -> tuple[int, str]:
+    """Wait for a started stage; print its output. On success write its end marker (its part of the summary).
+    Returns (exit status, summary section)."""
+    code = run.proc.wait()
+    text = run.stdout.read_text()
+    run.stdout.unlink(missing_ok=True)
+    print(text, end="", flush=True)
+    if code:
+        print(f"error: stage {run.stage.name} failed with exit status {code}", file=sys.stderr)
+        return code, ""
+    section = (f"{markdown_tables(text, run.stage.table)}\n\n({time.time() - run.started:.0f} s; results: "
+               f"{run.stage.name}.jsonl)")
+    atomic_write_text(out / f"{run.stage.name}.done", section)
+    return 0, section
 
 
 def stage_complete(out: Path, stage: Stage) -> bool:
@@ -132,7 +172,24 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
     env.update(WANDB_DIR=str(out), MPLBACKEND="Agg", PYTHONPATH=str(ROOT))
     summary = [f"# lrmoe reproduction ({args.mode} mode)", ""]
+    sections: dict[str, str] = {}
+    background: list[Running] = []
     started = time.time()
+
+    def wait_background(include_running: bool) -> int:
+        """Finish the background stages that ended (all of them with ``include_running``); the first failure's
+        status (0: none), after stopping the others: a failed stage fails the job at once, never half-way later."""
+        for run in list(background):
+            if include_running or run.proc.poll() is not None:
+                background.remove(run)
+                code, sections[run.stage.name] = finish_stage(run, out)
+                if code:
+                    for other in background:
+                        other.proc.kill()
+                        other.proc.wait()
+                    return code
+        return 0
+
     for stage in stages:
         if args.only and stage.name not in args.only:
             continue
@@ -140,23 +197,38 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
         done = out / f"{stage.name}.done"
         if stage_complete(out, stage):
             print(f"== {stage.name}: complete, skipped (--resume)")
-            summary += [f"## {stage.name}", "", done.read_text(), ""]
+            sections[stage.name] = done.read_text()
             continue
         done.unlink(missing_ok=True)
+        if code := wait_background(include_running=stage.measured):
+            return code
         extra = [a.format(out=out) for a in (stage.quick if args.mode == "quick" else stage.full)]
         cmd = [sys.executable, str(ROOT / stage.script), "--out", str(results), *extra]
         if results.exists():  # an interrupted stage: its tracker supersedes what the killed attempt left
             cmd.append("--resume")
-        print(f"== {stage.name}: {' '.join(cmd[1:])}", flush=True)
-        t0 = time.time()
-        proc = run_stage(cmd, env)
-        print(proc.stdout, end="", flush=True)
-        if proc.returncode:
-            print(f"error: stage {stage.name} failed with exit status {proc.returncode}", file=sys.stderr)
-            return proc.returncode
-        section = f"{markdown_tables(proc.stdout, stage.table)}\n\n({time.time() - t0:.0f} s; results: {results.name})"
-        atomic_write_text(done, section)
-        summary += [f"## {stage.name}", "", section, ""]
+        how = " (in the background: the next stages run beside it)" if stage.background else ""
+        print(f"== {stage.name}{how}: {' '.join(cmd[1:])}", flush=True)
+        run = start_stage(stage, cmd, env, out)
+        if stage.background:
+            background.append(run)
+            continue
+        while run.proc.poll() is None and not any(b.proc.poll() not in (None, 0) for b in background):
+            time.sleep(0.2)
+        if run.proc.poll() is None:  # a background stage failed: stop this one and report that one's failure
+            run.proc.kill()
+            run.proc.wait()
+            run.stdout.unlink(missing_ok=True)
+            return wait_background(include_running=False)
+        code, sections[stage.name] = finish_stage(run, out)
+        if code:
+            for other in background:
+                other.proc.kill()
+            return code
+    if code := wait_background(include_running=True):
+        return code
+    for stage in stages:
+        if stage.name in sections:
+            summary += [f"## {stage.name}", "", sections[stage.name], ""]
     if not args.only or "figures" in args.only:
         from lrmoe.paper_figures import make_all
 

@@ -338,6 +338,17 @@ class PlanWork:
     dropped: int
     routed: int
     resident_NS: torch.Tensor | None = None  # the slots' placement before a weight push (None: placement_NS)
+    # per-rank link sums of its exchanges, computed once and shared by every variant that prices it (_link_sums)
+    links: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+def link_sums(bytes_KNM: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
+    """float64 [K, 4, N]: for each of K exchanges where rank n sends ``bytes_KNM[k, n, m]`` to rank m, each rank's
+    bytes out and in on each link kind: (intra out, inter out, intra in, inter in); the diagonal stays local."""
+    intra_w_NM, inter_w_NM = _link_masks(bytes_KNM.shape[-1], ranks_per_node)
+    b_KNM = bytes_KNM.double()
+    intra_KNM, inter_KNM = b_KNM * intra_w_NM, b_KNM * inter_w_NM
+    return torch.stack([intra_KNM.sum(2), inter_KNM.sum(2), intra_KNM.sum(1), inter_KNM.sum(1)], 1)
 
 
 # --- the model ---------------------------------------------------------------------------------------------------
@@ -453,18 +464,27 @@ class CostModel:
     def _a2a(self, bytes_NM: torch.Tensor, latency: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(seconds [N], bytes sent to other ranks [N]) of an all-to-all; the diagonal stays local. ``latency=False``:
         the transfer alone (a phase whose fixed time is measured as a whole)."""
+        t_KN, sent_KN = self._link_times(link_sums(bytes_NM[None], self.cluster.ranks_per_node), latency)
+        return t_KN[0], sent_KN[0]
+
+    def _link_times(self, sums_K4N: torch.Tensor, latency: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seconds [K, N], bytes sent [K, N]) of K all-to-alls from their :func:`link_sums`: each rank's time is the
+        larger of its sending and receiving, each the slower link kind's, plus one latency per link kind it uses."""
         c = self.cluster
-        n = bytes_NM.shape[0]
-        intra_w_NM, inter_w_NM = _link_masks(n, c.ranks_per_node)
-        b_NM = bytes_NM.double()
-        intra_NM, inter_NM = b_NM * intra_w_NM, b_NM * inter_w_NM
-        intra_out_N, inter_out_N = intra_NM.sum(1), inter_NM.sum(1)
-        intra_in_N, inter_in_N = intra_NM.sum(0), inter_NM.sum(0)
-        send_N = torch.maximum(intra_out_N / c.intra_bw, inter_out_N / c.inter_bw)
-        recv_N = torch.maximum(intra_in_N / c.intra_bw, inter_in_N / c.inter_bw)
-        latency_N = torch.maximum(((intra_out_N + intra_in_N) > 0) * c.intra_latency,
-                                  ((inter_out_N + inter_in_N) > 0) * c.inter_latency)
-        return torch.maximum(send_N, recv_N) + latency * latency_N, intra_out_N + inter_out_N
+        intra_out, inter_out, intra_in, inter_in = sums_K4N.unbind(1)
+        send = torch.maximum(intra_out / c.intra_bw, inter_out / c.inter_bw)
+        recv = torch.maximum(intra_in / c.intra_bw, inter_in / c.inter_bw)
+        lat = torch.maximum(((intra_out + intra_in) > 0) * c.intra_latency,
+                            ((inter_out + inter_in) > 0) * c.inter_latency)
+        return torch.maximum(send, recv) + latency * lat, intra_out + inter_out
+
+    def _work_a2a(self, w: PlanWork, key, bytes_NM: torch.Tensor, latency: bool = True):
+        """:meth:`_a2a` of one of a plan's exchanges, its link sums computed once per plan (``key`` names it)."""
+        key = (key, self.cluster.ranks_per_node)
+        if key not in w.links:
+            w.links[key] = link_sums(bytes_NM[None], self.cluster.ranks_per_node)
+        t_KN, sent_KN = self._link_times(w.links[key], latency)
+        return t_KN[0], sent_KN[0]
 
     def gemm_seconds_N(self, rows_NS: torch.Tensor, flops_per_row: float) -> torch.Tensor:
         """float64 [N]: grouped GEMM of ``rows_NS[n, s]`` rows on slot s of rank n, plus a launch per busy rank."""
@@ -538,8 +558,13 @@ class CostModel:
         n = w.placement_NS.shape[0]
         time_NH = torch.zeros(n, len(PHASES), dtype=torch.float64)
         bytes_NH = torch.zeros_like(time_NH)
-        for phase, b_NN in w.a2a_NN.items():
-            time_NH[:, _P[phase]], bytes_NH[:, _P[phase]] = self._a2a(b_NN)
+        if w.a2a_NN:  # every all-to-all of the layer at once (their link sums once per plan)
+            key = ("a2a", c.ranks_per_node)
+            if key not in w.links:
+                w.links[key] = link_sums(torch.stack(list(w.a2a_NN.values())), c.ranks_per_node)
+            t_KN, sent_KN = self._link_times(w.links[key])
+            cols = [_P[phase] for phase in w.a2a_NN]
+            time_NH[:, cols], bytes_NH[:, cols] = t_KN.T, sent_KN.T
         time_NH[:, _P["plan"]] += w.planner_s
 
         fwd_f, bwd_f = float(m.pair_fwd_flops), float(m.pair_bwd_flops)
@@ -599,21 +624,14 @@ class CostModel:
         fixed = {phase: c.step_fixed(mode, phase) for phase in STEP_PHASES}
         lat = {phase: fixed[phase] is None for phase in STEP_PHASES}  # latency terms, unless measured as a whole
         if mode == "range":
-            group_NE = sb.group_NE
-            h_E = group_NE.sum(0)
-            node_N = torch.arange(n) // c.ranks_per_node
-            lo_node_E = torch.where(group_NE, node_N[:, None], n).min(0).values
-            hi_node_E = torch.where(group_NE, node_N[:, None], -1).max(0).values
-            crosses_E = hi_node_E > lo_node_E
-            bw_E = torch.where(crosses_E, c.inter_bw, c.intra_bw).double()
-            lat_E = torch.where(crosses_E, c.inter_latency, c.intra_latency).double() * lat["replica_sync"]
-            ring_NE = sb.allreduce_NE.double()
-            t_NE = torch.where(group_NE, ring_NE / bw_E + 2 * (h_E - 1) * lat_E, 0.0)
-            time_NH[:, _P["replica_sync"]] = t_NE.sum(1)
-            bytes_NH[:, _P["replica_sync"]] = ring_NE.sum(1)
+            ring_intra, ring_inter, hops_intra, hops_inter = self._range_sums(w, sb)
+            time_NH[:, _P["replica_sync"]] = (ring_intra / c.intra_bw + ring_inter / c.inter_bw
+                                              + lat["replica_sync"] * (hops_intra * c.intra_latency
+                                                                       + hops_inter * c.inter_latency))
+            bytes_NH[:, _P["replica_sync"]] = ring_intra + ring_inter
         else:
-            time_NH[:, _P["replica_sync"]], bytes_NH[:, _P["replica_sync"]] = self._a2a(sb.sync_NM,
-                                                                                          lat["replica_sync"])
+            time_NH[:, _P["replica_sync"]], bytes_NH[:, _P["replica_sync"]] = self._work_a2a(
+                w, ("sync", mode), sb.sync_NM, lat["replica_sync"])
         local_N3 = sb.local_N3.double() / c.hbm_bw if c.hbm_bw > 0 else torch.zeros(n, 3, dtype=torch.float64)
         time_NH[:, _P["replica_sync"]] += local_N3[:, LOCAL_PHASES.index("replica_sync")]
 
@@ -625,16 +643,34 @@ class CostModel:
             self._add_fixed(time_NH, fixed, ("replica_sync", "adam"))
             return
         if mode == "range":
-            time_NH[:, _P["grad_collect"]], bytes_NH[:, _P["grad_collect"]] = self._a2a(sb.collect_NM,
-                                                                                          lat["grad_collect"])
+            time_NH[:, _P["grad_collect"]], bytes_NH[:, _P["grad_collect"]] = self._work_a2a(
+                w, ("collect", mode), sb.collect_NM, lat["grad_collect"])
         time_NH[:, _P["grad_collect"]] += local_N3[:, LOCAL_PHASES.index("grad_collect")]
         if c.hbm_bw > 0:
             shard_N = torch.tensor(shard_sizes(p_e, n), dtype=torch.float64)
             time_NH[:, _P["adam"]] = e * shard_N * self.optimizer_traffic_per_param / c.hbm_bw
-        time_NH[:, _P["redistribute"]], bytes_NH[:, _P["redistribute"]] = self._a2a(sb.redistribute_NM,
-                                                                                      lat["redistribute"])
+        time_NH[:, _P["redistribute"]], bytes_NH[:, _P["redistribute"]] = self._work_a2a(
+            w, ("redistribute", mode), sb.redistribute_NM, lat["redistribute"])
         time_NH[:, _P["redistribute"]] += local_N3[:, LOCAL_PHASES.index("redistribute")]
         self._add_fixed(time_NH, fixed, STEP_PHASES)
+
+    def _range_sums(self, w: PlanWork, sb) -> torch.Tensor:
+        """float64 [4, N], once per plan: each rank's ring all-reduce bytes and hops (2 (h - 1) per group of h
+        members) summed over the groups it is in, split by the link its group's slowest hop takes (inter-node as
+        soon as the group's members sit on two nodes): (bytes intra, bytes inter, hops intra, hops inter)."""
+        n, rpn = w.placement_NS.shape[0], self.cluster.ranks_per_node
+        key = ("range", rpn)
+        if key not in w.links:
+            group_NE = sb.group_NE
+            node_N = torch.arange(n) // rpn
+            lo_node_E = torch.where(group_NE, node_N[:, None], n).min(0).values
+            hi_node_E = torch.where(group_NE, node_N[:, None], -1).max(0).values
+            crosses_E = hi_node_E > lo_node_E
+            ring_NE = torch.where(group_NE, sb.allreduce_NE.double(), 0.0)
+            hops_NE = group_NE * 2.0 * (group_NE.sum(0) - 1).double()
+            w.links[key] = torch.stack([(ring_NE * ~crosses_E).sum(1), (ring_NE * crosses_E).sum(1),
+                                        (hops_NE * ~crosses_E).sum(1), (hops_NE * crosses_E).sum(1)])
+        return w.links[key]
 
     @staticmethod
     def _add_fixed(time_NH: torch.Tensor, fixed: dict[str, float | None], phases) -> None:

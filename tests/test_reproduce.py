@@ -1,0 +1,74 @@
+"""The main job's scheduling (experiments/reproduce.py) with stand-in stages: a background stage runs beside the
+stages after it, a measured stage waits for it, the summary keeps the stages' order, and a failing background stage
+fails the job at once (the real stages: test_resume.py, test_systems.py)."""
+
+import json
+import textwrap
+import time
+
+from _scripts import load_experiment
+
+reproduce = load_experiment("reproduce")
+
+STAND_IN = textwrap.dedent("""
+    import json, sys, time
+    args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+    t0 = time.time()
+    time.sleep(float(args["--sleep"]))
+    if args.get("--fail") == "1":
+        sys.exit(3)
+    with open(args["--out"], "w") as f:
+        f.write(json.dumps({"start": t0, "end": time.time()}) + "\\n")
+    print("| stage | s |\\n|---|---|\\n| " + args["--out"].rsplit("/", 1)[-1] + " | " + args["--sleep"] + " |")
+""")
+
+
+def stages(script, fail_background=False):
+    stage = reproduce.Stage
+    return [stage("first", str(script), quick=["--sleep", "0.1"]),
+            stage("simulate", str(script), quick=["--sleep", "2", "--fail", str(int(fail_background))],
+                  background=True),
+            stage("train", str(script), quick=["--sleep", "0.5"]),
+            stage("bench", str(script), quick=["--sleep", "0.1"], measured=True)]
+
+
+def times(out, name):
+    return json.loads((out / f"{name}.jsonl").read_text())
+
+
+def test_a_background_stage_runs_beside_the_next_and_a_measured_stage_waits_for_it(tmp_path):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    out = tmp_path / "job"
+    assert reproduce.main(["--out-dir", str(out), "--only", "first", "simulate", "train", "bench"],
+                          stages=stages(script)) == 0
+    first, sim, train, bench = (times(out, n) for n in ("first", "simulate", "train", "bench"))
+    assert sim["start"] >= first["end"]
+    assert train["start"] < sim["end"]  # beside the background stage
+    assert bench["start"] >= sim["end"]  # nothing runs beside a measurement
+    summary = (out / "SUMMARY.md").read_text()
+    assert [line[3:] for line in summary.splitlines() if line.startswith("## ")] == \
+        ["first", "simulate", "train", "bench"]
+    assert all((out / f"{n}.done").exists() for n in ("first", "simulate", "train", "bench"))
+    assert not list(out.glob(".*.stdout"))
+
+
+def test_a_failing_background_stage_fails_the_job_at_once(tmp_path):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    out = tmp_path / "job"
+    slow = stages(script, fail_background=True)
+    slow[2].quick = ["--sleep", "60"]  # the foreground stage would outlast the background one by far
+    t0 = time.monotonic()
+    assert reproduce.main(["--out-dir", str(out), "--only", "first", "simulate", "train", "bench"],
+                          stages=slow) == 3
+    assert time.monotonic() - t0 < 30
+    assert not (out / "SUMMARY.md").exists() and not (out / "simulate.done").exists()
+    assert not (out / "train.done").exists() and not (out / "bench.jsonl").exists()
+
+
+def test_the_main_job_measures_nothing_beside_the_simulator():
+    """The real stage list: only deterministic stages are in the background, and every benchmark waits."""
+    by_name = {s.name: s for s in reproduce.STAGES}
+    assert [s.name for s in reproduce.STAGES if s.background] == ["ablate"]
+    assert all(by_name[n].measured for n in ("layer_bench", "validate_sim", "layer_bench_constrained"))
