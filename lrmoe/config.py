@@ -165,6 +165,9 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         positive_fields(self, "num_ranks", "ranks_per_node", "mem_budget_bytes", "intra_bw", "inter_bw", "peak_flops")
         non_negative_fields(self, "intra_latency", "inter_latency", "hbm_bw")
+        if self.num_ranks % self.ranks_per_node:
+            raise ValueError(f"ClusterConfig.num_ranks={self.num_ranks} is not a multiple of "
+                             f"ranks_per_node={self.ranks_per_node}")
         bad = [(k, v) for k, v in self.step_fixed_s if not (v >= 0 and "/" in k)]
         if bad:
             raise ValueError(f"ClusterConfig.step_fixed_s needs ('<mode>/<phase>', seconds >= 0) entries, got {bad}")
@@ -172,9 +175,6 @@ class ClusterConfig:
     def step_fixed(self, mode: str, phase: str) -> float | None:
         """The measured fixed seconds of optimizer-step ``phase`` in replica-gradient ``mode``; None if unmeasured."""
         return dict(self.step_fixed_s).get(f"{mode}/{phase}")
-        if self.num_ranks % self.ranks_per_node:
-            raise ValueError(f"ClusterConfig.num_ranks={self.num_ranks} is not a multiple of "
-                             f"ranks_per_node={self.ranks_per_node}")
 
     @property
     def num_nodes(self) -> int:
