@@ -52,18 +52,3 @@ def _deterministic():
 def sandbox(tmp_path):
     """A temporary folder for a test's output files."""
     return tmp_path
-
-
-def _start_rank(item) -> int:
-    """0: the kill-and-resume tests (the longest, up to a minute each), 1: notebooks, 2: other scripts, 3: the rest."""
-    if item.path.name == "test_resume.py":
-        return 0
-    if item.get_closest_marker("notebook"):
-        return 1
-    return 2 if item.get_closest_marker("script") else 3
-
-
-def pytest_collection_modifyitems(config, items):
-    """The long tests first (stable order otherwise): with two workers, a long test that started last would run
-    alone at the end while the other worker idles (the notebooks and the resume tests sort late by name)."""
-    items.sort(key=_start_rank)
