@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,12 +109,21 @@ def _die_with(parent: int) -> None:
 @dataclass
 class Running:
     """A started stage: its process, its captured stdout (a file: a background stage's output may outgrow a pipe
-    that nobody reads while it runs) and when it started."""
+    that nobody reads while it runs), when it started and, once it has, when it ended (a watcher thread notes it:
+    a background stage is finished only at the next stage boundary, which must not count as its time)."""
 
     stage: Stage
     proc: subprocess.Popen
     stdout: Path
     started: float
+    ended: float | None = None
+
+    def __post_init__(self) -> None:
+        def watch():
+            self.proc.wait()
+            self.ended = time.time()
+
+        threading.Thread(target=watch, daemon=True).start()
 
 
 def start_stage(stage: Stage, cmd: list[str], env: dict, out: Path) -> Running:
@@ -130,13 +140,15 @@ def finish_stage(run: Running, out: Path) -> tuple[int, str]:
     """Wait for a started stage; print its output. On success write its end marker (its part of the summary).
     Returns (exit status, summary section)."""
     code = run.proc.wait()
+    while run.ended is None:  # the watcher notes the end right after the process is reaped
+        time.sleep(0.01)
     text = run.stdout.read_text()
     run.stdout.unlink(missing_ok=True)
     print(text, end="", flush=True)
     if code:
         print(f"error: stage {run.stage.name} failed with exit status {code}", file=sys.stderr)
         return code, ""
-    section = (f"{markdown_tables(text, run.stage.table)}\n\n({time.time() - run.started:.0f} s; results: "
+    section = (f"{markdown_tables(text, run.stage.table)}\n\n({run.ended - run.started:.0f} s; results: "
                f"{run.stage.name}.jsonl)")
     atomic_write_text(out / f"{run.stage.name}.done", section)
     return 0, section

@@ -3,6 +3,7 @@ stages after it, a measured stage waits for it, the summary keeps the stages' or
 fails the job at once (the real stages: test_resume.py, test_systems.py)."""
 
 import json
+import re
 import textwrap
 import time
 
@@ -72,3 +73,15 @@ def test_the_main_job_measures_nothing_beside_the_simulator():
     by_name = {s.name: s for s in reproduce.STAGES}
     assert [s.name for s in reproduce.STAGES if s.background] == ["ablate"]
     assert all(by_name[n].measured for n in ("layer_bench", "validate_sim", "layer_bench_constrained"))
+
+
+def test_a_background_stage_is_timed_to_its_own_end_not_to_the_next_stage_boundary(tmp_path):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    out = tmp_path / "job"
+    quick = stages(script)
+    quick[1].quick = ["--sleep", "1"]  # the background stage ends long before the foreground one
+    quick[2].quick = ["--sleep", "4"]
+    assert reproduce.main(["--out-dir", str(out), "--only", "first", "simulate", "train"], stages=quick) == 0
+    seconds = int(re.search(r"\((\d+) s; results", (out / "simulate.done").read_text()).group(1))
+    assert seconds <= 2, seconds
