@@ -338,7 +338,7 @@ class PlanWork:
     dropped: int
     routed: int
     resident_NS: torch.Tensor | None = None  # the slots' placement before a weight push (None: placement_NS)
-    # per-rank link sums of its exchanges, computed once and shared by every variant that prices it (_link_sums)
+    # byte sums of its exchanges, computed once and shared by every variant that prices it (CostModel._once)
     links: dict = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -459,17 +459,12 @@ class CostModel:
     # -- building blocks ---------------------------------------------------------------------------------------
     def a2a_seconds(self, bytes_NM: torch.Tensor) -> torch.Tensor:
         """float64 [N]: each rank's time in an all-to-all where rank n sends ``bytes_NM[n, m]`` to rank m."""
-        return self._a2a(bytes_NM)[0]
-
-    def _a2a(self, bytes_NM: torch.Tensor, latency: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seconds [N], bytes sent to other ranks [N]) of an all-to-all; the diagonal stays local. ``latency=False``:
-        the transfer alone (a phase whose fixed time is measured as a whole)."""
-        t_KN, sent_KN = self._link_times(link_sums(bytes_NM[None], self.cluster.ranks_per_node), latency)
-        return t_KN[0], sent_KN[0]
+        return self._link_times(link_sums(bytes_NM[None], self.cluster.ranks_per_node))[0][0]
 
     def _link_times(self, sums_K4N: torch.Tensor, latency: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(seconds [K, N], bytes sent [K, N]) of K all-to-alls from their :func:`link_sums`: each rank's time is the
-        larger of its sending and receiving, each the slower link kind's, plus one latency per link kind it uses."""
+        larger of its sending and receiving, each the slower link kind's, plus one latency per link kind it uses
+        (``latency=False``: the transfer alone, for a phase whose fixed time is measured as a whole)."""
         c = self.cluster
         intra_out, inter_out, intra_in, inter_in = sums_K4N.unbind(1)
         send = torch.maximum(intra_out / c.intra_bw, inter_out / c.inter_bw)
@@ -478,12 +473,18 @@ class CostModel:
                             ((inter_out + inter_in) > 0) * c.inter_latency)
         return torch.maximum(send, recv) + latency * lat, intra_out + inter_out
 
-    def _work_a2a(self, w: PlanWork, key, bytes_NM: torch.Tensor, latency: bool = True):
-        """:meth:`_a2a` of one of a plan's exchanges, its link sums computed once per plan (``key`` names it)."""
-        key = (key, self.cluster.ranks_per_node)
+    def _once(self, w: PlanWork, name: str, compute) -> torch.Tensor:
+        """``compute()``, kept in the plan's ``links`` under ``name`` (and this cluster's ranks per node, which the
+        sums depend on): a plan's byte sums are the same for every sensitivity variant that prices it."""
+        key = (name, self.cluster.ranks_per_node)
         if key not in w.links:
-            w.links[key] = link_sums(bytes_NM[None], self.cluster.ranks_per_node)
-        t_KN, sent_KN = self._link_times(w.links[key], latency)
+            w.links[key] = compute()
+        return w.links[key]
+
+    def _work_a2a(self, w: PlanWork, name: str, bytes_NM: torch.Tensor, latency: bool = True):
+        """(seconds [N], bytes sent [N]) of one of a plan's all-to-alls, its link sums computed once per plan."""
+        sums = self._once(w, name, lambda: link_sums(bytes_NM[None], self.cluster.ranks_per_node))
+        t_KN, sent_KN = self._link_times(sums, latency)
         return t_KN[0], sent_KN[0]
 
     def gemm_seconds_N(self, rows_NS: torch.Tensor, flops_per_row: float) -> torch.Tensor:
@@ -559,10 +560,8 @@ class CostModel:
         time_NH = torch.zeros(n, len(PHASES), dtype=torch.float64)
         bytes_NH = torch.zeros_like(time_NH)
         if w.a2a_NN:  # every all-to-all of the layer at once (their link sums once per plan)
-            key = ("a2a", c.ranks_per_node)
-            if key not in w.links:
-                w.links[key] = link_sums(torch.stack(list(w.a2a_NN.values())), c.ranks_per_node)
-            t_KN, sent_KN = self._link_times(w.links[key])
+            t_KN, sent_KN = self._link_times(self._once(
+                w, "a2a", lambda: link_sums(torch.stack(list(w.a2a_NN.values())), c.ranks_per_node)))
             cols = [_P[phase] for phase in w.a2a_NN]
             time_NH[:, cols], bytes_NH[:, cols] = t_KN.T, sent_KN.T
         time_NH[:, _P["plan"]] += w.planner_s
@@ -631,7 +630,7 @@ class CostModel:
             bytes_NH[:, _P["replica_sync"]] = ring_intra + ring_inter
         else:
             time_NH[:, _P["replica_sync"]], bytes_NH[:, _P["replica_sync"]] = self._work_a2a(
-                w, ("sync", mode), sb.sync_NM, lat["replica_sync"])
+                w, f"sync/{mode}", sb.sync_NM, lat["replica_sync"])
         local_N3 = sb.local_N3.double() / c.hbm_bw if c.hbm_bw > 0 else torch.zeros(n, 3, dtype=torch.float64)
         time_NH[:, _P["replica_sync"]] += local_N3[:, LOCAL_PHASES.index("replica_sync")]
 
@@ -644,13 +643,13 @@ class CostModel:
             return
         if mode == "range":
             time_NH[:, _P["grad_collect"]], bytes_NH[:, _P["grad_collect"]] = self._work_a2a(
-                w, ("collect", mode), sb.collect_NM, lat["grad_collect"])
+                w, f"collect/{mode}", sb.collect_NM, lat["grad_collect"])
         time_NH[:, _P["grad_collect"]] += local_N3[:, LOCAL_PHASES.index("grad_collect")]
         if c.hbm_bw > 0:
             shard_N = torch.tensor(shard_sizes(p_e, n), dtype=torch.float64)
             time_NH[:, _P["adam"]] = e * shard_N * self.optimizer_traffic_per_param / c.hbm_bw
         time_NH[:, _P["redistribute"]], bytes_NH[:, _P["redistribute"]] = self._work_a2a(
-            w, ("redistribute", mode), sb.redistribute_NM, lat["redistribute"])
+            w, f"redistribute/{mode}", sb.redistribute_NM, lat["redistribute"])
         time_NH[:, _P["redistribute"]] += local_N3[:, LOCAL_PHASES.index("redistribute")]
         self._add_fixed(time_NH, fixed, STEP_PHASES)
 
@@ -658,19 +657,18 @@ class CostModel:
         """float64 [4, N], once per plan: each rank's ring all-reduce bytes and hops (2 (h - 1) per group of h
         members) summed over the groups it is in, split by the link its group's slowest hop takes (inter-node as
         soon as the group's members sit on two nodes): (bytes intra, bytes inter, hops intra, hops inter)."""
-        n, rpn = w.placement_NS.shape[0], self.cluster.ranks_per_node
-        key = ("range", rpn)
-        if key not in w.links:
+        def compute() -> torch.Tensor:
             group_NE = sb.group_NE
-            node_N = torch.arange(n) // rpn
-            lo_node_E = torch.where(group_NE, node_N[:, None], n).min(0).values
+            node_N = torch.arange(group_NE.shape[0]) // self.cluster.ranks_per_node
+            lo_node_E = torch.where(group_NE, node_N[:, None], group_NE.shape[0]).min(0).values
             hi_node_E = torch.where(group_NE, node_N[:, None], -1).max(0).values
             crosses_E = hi_node_E > lo_node_E
             ring_NE = torch.where(group_NE, sb.allreduce_NE.double(), 0.0)
             hops_NE = group_NE * 2.0 * (group_NE.sum(0) - 1).double()
-            w.links[key] = torch.stack([(ring_NE * ~crosses_E).sum(1), (ring_NE * crosses_E).sum(1),
-                                        (hops_NE * ~crosses_E).sum(1), (hops_NE * crosses_E).sum(1)])
-        return w.links[key]
+            return torch.stack([(ring_NE * ~crosses_E).sum(1), (ring_NE * crosses_E).sum(1),
+                                (hops_NE * ~crosses_E).sum(1), (hops_NE * crosses_E).sum(1)])
+
+        return self._once(w, "range", compute)
 
     @staticmethod
     def _add_fixed(time_NH: torch.Tensor, fixed: dict[str, float | None], phases) -> None:
