@@ -11,8 +11,9 @@ import pandas as pd
 import pytest
 import torch
 
-from lrmoe.harness.calibrate_cpu import (STEP_HOST_PHASES, CalibrationSpec, across_ranks, calibrate, calibration_data,
+from lrmoe.harness.calibrate_cpu import (CalibrationSpec, across_ranks, calibrate, calibration_data,
                                          fit_gemm, fit_line, spec_for_bench, write_calibration)
+from lrmoe.layout import STEP_PHASES
 from lrmoe.sim.cost import cpu_gloo_preset
 from lrmoe.tracking import read_results
 
@@ -116,7 +117,7 @@ def _fake_ranks(spec: CalibrationSpec):
                 "p2p_s": reps(2 * lat + b / bw, 1.0)} for b in spec.a2a_bytes]
         params = spec.num_experts * spec.shard_numel
         passes = {"bytes": 4 * spec.packed_bytes, "s": reps(4 * spec.packed_bytes / mem_bw, 2.0)}
-        step_host = {mode: {phase: reps(FIXED[f"{mode}/{phase}"], 1.0 if r == 3 else 2.0) for phase in STEP_HOST_PHASES}
+        step_host = {mode: {phase: reps(FIXED[f"{mode}/{phase}"], 1.0 if r == 3 else 2.0) for phase in STEP_PHASES}
                      for mode in ("range", "shard")}
         ranks.append({"gemm": gemm, "a2a": a2a, "mem_passes": passes, "step_host": step_host,
                       "adam": {"params": params, "s": reps(64.0 * params / mem_bw, 2.0)}})
@@ -124,7 +125,7 @@ def _fake_ranks(spec: CalibrationSpec):
 
 
 FIXED = {f"{mode}/{phase}": (2e-3 if mode == "range" else 1e-3) * (k + 1)
-         for mode in ("range", "shard") for k, phase in enumerate(STEP_HOST_PHASES)}
+         for mode in ("range", "shard") for k, phase in enumerate(STEP_PHASES)}
 
 
 def test_calibration_file_holds_both_clocks_and_the_cost_model_reads_it(tmp_path):

@@ -58,6 +58,8 @@ from pathlib import Path
 import torch
 
 from ..checks import positive_fields
+from ..layout import STEP_PHASES
+from ..sync_model import REPLICA_GRAD_MODES
 
 GEMM_MODEL = "t = launch_s + sum over non-empty groups of flops_per_row * (rows + m_half) / peak_flops"
 A2A_MODEL = "t = a2a_latency + bytes sent to other ranks / a2a_bw"
@@ -257,13 +259,18 @@ def _timed(fn, spec: CalibrationSpec, between=None) -> dict[str, list[float]]:
             dist.barrier()
         else:
             between()
-        w0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        w1, c1 = time.perf_counter(), time.process_time()
-        if i >= spec.warmup:
-            out["wall"].append(w1 - w0)
-            out["cpu"].append(c1 - c0)
+        _time_into(out, fn, keep=i >= spec.warmup)
     return out
+
+
+def _time_into(out: dict[str, list[float]], fn, keep: bool = True) -> None:
+    """Run ``fn()``; with ``keep``, append its seconds by both clocks to ``out["wall"]`` and ``out["cpu"]``."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    w1, c1 = time.perf_counter(), time.process_time()
+    if keep:
+        out["wall"].append(w1 - w0)
+        out["cpu"].append(c1 - c0)
 
 
 def _bench_rank(rank: int, spec: CalibrationSpec) -> dict:
@@ -345,9 +352,6 @@ def _bench_rank(rank: int, spec: CalibrationSpec) -> dict:
     return out
 
 
-STEP_HOST_PHASES = ("replica_sync", "grad_collect", "adam", "redistribute")
-
-
 def host_placement(num_ranks: int, num_experts: int) -> torch.Tensor:
     """[N, S] the host-cost benchmark's placement: experts round-robin over the ranks, then one extra slot per rank
     with a replica of an expert homed on the next rank (so every class with a replica spans two ranks)."""
@@ -373,21 +377,16 @@ def _step_host(rank: int, spec: CalibrationSpec) -> dict[str, dict[str, dict[str
     placement_NS = host_placement(n, e)
     zeros = torch.zeros(e, 1, n, dtype=spec.torch_dtype)
     out = {}
-    for mode in ("range", "shard"):
+    for mode in REPLICA_GRAD_MODES:
         store = ReplicaStore(zeros, zeros, zeros.transpose(1, 2).contiguous(), placement_NS,
                              RangeGroups() if mode == "range" else None, replica_grad=mode)
         phases = (store.sync_replica_grads, store.collect_grad_shards, store.adam_step, store.redistribute)
-        times = {p: {"wall": [], "cpu": []} for p in STEP_HOST_PHASES}
+        times = {p: {"wall": [], "cpu": []} for p in STEP_PHASES}
         for i in range(spec.warmup + spec.repeats):
             store.slots_SW.grad = torch.zeros_like(store.slots_SW)
             dist.barrier()
-            for name, fn in zip(STEP_HOST_PHASES, phases):
-                w0, c0 = time.perf_counter(), time.process_time()
-                fn()
-                w1, c1 = time.perf_counter(), time.process_time()
-                if i >= spec.warmup:
-                    times[name]["wall"].append(w1 - w0)
-                    times[name]["cpu"].append(c1 - c0)
+            for name, fn in zip(STEP_PHASES, phases):  # the store's order, which is the step's
+                _time_into(times[name], fn, keep=i >= spec.warmup)
         out[mode] = times
     return out
 
@@ -441,7 +440,7 @@ def summarise(spec: CalibrationSpec, per_rank: list[dict], clock: str = "cpu") -
         s["predicted_s"] = lfit.predict(s["bytes_sent"])
     step_fixed = {f"{mode}/{phase}": across_ranks([r["step_host"][mode][phase][clock] for r in per_rank],
                                                   local if phase == "adam" else coll)
-                  for mode in ("range", "shard") for phase in STEP_HOST_PHASES}
+                  for mode in REPLICA_GRAD_MODES for phase in STEP_PHASES}
     return {
         "peak_flops": gfit.peak_flops, "gemm": gfit.as_preset(), "a2a_bw": lfit.bandwidth,
         "a2a_latency": lfit.latency_s, "mem_bw": mem_bw, "step_fixed_s": step_fixed,
