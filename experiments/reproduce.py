@@ -28,7 +28,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,8 +108,8 @@ def _die_with(parent: int) -> None:
 @dataclass
 class Running:
     """A started stage: its process, its captured stdout (a file: a background stage's output may outgrow a pipe
-    that nobody reads while it runs), when it started and, once it has, when it ended (a watcher thread notes it:
-    a background stage is finished only at the next stage boundary, which must not count as its time)."""
+    that nobody reads while it runs), when it started and, once :func:`supervise` has seen it end, when it ended (a
+    background stage is collected only at a later stage boundary, which must not count as its time)."""
 
     stage: Stage
     proc: subprocess.Popen
@@ -118,12 +117,33 @@ class Running:
     started: float
     ended: float | None = None
 
-    def __post_init__(self) -> None:
-        def watch():
-            self.proc.wait()
-            self.ended = time.time()
 
-        threading.Thread(target=watch, daemon=True).start()
+def note_ends(runs: list[Running]) -> None:
+    """Note the end time of every stage in ``runs`` whose process has exited."""
+    for run in runs:
+        if run.ended is None and run.proc.poll() is not None:
+            run.ended = time.time()
+
+
+def supervise(foreground: Running | None, background: list[Running], every_s: float = 0.2) -> None:
+    """Poll until ``foreground`` has ended (None: every background stage has), or until a background stage has
+    failed, noting each stage's end as it happens."""
+    runs = [foreground, *background] if foreground is not None else background
+    while True:
+        note_ends(runs)
+        if any(b.ended is not None and b.proc.returncode for b in background):
+            return
+        if all(r.ended is not None for r in ([foreground] if foreground is not None else background)):
+            return
+        time.sleep(every_s)
+
+
+def stop(runs: list[Running]) -> None:
+    """Kill the stages in ``runs`` (their output is dropped: they did not complete)."""
+    for run in runs:
+        run.proc.kill()
+        run.proc.wait()
+        run.stdout.unlink(missing_ok=True)
 
 
 def start_stage(stage: Stage, cmd: list[str], env: dict, out: Path) -> Running:
@@ -140,8 +160,7 @@ def finish_stage(run: Running, out: Path) -> tuple[int, str]:
     """Wait for a started stage; print its output. On success write its end marker (its part of the summary).
     Returns (exit status, summary section)."""
     code = run.proc.wait()
-    while run.ended is None:  # the watcher notes the end right after the process is reaped
-        time.sleep(0.01)
+    note_ends([run])
     text = run.stdout.read_text()
     run.stdout.unlink(missing_ok=True)
     print(text, end="", flush=True)
@@ -188,18 +207,18 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
     background: list[Running] = []
     started = time.time()
 
-    def wait_background(include_running: bool) -> int:
-        """Finish the background stages that ended (all of them with ``include_running``); the first failure's
+    def collect_background(wait: bool) -> int:
+        """Finish the background stages that ended (with ``wait``: every one, once it has); the first failure's
         status (0: none), after stopping the others: a failed stage fails the job at once, never half-way later."""
-        for run in list(background):
-            if include_running or run.proc.poll() is not None:
-                background.remove(run)
-                code, sections[run.stage.name] = finish_stage(run, out)
-                if code:
-                    for other in background:
-                        other.proc.kill()
-                        other.proc.wait()
-                    return code
+        if wait:
+            supervise(None, background)
+        note_ends(background)
+        for run in [b for b in background if b.ended is not None]:
+            background.remove(run)
+            code, sections[run.stage.name] = finish_stage(run, out)
+            if code:
+                stop(background)
+                return code
         return 0
 
     for stage in stages:
@@ -212,7 +231,7 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
             sections[stage.name] = done.read_text()
             continue
         done.unlink(missing_ok=True)
-        if code := wait_background(include_running=stage.measured):
+        if code := collect_background(wait=stage.measured):
             return code
         extra = [a.format(out=out) for a in (stage.quick if args.mode == "quick" else stage.full)]
         cmd = [sys.executable, str(ROOT / stage.script), "--out", str(results), *extra]
@@ -224,19 +243,15 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
         if stage.background:
             background.append(run)
             continue
-        while run.proc.poll() is None and not any(b.proc.poll() not in (None, 0) for b in background):
-            time.sleep(0.2)
-        if run.proc.poll() is None:  # a background stage failed: stop this one and report that one's failure
-            run.proc.kill()
-            run.proc.wait()
-            run.stdout.unlink(missing_ok=True)
-            return wait_background(include_running=False)
+        supervise(run, background)
+        if run.ended is None:  # a background stage failed: stop this one and report that one's failure
+            stop([run])
+            return collect_background(wait=False)
         code, sections[stage.name] = finish_stage(run, out)
         if code:
-            for other in background:
-                other.proc.kill()
+            stop(background)
             return code
-    if code := wait_background(include_running=True):
+    if code := collect_background(wait=True):
         return code
     for stage in stages:
         if stage.name in sections:
