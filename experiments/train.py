@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lrmoe.config import MoEConfig, cluster_preset, model_preset
-from lrmoe.data import get_batch, list_files, load_corpus
+from lrmoe.data import Corpus, get_batch, load_corpus
 from lrmoe.distributed.replica import AdamConfig, RangeGroups
 from lrmoe.layer import EPMoELayer, initial_placement
 from lrmoe.load_stats import flat_log, load_stats
@@ -304,13 +304,14 @@ def load_checkpoint(args, step, rank, run, gen):
     return state["counts"], state["history"]
 
 
-def worker(rank: int, args) -> list[dict]:
+def worker(rank: int, args, corpus: Corpus | None = None) -> list[dict]:
+    """One rank's run; ``corpus`` is the text it trains on (default: read here, as every torchrun rank does)."""
     torch.manual_seed(args.seed)
     world = dist.get_world_size()
     # NCCL ranks own one GPU each (torchrun on a GPU cluster); gloo ranks compute on the CPU
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     cfg, run, cost = build(args, world, device)
-    corpus = load_corpus(args.data, max_bytes=args.max_bytes)
+    corpus = load_corpus(args.data, max_bytes=args.max_bytes) if corpus is None else corpus
     gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
     counts: list[torch.Tensor] = []  # per step: [layers, N, E] routed pairs (the recorded trace)
     history: list[dict] = []
@@ -448,7 +449,7 @@ def check_args(args) -> None:
 
             hf_config(cfg)  # raises when the preset has no HF counterpart
         if args.data is not None:
-            list_files(args.data)  # raises when the folder or glob holds no file
+            load_corpus(args.data, max_bytes=args.max_bytes)  # raises when it holds no file or is too small
     except ImportError as exc:
         raise SystemExit(f"train.py: error: --hf-config needs transformers (pip install 'lrmoe[hf]'): {exc}") from None
     except (ValueError, OSError) as exc:
@@ -467,7 +468,9 @@ def main(argv=None) -> list[dict]:
         return history
     from lrmoe.distributed.launch import launch
 
-    return launch(worker, args.ranks, args, timeout_s=args.timeout)[0]
+    # read once here, not once per rank: the forked ranks share it
+    return launch(worker, args.ranks, args, load_corpus(args.data, max_bytes=args.max_bytes),
+                  timeout_s=args.timeout)[0]
 
 
 if __name__ == "__main__":

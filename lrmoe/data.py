@@ -8,6 +8,7 @@ machines and independent of listing order.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import os
@@ -40,7 +41,7 @@ def list_files(source: str) -> tuple[Path, list[Path]]:
     if path.is_dir():
         root, files = path, sorted(p for p in path.rglob("*") if p.is_file())
     else:
-        files = sorted(Path(p) for p in glob.glob(source, recursive=True) if Path(p).is_file())
+        files = sorted(Path(p) for p in glob.glob(source, recursive=True) if os.path.isfile(p))
         root = Path(os.path.commonpath([str(p) for p in files])) if files else Path(".")
         if len(files) == 1:
             root = files[0].parent
@@ -54,7 +55,7 @@ def is_validation(relpath: str, val_fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
 
 
-@dataclass
+@dataclass(frozen=True)
 class Corpus:
     train: torch.Tensor  # long [n_train]: byte ids of the training files, concatenated
     val: torch.Tensor  # long [n_val]
@@ -62,9 +63,13 @@ class Corpus:
     num_files: tuple[int, int]  # (train, validation)
 
 
+@functools.lru_cache(maxsize=4)
 def load_corpus(source: str | None = None, val_fraction: float = 0.05, max_bytes: int | None = 8_000_000,
                 exclude: tuple[str, ...] = ("test", "idlelib", "site-packages")) -> Corpus:
-    """Read a corpus, split it by file and tokenise it. ``max_bytes`` caps each split (in file order)."""
+    """Read a corpus, split it by file and tokenise it. ``max_bytes`` caps each split (in file order).
+
+    A process reads a corpus once (listing the standard library takes about a second): later calls with the same
+    arguments return the same :class:`Corpus`, whose tensors the caller must not modify."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     source = source or default_corpus()
