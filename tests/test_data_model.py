@@ -24,6 +24,17 @@ def test_split_is_by_file_and_stable(tmp_path):
     assert f"file {val_files[0][1:-4]}\n" in decode(a.val) and f"file {val_files[0][1:-4]}\n" not in decode(a.train)
 
 
+def test_a_process_reads_a_corpus_once(tmp_path):
+    for i in range(8):
+        (tmp_path / f"f{i}.txt").write_text(f"file {i}\n" * 20)
+    first = load_corpus(str(tmp_path), val_fraction=0.5)
+    for path in tmp_path.iterdir():
+        path.unlink()
+    assert load_corpus(str(tmp_path), val_fraction=0.5) is first  # not listed or read again
+    with pytest.raises(ValueError, match="no text files"):
+        load_corpus(str(tmp_path), val_fraction=0.25)  # other arguments: read, and the folder is empty now
+
+
 def test_default_corpus_is_the_standard_library():
     corpus = load_corpus(max_bytes=200_000)
     assert corpus.train.numel() == 200_000 and corpus.val.numel() > 0

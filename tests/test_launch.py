@@ -70,6 +70,19 @@ def test_a_hanging_launch_times_out():
     assert time.monotonic() - start < 10
 
 
+def test_ranks_inherit_the_modules_torch_would_import_in_each_of_them():
+    """Building any torch optimizer imports torch._dynamo (3 s on this machine's cores): the launcher imports it once,
+    before forking, so no rank repeats it. Checked in a fresh process, where nothing has imported it yet."""
+    code = textwrap.dedent("""
+        import sys
+        from lrmoe.distributed.launch import launch
+        before = "torch._dynamo" in sys.modules
+        print(before, launch(lambda rank: "torch._dynamo" in sys.modules, 2))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["False", "[True,", "True]"], out.stdout + out.stderr[-2000:]
+
+
 def test_bad_arguments_name_the_problem():
     with pytest.raises(ValueError, match="world_size"):
         launch(_rank_info, 0, 0)
