@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lrmoe.config import MoEConfig, cluster_preset, model_preset
-from lrmoe.data import Corpus, get_batch, load_corpus
+from lrmoe.data import get_batch, load_corpus
 from lrmoe.distributed.replica import AdamConfig, RangeGroups
 from lrmoe.layer import EPMoELayer, initial_placement
 from lrmoe.load_stats import flat_log, load_stats
@@ -304,14 +304,13 @@ def load_checkpoint(args, step, rank, run, gen):
     return state["counts"], state["history"]
 
 
-def worker(rank: int, args, corpus: Corpus | None = None) -> list[dict]:
-    """One rank's run; ``corpus`` is the text it trains on (default: read here, as every torchrun rank does)."""
+def worker(rank: int, args) -> list[dict]:
     torch.manual_seed(args.seed)
     world = dist.get_world_size()
     # NCCL ranks own one GPU each (torchrun on a GPU cluster); gloo ranks compute on the CPU
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     cfg, run, cost = build(args, world, device)
-    corpus = load_corpus(args.data, max_bytes=args.max_bytes) if corpus is None else corpus
+    corpus = load_corpus(args.data, max_bytes=args.max_bytes)
     gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
     counts: list[torch.Tensor] = []  # per step: [layers, N, E] routed pairs (the recorded trace)
     history: list[dict] = []
@@ -468,9 +467,10 @@ def main(argv=None) -> list[dict]:
         return history
     from lrmoe.distributed.launch import launch
 
-    # read once here, not once per rank: the forked ranks share it
-    return launch(worker, args.ranks, args, load_corpus(args.data, max_bytes=args.max_bytes),
-                  timeout_s=args.timeout)[0]
+    # Read the corpus and import what the ranks' optimizers import, once, here: the forked ranks inherit both (a
+    # process reads a corpus once) instead of spending seconds on each.
+    load_corpus(args.data, max_bytes=args.max_bytes)
+    return launch(worker, args.ranks, args, timeout_s=args.timeout, preload=("torch._dynamo",))[0]
 
 
 if __name__ == "__main__":

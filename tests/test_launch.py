@@ -71,13 +71,14 @@ def test_a_hanging_launch_times_out():
 
 
 def test_ranks_inherit_the_modules_torch_would_import_in_each_of_them():
-    """Building any torch optimizer imports torch._dynamo (3 s on this machine's cores): the launcher imports it once,
-    before forking, so no rank repeats it. Checked in a fresh process, where nothing has imported it yet."""
+    """Building any torch optimizer imports torch._dynamo (3 s on this machine's cores): preloaded, the launcher
+    imports it once, before forking, so no rank repeats it. Checked in a fresh process, where nothing has imported it
+    yet."""
     code = textwrap.dedent("""
         import sys
         from lrmoe.distributed.launch import launch
         before = "torch._dynamo" in sys.modules
-        print(before, launch(lambda rank: "torch._dynamo" in sys.modules, 2))
+        print(before, launch(lambda rank: "torch._dynamo" in sys.modules, 2, preload=("torch._dynamo",)))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == ["False", "[True,", "True]"], out.stdout + out.stderr[-2000:]

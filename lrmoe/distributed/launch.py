@@ -6,9 +6,10 @@ values, in rank order. It never hangs: if a rank raises, dies, or the whole laun
 remaining rank is killed and :class:`LaunchError` is raised carrying the failing rank's traceback.
 
 Fork is used because it starts in milliseconds (spawn re-imports torch in every child, ~50x slower). For the same
-reason the parent imports, before forking, what torch would otherwise import lazily in every rank (:data:`PRELOAD`).
-Fork needs two precautions, both taken here: no CUDA context may exist in the parent (it does not survive a fork),
-and each child uses one intra-op thread (the machine's cores are shared by all ranks).
+reason ``preload`` names modules the ranks would each import lazily (torch imports ``torch._dynamo``, seconds, when a
+rank builds its first ``torch.optim`` optimizer): the parent imports them once, before forking, and every rank
+inherits them. Fork needs two precautions, both taken here: no CUDA context may exist in the parent (it does not
+survive a fork), and each child uses one intra-op thread (the machine's cores are shared by all ranks).
 """
 
 from __future__ import annotations
@@ -27,12 +28,6 @@ from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
-
-
-# Modules torch imports on first use, at a cost of seconds per process: building any torch.optim optimizer imports
-# torch._dynamo (3 s of a rank's 7 s in a short training run on 2 CPU cores). Imported once in the parent instead,
-# every rank inherits them.
-PRELOAD = ("torch._dynamo",)
 
 
 class LaunchError(RuntimeError):
@@ -82,11 +77,13 @@ def _kill(procs) -> None:
         p.join(timeout=5)
 
 
-def launch(fn, world_size: int, *args, timeout_s: float = 60.0, pg_timeout_s: float | None = None, **kw) -> list:
+def launch(fn, world_size: int, *args, timeout_s: float = 60.0, pg_timeout_s: float | None = None,
+           preload: tuple[str, ...] = (), **kw) -> list:
     """Run ``fn(rank, *args, **kw)`` on ``world_size`` forked ranks of a fresh gloo process group.
 
     Returns the ranks' return values in rank order (they must be picklable). ``timeout_s`` bounds the whole launch;
-    ``pg_timeout_s`` (default: ``timeout_s``) is the process group's own collective timeout.
+    ``pg_timeout_s`` (default: ``timeout_s``) is the process group's own collective timeout; ``preload``: modules
+    imported here, before the fork, that the ranks would otherwise each import.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -97,7 +94,7 @@ def launch(fn, world_size: int, *args, timeout_s: float = 60.0, pg_timeout_s: fl
     if dist.is_initialized():
         raise ValueError("launch must be called from a process that has no process group of its own")
     pg_timeout_s = timeout_s if pg_timeout_s is None else pg_timeout_s
-    for name in PRELOAD:
+    for name in preload:
         importlib.import_module(name)
     ctx = mp.get_context("fork")
     tmp = tempfile.mkdtemp(prefix="lrmoe-launch-")
