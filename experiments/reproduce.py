@@ -128,12 +128,12 @@ def note_ends(runs: list[Running]) -> None:
 def supervise(foreground: Running | None, background: list[Running], every_s: float = 0.2) -> None:
     """Poll until ``foreground`` has ended (None: every background stage has), or until a background stage has
     failed, noting each stage's end as it happens."""
-    runs = [foreground, *background] if foreground is not None else background
+    awaited = background if foreground is None else [foreground]
     while True:
-        note_ends(runs)
+        note_ends([*awaited, *background])
         if any(b.ended is not None and b.proc.returncode for b in background):
             return
-        if all(r.ended is not None for r in ([foreground] if foreground is not None else background)):
+        if all(r.ended is not None for r in awaited):
             return
         time.sleep(every_s)
 
