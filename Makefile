@@ -10,14 +10,23 @@ CONSTRAINTS ?= constraints-cpu.txt
 STAMP := $(VENV)/.lrmoe-installed
 MODE ?= quick
 
-.PHONY: setup lint test test-all reproduce figures clean-venv
+.PHONY: setup links lint test test-all reproduce figures clean-venv
 
 # Python keeps the bytecode it compiles (its default; some machines switch that off with PYTHONDONTWRITEBYTECODE).
 # The tests and the main job start dozens of Python processes: without the cache each one compiles pandas,
 # matplotlib and seaborn again (3-4 s a process on 2 cores).
 unexport PYTHONDONTWRITEBYTECODE
 
-setup: $(STAMP)
+setup: $(STAMP) links
+
+# The strict editable install links each file: a module added or removed since needs the links made again (1-2 s,
+# only when the list of the package's files has changed).
+LINKED := $(VENV)/.lrmoe-linked-files
+links: $(STAMP)
+	@git ls-files -co --exclude-standard -- lrmoe kernels experiments paper_figures | grep '\.py$$' > $(LINKED).new
+	@cmp -s $(LINKED).new $(LINKED) || { $(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps \
+	    -C editable_mode=strict -e . && mv $(LINKED).new $(LINKED); }
+	@rm -f $(LINKED).new
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,23 +39,18 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@links="$${PIP_FIND_LINKS:-$$($(PY) -m pip config get global.find-links 2>/dev/null)}"; \
 	    $(VENV)/bin/uv pip install --quiet --python $(PY) $${links:+--find-links "$$links"} \
 	        -c $(CONSTRAINTS) torch
-	@$(VENV)/bin/uv pip install --quiet --python $(PY) -c $(CONSTRAINTS) -e '.[dev,hf]'
+	@# strict editable mode: a tree of links to the checkout's files, with kernels/, experiments/ and paper_figures/
+	@# inside lrmoe/ as they import, which import-linter, type checkers and IDEs read in place
+	@$(VENV)/bin/uv pip install --quiet --python $(PY) -c $(CONSTRAINTS) -C editable_mode=strict -e '.[dev,hf]'
 	@$(PY) -c "import lrmoe, lrmoe.kernels, torch, torch._dynamo, triton"
 	@touch $(STAMP)
 
-# ruff (pyproject [tool.ruff]), then the import-layer contracts (pyproject [tool.importlinter]). import-linter reads
-# the import graph from the file tree, where kernels/, experiments/ and paper_figures/ sit outside lrmoe/; it runs on
-# a copy of the installed layout so that lrmoe.kernels, lrmoe.experiments and lrmoe.paper_figures are checked too.
-LINT_TREE := build/lint-imports
+# ruff (pyproject [tool.ruff]), then the import contracts (pyproject [tool.importlinter]). lint-imports runs from
+# outside the checkout so that it reads the installed link tree (kernels/, experiments/ and paper_figures/ inside
+# lrmoe/), whose links point at the checkout's own files.
 lint: setup
 	$(VENV)/bin/ruff check .
-	@rm -rf $(LINT_TREE) && mkdir -p $(LINT_TREE)
-	@cp -R lrmoe $(LINT_TREE)/lrmoe
-	@cp -R kernels $(LINT_TREE)/lrmoe/kernels
-	@cp -R experiments $(LINT_TREE)/lrmoe/experiments
-	@cp -R paper_figures $(LINT_TREE)/lrmoe/paper_figures
-	cd $(LINT_TREE) && $(abspath $(VENV))/bin/lint-imports --no-logo --no-cache --config $(CURDIR)/pyproject.toml
-	cd $(LINT_TREE) && $(abspath $(VENV))/bin/lint-imports --no-logo --no-cache --config $(CURDIR)/importlinter-installed.toml
+	cd $(VENV) && bin/lint-imports --no-logo --no-cache --config $(CURDIR)/pyproject.toml
 
 # two workers (pytest-xdist): one per core of the 2-core machine this is sized for
 test: lint

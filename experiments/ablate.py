@@ -13,7 +13,7 @@ trace measurably has: per-rank max/mean under static EP, hottest expert / mean, 
 number of ranks. Systems are named as in ``lrmoe.systems`` (``--systems`` takes any of them).
 
 The fair-comparison rules of DESIGN.md §5.4: one memory model for the planners and the simulator
-(:mod:`lrmoe.memory`); one headroom rule for every dropless system (each sizes its replica slots from its own
+(:mod:`lrmoe.bytemodel.memory`); one headroom rule for every dropless system (each sizes its replica slots from its own
 plans of the warm-up iteration, placed from the one before it, ``--headroom-rule planned``); every overhead on the
 critical path charged (``--no-overheads`` to show each one's effect; :mod:`lrmoe.sim.overheads`); every MoE layer
 simulated, quick mode included; and the headline systems priced again at the corners of the uncertain constants
@@ -51,10 +51,10 @@ from lrmoe.config import ClusterConfig, MoEConfig, cluster_preset, model_preset
 from lrmoe.sim.cost import CostModel
 from lrmoe.sim.overheads import OVERHEADS
 from lrmoe.sim.simulator import System, simulate
-from lrmoe.sync_model import REPLICA_GRAD_MODES
+from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import SystemContext, check_systems, get_system, plan_twins, system_arg, system_names_help
-from lrmoe.tracking import Tracker, add_tracking_args
-from lrmoe.traces import generate_trace, gini, max_over_mean
+from lrmoe.integrations.tracking import Tracker, add_tracking_args
+from lrmoe.integrations.traces import generate_trace, gini, max_over_mean
 
 MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
 # Tokens per rank per micro-batch (ours). Qwen3: one 4096-token sequence per GPU. GLM-4.5-Air: its expert
@@ -72,7 +72,7 @@ SYSTEMS = ["static-ep", "capacity-cf1", "capacity-cf1.25", "symi-cf1", "symi-dro
            "lrmoe-host-groups", "lrmoe-no-memplace", "lrmoe-no-bwd-routing", "lrmoe-even-fwd",
            "lrmoe-even-fwd-no-bwd-routing", "lrmoe-no-quotas", "lrmoe-padded",
            "lrmoe-random", "lrmoe-gate", "lrmoe-m2-unbiased",
-           "online", "online-rho0.75"]  # online replication (lrmoe.online) and LRMoE's budget on top of it
+           "online", "online-rho0.75"]  # online replication (lrmoe.planner.online) and LRMoE's budget on top of it
 # Quick mode simulates every MoE layer (fewer iterations instead), so it runs the headline systems and the
 # components of LRMoE the figures take apart; the metric variant lrmoe-random is LRMoE's plan twin (free).
 QUICK_SYSTEMS = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "symi-dropless-lrmoe-slots", "lrmoe",
@@ -160,7 +160,7 @@ def planned_headrooms(cell: Cell, cm: CostModel, reference: tuple[torch.Tensor, 
         _, h = mm.spare_slots_for(plans, base, max_spare, load_margin=args.headroom_margin)
         out[key] = h * (1.0 + args.headroom_margin)
     # LRMoE's own memory rule plans its balanced forward at ceil((1 + eps) x the mean) every iteration
-    # (lrmoe.policies.LRMoE), so that is its planned peak wherever its plans of the reference come out lower
+    # (lrmoe.planner.policies.LRMoE), so that is its planned peak wherever its plans of the reference come out lower
     out["lrmoe"] = max(out["lrmoe"], 1.0 + args.eps)
     return out
 
@@ -528,7 +528,8 @@ def assumptions(args) -> str:
     corner = ", ".join(f"{k} {lo:g}-{hi:g}" for k, (lo, hi) in SENSITIVITY.items())
     return (f"Assumptions: {args.cluster} nodes ({c.ranks_per_node} GPUs, {c.intra_bw / 1e9:.0f} GB/s intra, "
             f"{c.inter_bw / 1e9:.0f} GB/s inter per GPU, {c.peak_flops / 1e12:.0f} TFLOP/s); per-rank MoE budget "
-            f"{args.headline_mem_gb:g} GB over all MoE layers (one memory model, lrmoe.memory); tokens per rank "
+            f"{args.headline_mem_gb:g} GB over all MoE layers (one memory model, lrmoe.bytemodel.memory); "
+            f"tokens per rank "
             f"{args.tokens_per_rank or TOKENS}; synthetic traces ({args.steps} iterations, first one warm-up, every "
             f"MoE layer unless --layers); {args.micro_batches} micro-batches per iteration (sync phases once per "
             f"iteration); LRMoE eps={args.eps}, gamma={args.gamma}; headroom: {rule}; SYMI-cf1 sized for its "

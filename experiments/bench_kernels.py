@@ -34,7 +34,7 @@ from lrmoe.config import cluster_preset, model_preset  # noqa: E402 - after TRIT
 from lrmoe.harness.timing import time_once_ms  # noqa: E402
 from lrmoe.kernels.compact import compact_plan, pack, unpack  # noqa: E402
 from lrmoe.kernels.grouped_gemm import grouped_mm, swiglu_experts  # noqa: E402
-from lrmoe.tracking import Tracker, add_tracking_args  # noqa: E402
+from lrmoe.integrations.tracking import Tracker, add_tracking_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -22,12 +22,12 @@ import pandas as pd
 import torch
 
 from lrmoe.harness.timing import time_ms
-from lrmoe.placement import lrmoe_placement
-from lrmoe.quotas import rank_caps, retention_quotas
-from lrmoe.replica_routing import route_backward, route_forward
+from lrmoe.planner.placement import lrmoe_placement
+from lrmoe.planner.quotas import rank_caps, retention_quotas
+from lrmoe.planner.replica_routing import route_backward, route_forward
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
-from lrmoe.tracking import Tracker, add_tracking_args
-from lrmoe.traces import generate_trace
+from lrmoe.integrations.tracking import Tracker, add_tracking_args
+from lrmoe.integrations.traces import generate_trace
 
 POLICY_NAMES = ("lrmoe", "lrmoe-tight", "symi-dropless", "symi-cf1", "static-ep", "capacity-cf1")
 TARGET_MS = 1.0

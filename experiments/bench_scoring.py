@@ -2,9 +2,9 @@
 8,192 tokens × top-8 = 65,536 pairs at one home rank, in 16 source ranks × 128 experts = 2,048 groups (routing
 from a synthetic Zipf popularity), on one CPU thread by default.
 
-The layer scores its pairs on the device with the metric object (:meth:`lrmoe.scoring.Metric.score` on a
-:class:`lrmoe.scoring.PairParts` of grad_o [M, D], o [M, D], ‖h‖ [M] and g [M]), moves the [M] scores to the
-host and selects there (:func:`lrmoe.selection.select`). Two timings per (metric, mode):
+The layer scores its pairs on the device with the metric object (:meth:`lrmoe.recal.scoring.Metric.score` on a
+:class:`lrmoe.recal.scoring.PairParts` of grad_o [M, D], o [M, D], ‖h‖ [M] and g [M]), moves the [M] scores to the
+host and selects there (:func:`lrmoe.recal.selection.select`). Two timings per (metric, mode):
 
 * ``score_ms``: the metric alone. m1, m2 and m3 read every pair's row of width D (model width, Qwen3: 2048),
   so on a CPU they are bound by memory bandwidth;
@@ -29,11 +29,11 @@ import seaborn as sns
 import torch
 
 from lrmoe.harness.timing import time_ms
-from lrmoe.recalibrate import pair_groups, proportional_quotas
-from lrmoe.scoring import METRIC_REGISTRY, PairParts
-from lrmoe.selection import MODES, select
-from lrmoe.tracking import Tracker, add_tracking_args
-from lrmoe.traces import sample_topk, zipf_popularity
+from lrmoe.recal.recalibrate import pair_groups, proportional_quotas
+from lrmoe.recal.scoring import METRIC_REGISTRY, PairParts
+from lrmoe.recal.selection import MODES, select
+from lrmoe.integrations.tracking import Tracker, add_tracking_args
+from lrmoe.integrations.traces import sample_topk, zipf_popularity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -24,7 +24,7 @@ import torch
 
 from lrmoe.harness.timing import time_ms
 from lrmoe.config import cluster_preset, model_preset
-from lrmoe.tracking import Tracker, add_tracking_args
+from lrmoe.integrations.tracking import Tracker, add_tracking_args
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
@@ -134,7 +134,7 @@ def provenance(device: torch.device, backend: str) -> dict:
     else:
         prov["device"] = "cpu"
     try:
-        from lrmoe.tracking import git_commit
+        from lrmoe.integrations.tracking import git_commit
 
         prov["git_commit"] = git_commit(ROOT)
     except ImportError:

@@ -29,7 +29,7 @@ import seaborn as sns
 
 from lrmoe.experiments import train
 from lrmoe.systems import get_system, system_arg, system_names_help
-from lrmoe.tracking import Tracker, add_tracking_args, read_results
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, read_results
 
 RHOS = (0.9, 0.75, 0.6, 0.5)
 # the full sweep: the references, LRMoE in cap mode, and the retention budget at each rho with m2 top-k, m2

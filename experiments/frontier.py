@@ -33,8 +33,8 @@ from lrmoe.experiments import ablate
 from lrmoe.experiments.convergence import BASELINE, last_per_step, per_run, summarise, time_to_reach
 from lrmoe.sim.simulator import simulate
 from lrmoe.systems import get_system, plan_twins
-from lrmoe.tracking import Tracker, add_tracking_args, read_results
-from lrmoe.traces import generate_trace
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, read_results
+from lrmoe.integrations.traces import generate_trace
 
 REFERENCE = "symi-dropless"  # the x axis' unit
 CF1 = "symi-cf1"

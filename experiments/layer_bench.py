@@ -6,7 +6,7 @@ gradient error against the full gradient. Ends with the three LRMoE targets of D
     python experiments/layer_bench.py --quick                       # about a minute
     torchrun --nproc-per-node 4 experiments/layer_bench.py --torchrun  # NCCL on GPUs, gloo on CPU
 
-Traces: synthetic Zipf popularity with AR(1) drift and per-token Gumbel-top-k (``lrmoe.traces``), one per
+Traces: synthetic Zipf popularity with AR(1) drift and per-token Gumbel-top-k (``lrmoe.integrations.traces``), one per
 ``--skew-param``, labelled synthetic; ``--trace FILE`` adds a recorded one. The layer replays a trace: the
 counts fix how many pairs each rank routes to each expert per step, tokens are random vectors, gate weights
 random. Every policy sees the same tokens at every step, and the policies take turns inside each step, in an
@@ -18,14 +18,14 @@ lrmoe-no-placement), lrmoe-m3, lrmoe-m1-unbiased and capacity-cf1-gate.
 
 One iteration = forward, backward of a random linear loss, data-parallel sync of the router, the experts'
 optimizer step with redistribution into the next placement. Every policy runs the layer's recalibrated
-backward (``lrmoe.backward``); plans that keep every pair take its fast path, the autograd-equivalent one.
+backward (``lrmoe.runtime.backward``); plans that keep every pair take its fast path, the autograd-equivalent one.
 Before each timed iteration an untimed one computes the *full* gradient at the same weights and inputs (every
 routed pair computed and kept, on the policy's placement): the reference for the gradient error. The counted
-bytes and pairs are checked against the formulas of ``lrmoe.distributed.accounting`` every iteration.
+bytes and pairs are checked against the formulas of ``lrmoe.runtime.distributed.accounting`` every iteration.
 
 Memory: every policy gets the same per-rank budget, sized for the E/N home slots plus ``--spare-slots`` replica
 slots and the token buffers of a load of (1 + eps) times the mean. SYMI uses the spare slots as replicas;
-LRMoE derives its replica slots and its memory cap from the budget (``lrmoe.placement.MemoryModel``); static EP
+LRMoE derives its replica slots and its memory cap from the budget (``lrmoe.planner.placement.MemoryModel``); static EP
 and capacity leave them empty. The table reports each policy's counted peak against the budget.
 """
 
@@ -43,20 +43,20 @@ import torch
 import torch.distributed as dist
 
 from lrmoe.config import model_preset
-from lrmoe.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
-from lrmoe.sync_model import REPLICA_GRAD_MODES
-from lrmoe.layout import BACKWARD_PHASES, BYTE_PHASES, FORWARD_PHASES, PHASES, STEP_PHASES
-from lrmoe.distributed.replica import RangeGroups
-from lrmoe.layer import EPMoELayer, initial_placement
-from lrmoe.memory import footprint
-from lrmoe.placement import MemoryModel
-from lrmoe.plan import LayerPlan, no_flows
-from lrmoe.reference import ReferenceMoE
-from lrmoe.replica_routing import route_forward
-from lrmoe.routing import RouterOutput
+from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
+from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
+from lrmoe.bytemodel.layout import BACKWARD_PHASES, BYTE_PHASES, FORWARD_PHASES, PHASES, STEP_PHASES
+from lrmoe.runtime.distributed.replica import RangeGroups
+from lrmoe.runtime.layer import EPMoELayer, initial_placement
+from lrmoe.bytemodel.memory import footprint
+from lrmoe.planner.placement import MemoryModel
+from lrmoe.planner.plan import LayerPlan, no_flows
+from lrmoe.runtime.reference import ReferenceMoE
+from lrmoe.planner.replica_routing import route_forward
+from lrmoe.runtime.routing import RouterOutput
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
-from lrmoe.tracking import Tracker, add_tracking_args
-from lrmoe.traces import generate_trace, load_trace
+from lrmoe.integrations.tracking import Tracker, add_tracking_args
+from lrmoe.integrations.traces import generate_trace, load_trace
 
 DEFAULT_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1", "lrmoe"]
 
@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skew", default="zipf", choices=["zipf", "dirichlet"])
     p.add_argument("--skew-param", type=float, nargs="+", default=[0.4, 0.8],
                    help="one synthetic trace per value: Zipf s (0.8: hottest ~15x the mean at E=128) or α")
-    p.add_argument("--trace", default=None, help="also replay a recorded trace (.npz of lrmoe.traces)")
+    p.add_argument("--trace", default=None, help="also replay a recorded trace (.npz of lrmoe.integrations.traces)")
     p.add_argument("--trace-layer", type=int, default=0, help="which layer of the recorded trace")
     p.add_argument("--spare-slots", type=int, default=1, help="replica slots per rank beyond E/N (the memory)")
     p.add_argument("--eps", type=float, default=0.1, help="LRMoE's balance slack (cap = (1 + eps) x mean load)")
@@ -162,7 +162,8 @@ class FullGradient:
 
 def memory_model(base: int, spare: int, tokens: int, top_k: int, hidden: int, ffn: int, elem: int,
                  buffer_load: float) -> MemoryModel:
-    """The per-rank budget every policy gets, in the one memory model (lrmoe.memory, the simulator's too): base +
+    """The per-rank budget every policy gets, in the one memory model (lrmoe.bytemodel.memory, the simulator's too):
+    base +
     spare slots (weights and gradients) beside the buffers of a rank computing ceil(buffer_load · mean) pairs and
     sending its own mean load (saved activations, and the larger of the forward and backward in-flight buffers)."""
     fp = footprint(hidden, ffn, elem)
@@ -496,7 +497,7 @@ def main(argv=None):
     args = parse_args(argv)
     check_args(args)
     if args.torchrun:
-        from lrmoe.distributed.comm import init_process_group_from_env
+        from lrmoe.runtime.distributed.comm import init_process_group_from_env
 
         info = init_process_group_from_env()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
@@ -507,7 +508,7 @@ def main(argv=None):
         dist.barrier()
         dist.destroy_process_group()
         return out
-    from lrmoe.distributed.launch import launch
+    from lrmoe.runtime.distributed.launch import launch
 
     parts = launch(_fork_main, args.ranks, args, timeout_s=args.timeout)
     return report(args, [r for part in parts for r in part], args.ranks)

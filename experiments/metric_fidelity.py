@@ -25,7 +25,7 @@ Three data sources (``--data``), each a layer, an input x and an upstream gradie
   index). The trained weights are cached beside the results file, so reruns skip training.
 
 Tokens are split over ``--sources`` simulated source ranks; quotas are ρ · routed pairs per (source rank,
-expert), apportioned exactly (lrmoe.quotas.apportion). The headline table (the second to last) is every metric's
+expert), apportioned exactly (lrmoe.planner.quotas.apportion). The headline table (the second to last) is every metric's
 error divided by random's at the same ρ and mode, per data source: below 1 the metric beats random.
 
     python experiments/metric_fidelity.py --out outputs/metric_fidelity.jsonl
@@ -52,14 +52,14 @@ import seaborn as sns
 import torch
 
 from lrmoe.config import MoEConfig, model_preset
-from lrmoe.data import Corpus, get_batch, load_corpus
-from lrmoe.model import MoETransformer
-from lrmoe.recalibrate import Recalibration, pair_groups, pair_hook, proportional_quotas
-from lrmoe.reference import ReferenceMoE
-from lrmoe.routing import update_expert_bias
-from lrmoe.scoring import METRICS
-from lrmoe.selection import MODES
-from lrmoe.tracking import Tracker, add_tracking_args
+from lrmoe.integrations.data import Corpus, get_batch, load_corpus
+from lrmoe.integrations.model import MoETransformer
+from lrmoe.recal.recalibrate import Recalibration, pair_groups, pair_hook, proportional_quotas
+from lrmoe.runtime.reference import ReferenceMoE
+from lrmoe.runtime.routing import update_expert_bias
+from lrmoe.recal.scoring import METRICS
+from lrmoe.recal.selection import MODES
+from lrmoe.integrations.tracking import Tracker, add_tracking_args
 
 EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
 RANDOM_DATA = ("gaussian", "heavy")  # random-init layer, random x and δ

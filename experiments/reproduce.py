@@ -15,7 +15,8 @@ A killed job resumes cleanly. A stage is complete only when its end marker (``<s
 part of the summary) exists: it is written atomically after the stage exited cleanly. SUMMARY.md is the job's own
 end marker, removed when a run starts and written (atomically) last. ``--resume`` reruns every stage without a
 marker with ``--resume``: the stage's tracker then supersedes what the killed attempt left in its results file
-(lrmoe.tracking) and continues from the stage's checkpoints, if it has any. So a half-written results file is
+(lrmoe.integrations.tracking) and continues from the stage's checkpoints, if it has any. So a half-written results file
+is
 never read as complete and never read twice. A stage's process dies with the main job: no orphan keeps writing.
 """
 
@@ -32,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lrmoe.tracking import atomic_write_text
+from lrmoe.integrations.tracking import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,10 +7,12 @@ forward routing and what the backward keeps. Each rank draws its own batches fro
 
 Two architectures run the same loop (data, systems, checkpoints, --resume, records, trace):
 
-* lrmoe's own transformer (lrmoe.model) of --preset, the default;
+* lrmoe's own transformer (lrmoe.integrations.model) of --preset, the default;
 * --hf-config qwen3 | glm | PRESET: Hugging Face transformers' Qwen3-MoE or GLM-4.5 (glm4_moe) model of a preset's
-  shape (qwen3: qwen3-30b-a3b-debug, glm: glm-4.5-air-debug; lrmoe.hf.hf_config), its sparse MoE blocks swapped
-  onto the expert-parallel layer (lrmoe.hf.swap_moe_blocks; HF's routers, attention and shared experts stay HF's).
+  shape (qwen3: qwen3-30b-a3b-debug, glm: glm-4.5-air-debug; lrmoe.integrations.hf.hf_config), its sparse MoE blocks
+  swapped
+  onto the expert-parallel layer (lrmoe.integrations.hf.swap_moe_blocks; HF's routers, attention and shared experts
+  stay HF's).
   Qwen3 adds --aux-coef times HF's load-balancing loss (of each rank's own tokens); GLM balances with its
   selection bias (--bias-rate). Needs the [hf] extra (transformers).
 
@@ -19,7 +21,8 @@ Two architectures run the same loop (data, systems, checkpoints, --resume, recor
     torchrun --nproc-per-node 4 experiments/train.py --torchrun --policy symi-dropless ...
 
 Logged per step: loss, validation loss (every --eval-every), dropped pairs, retained backward pairs per rank,
-throughput, modelled time (--cost-model), load statistics (lrmoe.load_stats: "load/<key>_mean|_p50|_p90|_p99"
+throughput, modelled time (--cost-model), load statistics (lrmoe.integrations.load_stats:
+"load/<key>_mean|_p50|_p90|_p99"
 across layers and the dropped / trimmed totals every step; each layer's "load/layer<i>/<key>" every --eval-every
 steps), and the per-layer routing counts, saved as a recorded trace. Checkpoints every --ckpt-every steps;
 --resume continues from the latest checkpoint exactly where it stopped.
@@ -40,18 +43,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lrmoe.config import MoEConfig, cluster_preset, model_preset
-from lrmoe.data import get_batch, load_corpus
-from lrmoe.distributed.replica import AdamConfig, RangeGroups
-from lrmoe.layer import EPMoELayer, initial_placement
-from lrmoe.load_stats import flat_log, load_stats
-from lrmoe.model import MoETransformer
-from lrmoe.plan import LayerPlan
-from lrmoe.reference import ReferenceMoE
-from lrmoe.routing import update_expert_bias
-from lrmoe.sync_model import REPLICA_GRAD_MODES
+from lrmoe.integrations.data import get_batch, load_corpus
+from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups
+from lrmoe.runtime.layer import EPMoELayer, initial_placement
+from lrmoe.integrations.load_stats import flat_log, load_stats
+from lrmoe.integrations.model import MoETransformer
+from lrmoe.planner.plan import LayerPlan
+from lrmoe.runtime.reference import ReferenceMoE
+from lrmoe.runtime.routing import update_expert_bias
+from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
-from lrmoe.tracking import add_tracking_args
-from lrmoe.traces import Trace
+from lrmoe.integrations.tracking import add_tracking_args
+from lrmoe.integrations.traces import Trace
 
 DEFAULT_PRESET = "qwen3-30b-a3b-debug"
 HF_CONFIGS = {"qwen3": "qwen3-30b-a3b-debug", "glm": "glm-4.5-air-debug"}  # --hf-config shorthands
@@ -106,7 +109,7 @@ def all_reduce_mean_(tensors: list[torch.Tensor], world: int) -> None:
 # layers' plans, routed counts [L, N, E]); eval_loss(x, y) (no planning state advanced); state_dict() /
 # load_state_dict() (this rank's checkpoint; collective where the model's state dict is).
 class NativeModel:
-    """lrmoe's own transformer (lrmoe.model.MoETransformer) with an EPMoELayer per MoE layer."""
+    """lrmoe's own transformer (lrmoe.integrations.model.MoETransformer) with an EPMoELayer per MoE layer."""
 
     architecture = "lrmoe"
 
@@ -178,12 +181,12 @@ class NativeModel:
 
 class HFModel:
     """Hugging Face transformers' Qwen3-MoE or GLM-4.5 model of the preset's shape, its sparse MoE blocks on the
-    expert-parallel layer; :class:`lrmoe.hf.HFExpertParallel` holds the training-loop contract."""
+    expert-parallel layer; :class:`lrmoe.integrations.hf.HFExpertParallel` holds the training-loop contract."""
 
     def __init__(self, args, cfg: MoEConfig, world: int, device: torch.device):
         from transformers import AutoModelForCausalLM
 
-        from lrmoe.hf import hf_config, swap_moe_blocks
+        from lrmoe.integrations.hf import hf_config, swap_moe_blocks
 
         self.device = device
         torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -206,7 +209,7 @@ class HFModel:
 
     @torch.no_grad()
     def eval_loss(self, x, y) -> torch.Tensor:
-        logits = self.model(x).logits  # a forward without grad plans nothing (lrmoe.hf)
+        logits = self.model(x).logits  # a forward without grad plans nothing (lrmoe.integrations.hf)
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     def state_dict(self) -> dict:
@@ -322,7 +325,7 @@ def worker(rank: int, args) -> list[dict]:
             start = found
     tracker = None
     if rank == 0 and args.out:
-        from lrmoe.tracking import Tracker
+        from lrmoe.integrations.tracking import Tracker
 
         tracker = Tracker("train", vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
                           resume=args.resume, resume_step=start,  # records past the checkpoint are redone
@@ -379,7 +382,7 @@ def parse_args(argv=None):
                         help="train Hugging Face transformers' architecture instead of lrmoe's: 'qwen3' (Qwen3-MoE "
                              f"of {HF_CONFIGS['qwen3']}), 'glm' (GLM-4.5, glm4_moe, of {HF_CONFIGS['glm']}) or any "
                              "model preset of either family; its MoE blocks run on the expert-parallel layer "
-                             "(lrmoe.hf; needs the [hf] extra)")
+                             "(lrmoe.integrations.hf; needs the [hf] extra)")
     parser.add_argument("--policy", default="lrmoe", type=system_arg, help=system_names_help())
     parser.add_argument("--ranks", type=int, default=4, help="ranks of the fork launcher")
     parser.add_argument("--torchrun", action="store_true", help="run under torchrun (one process per rank)")
@@ -444,7 +447,7 @@ def check_args(args) -> None:
             model_preset(args.preset.removesuffix("-debug"))
         check_systems([args.policy], system_context(args, cfg, world))
         if args.hf_config:
-            from lrmoe.hf import hf_config  # imports transformers here, once, before the ranks fork
+            from lrmoe.integrations.hf import hf_config  # imports transformers here, once, before the ranks fork
 
             hf_config(cfg)  # raises when the preset has no HF counterpart
         if args.data is not None:
@@ -459,13 +462,13 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     check_args(args)
     if args.torchrun:
-        from lrmoe.distributed.comm import init_process_group_from_env
+        from lrmoe.runtime.distributed.comm import init_process_group_from_env
 
         info = init_process_group_from_env()
         history = worker(info.rank, args)
         dist.destroy_process_group()
         return history
-    from lrmoe.distributed.launch import launch
+    from lrmoe.runtime.distributed.launch import launch
 
     # Read the corpus and import what the ranks' optimizers import, once, here: the forked ranks inherit both (a
     # process reads a corpus once) instead of spending seconds on each.

@@ -13,7 +13,8 @@
    seed) and fed through fresh policy objects built by ``layer_bench.make_policy``, step by step as the layer
    feeds them (``prev_counts_E`` = the previous step's global counts). The replay is checked against what the
    benchmark counted: every rank's pairs and bytes of every phase, each step, must equal the formulas of
-   :mod:`lrmoe.distributed.accounting` on the replayed plan (the benchmark checked the same formulas on the plan it
+   :mod:`lrmoe.runtime.distributed.accounting` on the replayed plan (the benchmark checked the same formulas on the
+   plan it
    ran).
 3. *Predict and compare*: ``CostModel.cost(plan)`` per step and rank; per phase the predicted time against the
    measured one (statistics below); error = predicted / measured - 1, per (trace, policy, phase) cell, then its
@@ -55,12 +56,12 @@ import pandas as pd
 import torch
 
 from lrmoe.config import model_preset
-from lrmoe.distributed.accounting import expected_layer, expected_step
+from lrmoe.runtime.distributed.accounting import expected_layer, expected_step
 from lrmoe.harness.calibrate_cpu import CLOCKS, calibrate, spec_for_bench, write_calibration
 from lrmoe.sim.cost import PHASES as MODEL_PHASES
-from lrmoe.scoring import get_metric
+from lrmoe.recal.scoring import get_metric
 from lrmoe.sim.cost import CostModel, cpu_gloo_preset
-from lrmoe.tracking import Tracker, add_tracking_args, read_results
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, read_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,7 +159,8 @@ def bench_replica_grad(config: dict) -> str:
 
 def check_replay(raw: pd.DataFrame, replay: dict, config: dict) -> pd.DataFrame:
     """Every counted quantity of the benchmark (pairs per rank, bytes per phase and rank) against the formulas of
-    :mod:`lrmoe.distributed.accounting` on the replayed plan of the same step. Returns the mismatches (empty: the replay
+    :mod:`lrmoe.runtime.distributed.accounting` on the replayed plan of the same step. Returns the mismatches (empty:
+    the replay
     is the plan the benchmark ran, as far as anything it recorded can tell)."""
     model, n, _, elem = bench_shapes(config)
     warmup = int(config["warmup"])

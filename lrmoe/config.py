@@ -102,7 +102,7 @@ class MoEConfig:
         """The shape of a Hugging Face Qwen3-MoE (``qwen3_moe``) or GLM-4.5 (``glm4_moe``) config (read by
         attribute; transformers is not imported). ``seq_len`` defaults to ``max_position_embeddings``; ``name`` to
         the config's ``_name_or_path`` or model type. Routing details beyond the family (``norm_topk_prob``,
-        ``n_group``/``topk_group``) stay with HF's router in :mod:`lrmoe.hf`."""
+        ``n_group``/``topk_group``) stay with HF's router in :mod:`lrmoe.integrations.hf`."""
         model_type = getattr(config, "model_type", None)
         get = lambda key, default=None: getattr(config, key, default)  # noqa: E731
         layers = get("num_hidden_layers")

@@ -2,7 +2,7 @@
 
 A system is a placement policy (built by a factory from a :class:`SystemContext`, the facts a script knows:
 experts, ranks, spare slots, memory, LRMoE's knobs) + the backward the real layer runs
-(:class:`~lrmoe.backward.BackwardConfig`: metric, selection mode, compaction, seed) + how it executes (the
+(:class:`~lrmoe.runtime.backward.BackwardConfig`: metric, selection mode, compaction, seed) + how it executes (the
 recalibrated backward or the plain one, sharded optimizer state, replica-sync groups) + how figures show it
 (label, colour). Adding a placement policy or a system is one entry in :data:`SYSTEMS`.
 
@@ -22,10 +22,10 @@ import argparse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from .backward import BackwardConfig
-from .online import Online
-from .placement import MemoryModel
-from .policies import LRMoE, Capacity, StaticEP, Symi, Trimmed
+from lrmoe.recal.backward_config import BackwardConfig
+from lrmoe.planner.online import Online
+from lrmoe.planner.placement import MemoryModel
+from lrmoe.planner.policies import LRMoE, Capacity, StaticEP, Symi, Trimmed
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class SystemContext:
 
     num_experts, num_ranks  E and N; every system keeps the static E/N home slots per rank, so N must divide E.
     spare_slots     replica slots per rank beyond the E/N home slots: SYMI's extra slots, and LRMoE's most.
-    eps, gamma      LRMoE's balance slack and per-expert floor (:class:`~lrmoe.policies.LRMoE`).
+    eps, gamma      LRMoE's balance slack and per-expert floor (:class:`~lrmoe.planner.policies.LRMoE`).
     memory          the per-rank budget of one MoE layer: LRMoE sizes its replica slots and its memory cap from it
                     (None: ``spare_slots`` as given, no memory cap).
     pairs_per_rank  the mean routed pairs per rank (tokens · k): the load memory-sized slot counts and the tight
@@ -45,7 +45,8 @@ class SystemContext:
     lrmoe_headroom  None: LRMoE's spare slots are ``spare_slots`` (its own memory rule may use fewer). A number:
                     at most the spare slots that fit ``memory`` beside buffers for that many times the mean load.
                     With ``symi_headroom``, the one headroom rule of DESIGN.md §5.4: each system's own planned
-                    peak load (:meth:`~lrmoe.placement.MemoryModel.spare_slots_for`), never a constant per system.
+                    peak load (:meth:`~lrmoe.planner.placement.MemoryModel.spare_slots_for`), never a constant per
+                    system.
     ranks_per_node  consecutive ranks that share a node (None: one node): online replication pushes weights only
                     inside a node.
     """
@@ -163,7 +164,7 @@ class SymiFactory:
 @dataclass(frozen=True)
 class TrimmedFactory:
     """Another system's policy with its backward trimmed to LRMoE's ``budget`` at ``rho``
-    (:class:`~lrmoe.policies.Trimmed`): the "less work, not the right work" control."""
+    (:class:`~lrmoe.planner.policies.Trimmed`): the "less work, not the right work" control."""
 
     base: Callable[[SystemContext], object]
     rho: float
@@ -183,7 +184,8 @@ class TrimmedFactory:
 
 @dataclass(frozen=True)
 class OnlineFactory:
-    """Online replication (:class:`~lrmoe.online.Online`) with the spare slots SYMI-dropless gets in this context
+    """Online replication (:class:`~lrmoe.planner.online.Online`) with the spare slots SYMI-dropless gets in this
+    context
     (``fit``: the same memory rule, so both replicate into the same memory), pushing inside the context's nodes."""
 
     fit: SymiFactory = SymiFactory()
@@ -221,7 +223,7 @@ def tight_cap(ctx: SystemContext) -> int:
 
 @dataclass(frozen=True)
 class LRMoEFactory:
-    """:class:`~lrmoe.policies.LRMoE` with the context's eps, gamma, spare slots and memory, overridden by
+    """:class:`~lrmoe.planner.policies.LRMoE` with the context's eps, gamma, spare slots and memory, overridden by
     ``options`` (keyword arguments of LRMoE; a callable value is a function of the context)."""
 
     options: tuple[tuple[str, object], ...] = ()
@@ -294,7 +296,7 @@ class SystemSpec:
 
     def simulator_system(self, ctx: SystemContext):
         """This system for :func:`lrmoe.sim.simulator.simulate` (pass :meth:`cost_options` to the cost model)."""
-        from .sim.simulator import System
+        from lrmoe.sim.simulator import System
 
         return System(self.name, lambda: self.make(ctx), compaction=self.backward.compact,
                       sharded_optimizer=self.sharded_optimizer, description=self.label)
@@ -341,7 +343,8 @@ SYSTEMS: dict[str, SystemSpec] = dict([
     # SYMI-dropless with its backward trimmed at random to the same budget as LRMoE's at each rho (the control)
     *[_system(f"symi-dropless-rho{rho:g}", TrimmedFactory(SymiFactory(), rho), f"SYMI-dropless, random trim ρ={rho:g}",
               "#4a90c2", backward=BackwardConfig(metric="random"), recalibrated=True) for rho in RHOS],
-    # -- online replication (lrmoe.online; the MoonEP / Megatron-Core virtual-expert way): this forward's hottest
+    # -- online replication (lrmoe.planner.online; the MoonEP / Megatron-Core virtual-expert way): this forward's
+    # hottest
     # experts copied into SYMI-dropless's spare slots inside a node; optimizer state stays with the home experts.
     # "online-rho0.75": LRMoE's retention budget (m2, top-k, LRMoE's floor) on top of online replication.
     _system("online", OnlineFactory(), "online replication", "#e6550d", **_UNSHARDED),

@@ -20,7 +20,7 @@
 # memory competes with the token buffers and saved activations, so as the budget shrinks fewer replicas fit and
 # the imbalance stays.
 #
-# Every number here comes from **one memory model** (`lrmoe.memory`), the one the planners size their replica
+# Every number here comes from **one memory model** (`lrmoe.bytemodel.memory`), the one the planners size their replica
 # slots with and the one the simulator checks for out-of-memory: each buffer counted once (the received input row
 # *is* the saved input), in-flight exchange buffers for the layer in flight only, saved activations for every
 # layer, weights and gradients per allocated slot. Every dropless system sizes its slots by the same rule: buffers

@@ -23,8 +23,8 @@
 # | `gate` | g | free |
 # | `random` | uniform | free |
 #
-# Each metric is an object of `lrmoe.scoring` (`METRIC_REGISTRY`) that declares what it needs besides g·δ; to try
-# a new one, subclass `lrmoe.scoring.Metric` and pass the object as `metric` to `run` below.
+# Each metric is an object of `lrmoe.recal.scoring` (`METRIC_REGISTRY`) that declares what it needs besides g·δ; to try
+# a new one, subclass `lrmoe.recal.scoring.Metric` and pass the object as `metric` to `run` below.
 #
 # Selection is `topk` (biased, lowest variance) or `unbiased` (keep with probability p ∝ score, scale by 1/p).
 #
@@ -42,10 +42,10 @@ import seaborn as sns
 import torch
 
 from lrmoe.config import model_preset
-from lrmoe.recalibrate import Recalibration, pair_groups, pair_hook, proportional_quotas
-from lrmoe.reference import ReferenceMoE
-from lrmoe.scoring import METRICS
-from lrmoe.traces import zipf_popularity
+from lrmoe.recal.recalibrate import Recalibration, pair_groups, pair_hook, proportional_quotas
+from lrmoe.runtime.reference import ReferenceMoE
+from lrmoe.recal.scoring import METRICS
+from lrmoe.integrations.traces import zipf_popularity
 
 QUICK = os.environ.get("LRMOE_NOTEBOOK_QUICK") == "1"  # the tests run every notebook in a small mode
 PRESET = "qwen3-30b-a3b-debug"
@@ -161,7 +161,7 @@ print(f"kept {int(default['rec'].keep_P.sum())} of {default['rec'].keep_P.numel(
 # floor γ). Here the planner's LRMoE policy plans the same routed counts with no spare replica slot.
 
 # %%
-from lrmoe.policies import LRMoE
+from lrmoe.planner.policies import LRMoE
 
 result = run(skew=0.8)
 counts_NE = result["counts_Q"].view(RANKS, cfg.num_experts)

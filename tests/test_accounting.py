@@ -1,12 +1,12 @@
 """The per-rank accountant: phases timed and counted by name from one vocabulary, and the check that compares what
-a rank counted with the closed form of its plan (lrmoe.layout, lrmoe.sync_model)."""
+a rank counted with the closed form of its plan (lrmoe.bytemodel.layout, lrmoe.bytemodel.sync_model)."""
 
 import pytest
 import torch
 
-from lrmoe.distributed.accounting import Accountant, check_counts, expected_layer
-from lrmoe.layout import BYTE_PHASES
-from lrmoe.plan import LayerPlan, no_flows
+from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_layer
+from lrmoe.bytemodel.layout import BYTE_PHASES
+from lrmoe.planner.plan import LayerPlan, no_flows
 
 
 def test_phases_accumulate_and_record_flat_keys():

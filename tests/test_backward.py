@@ -5,7 +5,8 @@ tests/test_layer_lrmoe.py (against the reference) and tests/test_dispatch.py (as
 import pytest
 import torch
 
-from lrmoe.backward import BackwardConfig, flow_slots, rows_only
+from lrmoe.recal.backward_config import BackwardConfig
+from lrmoe.runtime.backward import flow_slots, rows_only
 from lrmoe.kernels.compact import compact_plan, pack, unpack
 
 

@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lrmoe.config import ClusterConfig, MoEConfig, cluster_preset, model_preset
-from lrmoe.distributed.accounting import expected_layer, expected_step
-from lrmoe.layout import STEP_PHASES
-from lrmoe.placement import MemoryModel, lrmoe_placement
-from lrmoe.plan import LayerPlan, no_flows
-from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi
-from lrmoe.replica_routing import route_forward
+from lrmoe.runtime.distributed.accounting import expected_layer, expected_step
+from lrmoe.bytemodel.layout import STEP_PHASES
+from lrmoe.planner.placement import MemoryModel, lrmoe_placement
+from lrmoe.planner.plan import LayerPlan, no_flows
+from lrmoe.planner.policies import LRMoE, Capacity, StaticEP, Symi
+from lrmoe.planner.replica_routing import route_forward
 from lrmoe.sim.cost import (CATEGORIES, PHASES, CostModel, GemmCurve, cpu_gloo_preset, gemm_preset,
                             load_gemm_calibration)
 
@@ -78,7 +78,7 @@ def test_hand_computed_times_bytes_and_memory():
     assert cats["forward"] == pytest.approx(8.1) and cats["backward"] == pytest.approx(16.1)
     assert cats["communication"] == pytest.approx(4 * 0.82) and cats["sync"] == pytest.approx(1.96)
     assert cats["overhead"] == pytest.approx(0.66)
-    # memory (lrmoe.memory): slot 24 x (4 + 4) B; rows of 16 B; expert side 5 and 6 pairs, home side 4 and 7.
+    # memory (lrmoe.bytemodel.memory): slot 24 x (4 + 4) B; rows of 16 B; expert side 5 and 6 pairs, home side 4 and 7.
     # saved: expert pairs x (row 16 + gate, up, h 3·2·4) + home pairs x row 16: 5·40 + 4·16, 6·40 + 7·16.
     # forward in flight: (home + expert) x 16; backward: every pair's grad row out and in, on both sides, 2·(4 + 5)
     # and 2·(7 + 6) rows, + 2F·4 = 16 B per backward GEMM row: 288 + 80, 416 + 96.
@@ -112,7 +112,8 @@ def _random_counts(n, e, seed, scale=20):
 @pytest.mark.parametrize("n", [2, 4])
 def test_bytes_equal_the_layers_accounting_formulas(n, seed):
     """Dropless plans on SYMI, LRMoE (scattered replicas: wide ranges) and static placements: every all-to-all
-    and every optimizer-step phase sends exactly the bytes :mod:`lrmoe.distributed.accounting` derives for the layer."""
+    and every optimizer-step phase sends exactly the bytes :mod:`lrmoe.runtime.distributed.accounting` derives for the
+    layer."""
     e = 8
     model = TINY.replace(num_experts=e, hidden=8, expert_ffn=5)
     cm = CostModel(model, TOY.replace(num_ranks=n, ranks_per_node=2 if n > 2 else 1), gemm=CURVE)

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from lrmoe.config import model_preset
-from lrmoe.data import decode, encode, get_batch, is_validation, load_corpus
-from lrmoe.model import MoETransformer
-from lrmoe.reference import ReferenceMoE
+from lrmoe.integrations.data import decode, encode, get_batch, is_validation, load_corpus
+from lrmoe.integrations.model import MoETransformer
+from lrmoe.runtime.reference import ReferenceMoE
 
 
 def test_tokenizer_round_trips_utf8():

@@ -8,16 +8,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lrmoe.backward import BackwardConfig
-from lrmoe.dispatch import assign_pairs, make_dispatch, source_to_slot_major
-from lrmoe.distributed.comm import all_gather_rows
-from lrmoe.distributed.launch import launch
-from lrmoe.distributed.replica import RangeGroups
-from lrmoe.expert_compute import Activations
-from lrmoe.layer import EPMoELayer, initial_placement
-from lrmoe.policies import StaticEP
-from lrmoe.reference import ReferenceMoE
-from lrmoe.routing import RouterOutput, route
+from lrmoe.recal.backward_config import BackwardConfig
+from lrmoe.runtime.dispatch import assign_pairs, make_dispatch, source_to_slot_major
+from lrmoe.runtime.distributed.comm import all_gather_rows
+from lrmoe.runtime.distributed.launch import launch
+from lrmoe.runtime.distributed.replica import RangeGroups
+from lrmoe.runtime.expert_compute import Activations
+from lrmoe.runtime.layer import EPMoELayer, initial_placement
+from lrmoe.planner.policies import StaticEP
+from lrmoe.runtime.reference import ReferenceMoE
+from lrmoe.runtime.routing import RouterOutput, route
 
 from test_layer import FixedPlacement, random_placement, replica_slots
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lrmoe.distributed.comm import all_gather_rows, all_to_all_rows, exchange_rows
-from lrmoe.distributed.launch import launch
+from lrmoe.runtime.distributed.comm import all_gather_rows, all_to_all_rows, exchange_rows
+from lrmoe.runtime.distributed.launch import launch
 
 
 def _splits_NN(world_size: int) -> torch.Tensor:
@@ -98,7 +98,7 @@ def test_init_process_group_from_env_under_torchrun(tmp_path):
     script = tmp_path / "tr.py"
     script.write_text(textwrap.dedent("""
         import torch, torch.distributed as dist
-        from lrmoe.distributed.comm import init_process_group_from_env, all_to_all_rows
+        from lrmoe.runtime.distributed.comm import init_process_group_from_env, all_to_all_rows
         info = init_process_group_from_env(timeout_s=30)
         assert info.backend == "gloo" and info.device.type == "cpu"
         x = torch.full((info.rank + 1, 2), float(info.rank), requires_grad=True)
@@ -116,7 +116,7 @@ def test_init_process_group_from_env_under_torchrun(tmp_path):
 
 
 def test_init_process_group_from_env_without_torchrun_names_the_missing_variables(monkeypatch):
-    from lrmoe.distributed.comm import init_process_group_from_env
+    from lrmoe.runtime.distributed.comm import init_process_group_from_env
 
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)

@@ -1,4 +1,5 @@
-"""The transformers drop-in (lrmoe.hf) against the unmodified HF models, on 2 gloo ranks, both families, fp32.
+"""The transformers drop-in (lrmoe.integrations.hf) against the unmodified HF models, on 2 gloo ranks, both families,
+fp32.
 
 Every rank builds the same tiny model (hidden 32, 8 experts, top-2, 2 MoE layers) from the same seed, keeps an
 unmodified copy as the reference and swaps the other's MoE blocks onto the expert-parallel layer. Rank n feeds its
@@ -22,13 +23,13 @@ pytest.importorskip("transformers")
 from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
 from lrmoe.config import MoEConfig, cluster_preset, model_preset  # noqa: E402
-from lrmoe.distributed.launch import launch  # noqa: E402
-from lrmoe.hf import (EPExperts, gather_trace, hf_config, hf_to_reference, moe_blocks, reference_to_hf,  # noqa: E402
-                      swap_moe_blocks)
-from lrmoe.reference import swiglu  # noqa: E402
+from lrmoe.runtime.distributed.launch import launch  # noqa: E402
+from lrmoe.integrations.hf import (EPExperts, gather_trace, hf_config, hf_to_reference, moe_blocks, reference_to_hf,
+                                   swap_moe_blocks)
+from lrmoe.runtime.reference import swiglu  # noqa: E402
 from lrmoe.sim.simulator import simulate  # noqa: E402
 from lrmoe.systems import SystemContext, get_system  # noqa: E402
-from lrmoe.traces import RouterRecorder  # noqa: E402
+from lrmoe.integrations.traces import RouterRecorder  # noqa: E402
 
 TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
                  num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")

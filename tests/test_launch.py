@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lrmoe.distributed.launch import LaunchError, launch
+from lrmoe.runtime.distributed.launch import LaunchError, launch
 
 
 def _rank_info(rank, offset, scale=1):
@@ -76,7 +76,7 @@ def test_ranks_inherit_the_modules_torch_would_import_in_each_of_them():
     yet."""
     code = textwrap.dedent("""
         import sys
-        from lrmoe.distributed.launch import launch
+        from lrmoe.runtime.distributed.launch import launch
         before = "torch._dynamo" in sys.modules
         print(before, launch(lambda rank: "torch._dynamo" in sys.modules, 2, preload=("torch._dynamo",)))
     """)
@@ -94,7 +94,7 @@ def test_bad_arguments_name_the_problem():
 def test_a_script_whose_rank_fails_exits_non_zero(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text(textwrap.dedent("""
-        from lrmoe.distributed.launch import launch
+        from lrmoe.runtime.distributed.launch import launch
 
         def work(rank):
             if rank == 1:

@@ -10,16 +10,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lrmoe.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
-from lrmoe.distributed.comm import all_gather_rows
-from lrmoe.distributed.launch import launch
-from lrmoe.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
-from lrmoe.layer import EPMoELayer, initial_placement
-from lrmoe.plan import LayerPlan, no_flows
-from lrmoe.policies import Capacity, StaticEP, Symi
-from lrmoe.reference import ReferenceMoE
-from lrmoe.replica_routing import route_forward
-from lrmoe.routing import route
+from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
+from lrmoe.runtime.distributed.comm import all_gather_rows
+from lrmoe.runtime.distributed.launch import launch
+from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
+from lrmoe.runtime.layer import EPMoELayer, initial_placement
+from lrmoe.planner.plan import LayerPlan, no_flows
+from lrmoe.planner.policies import Capacity, StaticEP, Symi
+from lrmoe.runtime.reference import ReferenceMoE
+from lrmoe.planner.replica_routing import route_forward
+from lrmoe.runtime.routing import route
 
 D, F, E, K, T = 8, 5, 8, 2, 8
 
@@ -280,7 +280,7 @@ def _bench_script():
 def test_layer_bench_under_the_fork_launcher(tmp_path):
     from _scripts import load_experiment
 
-    from lrmoe.tracking import read_results
+    from lrmoe.integrations.tracking import read_results
 
     bench = load_experiment("layer_bench")
     out = tmp_path / "bench.jsonl"

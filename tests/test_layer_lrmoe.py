@@ -1,6 +1,6 @@
 """LRMoE end to end in the expert-parallel layer (gloo, 2 and 4 forked ranks) against the reference layer.
 
-The recalibrated backward (lrmoe.backward) must give, for every plan: with unbounded quotas, exactly the
+The recalibrated backward (lrmoe.runtime.backward) must give, for every plan: with unbounded quotas, exactly the
 reference's gradients; with quotas, exactly the reference's gradients on the retained pair set the layer
 reports (keep, scale); the router gradient and the shared expert untouched by the trimming; per-rank retained
 pairs within the cap apart from the reported floor excess; and backward all-to-all bytes of exactly the
@@ -14,15 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lrmoe.backward import BackwardConfig
-from lrmoe.layout import plan_selects
-from lrmoe.distributed.accounting import Accountant, check_counts, expected_layer
-from lrmoe.distributed.comm import all_gather_rows
-from lrmoe.distributed.launch import launch
-from lrmoe.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
-from lrmoe.layer import EPMoELayer, NeedsRecalibration, initial_placement
-from lrmoe.policies import LRMoE, StaticEP, Symi, Trimmed
-from lrmoe.reference import ReferenceMoE
+from lrmoe.recal.backward_config import BackwardConfig
+from lrmoe.bytemodel.layout import plan_selects
+from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_layer
+from lrmoe.runtime.distributed.comm import all_gather_rows
+from lrmoe.runtime.distributed.launch import launch
+from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
+from lrmoe.runtime.layer import EPMoELayer, NeedsRecalibration, initial_placement
+from lrmoe.planner.policies import LRMoE, StaticEP, Symi, Trimmed
+from lrmoe.runtime.reference import ReferenceMoE
 
 D, F, E, K, T = 8, 5, 8, 2, 16
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -99,7 +99,7 @@ def run_case(rank, groups, policy, cfg, *, family="softmax_topk", shared=False, 
             assert float(rec.scores_P[out].max()) <= float(rec.scores_P[stay].min())
     assert int(moved.sum()) == int(plan.moved_out_NG[rank].sum())
 
-    # counted = the formulas, and the byte rules of DESIGN.md §5.1 / lrmoe.layout
+    # counted = the formulas, and the byte rules of DESIGN.md §5.1 / lrmoe.bytemodel.layout
     elem = torch.tensor([], dtype=torch.float64).element_size()
     record = acc.record()
     check_counts(record, expected_layer(plan, D, F, elem, cfg.metric, cfg.compact, input_grad), rank)
@@ -244,7 +244,7 @@ def _bench():
 
 
 def test_layer_bench_replays_a_recorded_trace_beside_the_synthetic_ones(tmp_path):
-    from lrmoe.traces import generate_trace
+    from lrmoe.integrations.traces import generate_trace
 
     bench = _bench()
     generate_trace(4, 2, 4, 16, 4, 32, seed=7).save(tmp_path / "run.npz")
@@ -266,7 +266,7 @@ def test_layer_bench_quick_runs_every_policy_and_reports_the_targets(tmp_path):
     out = tmp_path / "bench.jsonl"
     bench.main(["--ranks", "2", "--tokens-per-rank", "32", "--steps", "2", "--warmup", "0", "--skew-param", "0.8",
                 "--hidden", "32", "--ffn", "16", "--no-wandb", "--out", str(out)])
-    from lrmoe.tracking import read_results
+    from lrmoe.integrations.tracking import read_results
 
     records = read_results(out)
     policies = {r["policy"] for r in records if r["table"] == "policy"}

@@ -11,16 +11,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lrmoe.backward import BackwardConfig
-from lrmoe.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
-from lrmoe.distributed.comm import all_gather_rows
-from lrmoe.distributed.launch import launch
-from lrmoe.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
-from lrmoe.layer import EPMoELayer, initial_placement
-from lrmoe.placement import symi_placement
-from lrmoe.policies import Symi
-from lrmoe.reference import ReferenceMoE
-from lrmoe.routing import route
+from lrmoe.recal.backward_config import BackwardConfig
+from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
+from lrmoe.runtime.distributed.comm import all_gather_rows
+from lrmoe.runtime.distributed.launch import launch
+from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
+from lrmoe.runtime.layer import EPMoELayer, initial_placement
+from lrmoe.planner.placement import symi_placement
+from lrmoe.planner.policies import Symi
+from lrmoe.runtime.reference import ReferenceMoE
+from lrmoe.runtime.routing import route
 
 D, F, E, K, T = 8, 5, 8, 2, 16
 STEPS = 3

@@ -1,13 +1,14 @@
-"""The plan's byte model (lrmoe.layout): the rows every all-to-all carries, hand-derived on a small plan that trims,
+"""The plan's byte model (lrmoe.bytemodel.layout): the rows every all-to-all carries, hand-derived on a small plan that
+trims,
 moves and (padded) pads; the runtime lays its packets out by these rules; the accountant and the cost model count
 them."""
 
 import pytest
 import torch
 
-from lrmoe.layout import (A2A_PHASES, PHASES, backward_counts, layer_counts, layer_traffic, plan_selects,
+from lrmoe.bytemodel.layout import (A2A_PHASES, PHASES, backward_counts, layer_counts, layer_traffic, plan_selects,
                           receive_layout)
-from lrmoe.plan import LayerPlan
+from lrmoe.planner.plan import LayerPlan
 
 
 def test_receive_layout_compact_and_padded():

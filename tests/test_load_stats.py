@@ -4,8 +4,8 @@ trimmed pairs, and the across-layer summary."""
 import pytest
 import torch
 
-from lrmoe.load_stats import flat_log, layer_load_stats, load_stats
-from lrmoe.plan import LayerPlan, no_flows
+from lrmoe.integrations.load_stats import flat_log, layer_load_stats, load_stats
+from lrmoe.planner.plan import LayerPlan, no_flows
 
 
 def test_static_ep_layer_on_hand_counts():

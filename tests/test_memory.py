@@ -1,4 +1,5 @@
-"""The one memory model (lrmoe.memory): its terms by hand, and the property that ties the planner to the simulator:
+"""The one memory model (lrmoe.bytemodel.memory): its terms by hand, and the property that ties the planner to the
+simulator:
 on random plans of every policy, "the planner says it fits" if and only if "the simulator reports no OOM"; the
 planner's slot count is exactly the simulator's boundary; and the headroom rule is the same for every system."""
 
@@ -9,11 +10,11 @@ import pytest
 import torch
 
 from lrmoe.config import ClusterConfig, MoEConfig, cluster_preset, model_preset
-from lrmoe.memory import Footprint, LayerLoads, footprint, layer_memory, model_peak, plan_loads, slot_capacity
-from lrmoe.placement import MemoryModel, static_placement
-from lrmoe.plan import LayerPlan, no_flows
-from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi, Trimmed
-from lrmoe.replica_routing import route_forward
+from lrmoe.bytemodel.memory import Footprint, LayerLoads, footprint, layer_memory, model_peak, plan_loads, slot_capacity
+from lrmoe.planner.placement import MemoryModel, static_placement
+from lrmoe.planner.plan import LayerPlan, no_flows
+from lrmoe.planner.policies import LRMoE, Capacity, StaticEP, Symi, Trimmed
+from lrmoe.planner.replica_routing import route_forward
 from lrmoe.sim.cost import CostModel, GemmCurve
 from lrmoe.sim.simulator import System, simulate
 

@@ -7,7 +7,7 @@ import torch
 from _scripts import load_experiment
 
 from lrmoe.config import model_preset
-from lrmoe.tracking import read_results
+from lrmoe.integrations.tracking import read_results
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ["qwen3-30b-a3b-debug", "glm-4.5-air-debug"]
@@ -125,7 +125,7 @@ def test_trained_weights_are_cached_and_reused(fidelity, tmp_path, corpus_dir, m
 
 
 def test_training_lowers_the_loss_and_is_deterministic(fidelity, corpus_dir):
-    from lrmoe.data import load_corpus
+    from lrmoe.integrations.data import load_corpus
 
     corpus = load_corpus(str(corpus_dir))
     spec = fidelity.TrainSpec(preset=PRESETS[0], steps=12, batch=4, seq_len=32, lr=3e-3, aux_coef=0.1,

@@ -1,4 +1,5 @@
-"""Online replication (lrmoe.online): replicas planned from the current forward, weights pushed into spare slots.
+"""Online replication (lrmoe.planner.online): replicas planned from the current forward, weights pushed into spare
+slots.
 
 Pure: the spare slots only are filled, only inside the expert's home node, never lowering balance; the plan's push
 names a home slot of the same expert; the push's byte model by hand. Distributed (gloo, 2 and 4 forked ranks,
@@ -13,16 +14,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lrmoe.backward import BackwardConfig
-from lrmoe.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
-from lrmoe.distributed.launch import launch
-from lrmoe.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
-from lrmoe.layer import EPMoELayer, initial_placement
-from lrmoe.online import Online, home_placement, online_replicas, push_sources
-from lrmoe.plan import LayerPlan, no_flows
-from lrmoe.policies import StaticEP, Trimmed
-from lrmoe.reference import ReferenceMoE
-from lrmoe.sync_model import push_bytes, push_rows
+from lrmoe.recal.backward_config import BackwardConfig
+from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
+from lrmoe.runtime.distributed.launch import launch
+from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
+from lrmoe.runtime.layer import EPMoELayer, initial_placement
+from lrmoe.planner.online import Online, home_placement, online_replicas, push_sources
+from lrmoe.planner.plan import LayerPlan, no_flows
+from lrmoe.planner.policies import StaticEP, Trimmed
+from lrmoe.runtime.reference import ReferenceMoE
+from lrmoe.bytemodel.sync_model import push_bytes, push_rows
 from lrmoe.systems import SystemContext, get_system
 
 D, F, E, K, T = 8, 5, 8, 2, 16

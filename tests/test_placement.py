@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lrmoe.memory import Footprint
-from lrmoe.placement import (MemoryModel, lrmoe_placement, replica_table, slots_that_fit, static_placement,
+from lrmoe.bytemodel.memory import Footprint
+from lrmoe.planner.placement import (MemoryModel, lrmoe_placement, replica_table, slots_that_fit, static_placement,
                              symi_placement, symi_replica_counts)
 
 
@@ -208,7 +208,7 @@ def test_memory_model():
 
 
 def test_memory_model_of_a_footprint_over_layers():
-    """The full model (lrmoe.memory): slots and saved activations in every layer, in-flight buffers once."""
+    """The full model (lrmoe.bytemodel.memory): slots and saved activations in every layer, in-flight buffers once."""
     fp = Footprint(slot=10.0, row=2.0, expert_act=1.0, bwd_act=1.0, index=0.5)
     m = MemoryModel.for_model(fp, budget_bytes=1000, num_layers=4, fixed_bytes=20)
     assert (m.slot_bytes, m.pair_bytes) == (10.0, 3.0)  # pair: the received (= saved) row and its activations

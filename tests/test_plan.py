@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from lrmoe.plan import LayerPlan, no_flows
-from lrmoe.policies import StaticEP
+from lrmoe.planner.plan import LayerPlan, no_flows
+from lrmoe.planner.policies import StaticEP
 
 
 def hand_plan(**changes):

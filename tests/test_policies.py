@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lrmoe.placement import MemoryModel, static_placement, symi_placement
-from lrmoe.plan import LayerPlan
-from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi, Trimmed, initial_placement
+from lrmoe.planner.placement import MemoryModel, static_placement, symi_placement
+from lrmoe.planner.plan import LayerPlan
+from lrmoe.planner.policies import LRMoE, Capacity, StaticEP, Symi, Trimmed, initial_placement
 
 
 def skewed_counts(N, E, pairs_per_rank, hot=0, heat=8.0, seed=0):

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lrmoe.quotas import budget_caps, budget_level, expert_floor, memory_cap_pairs, rank_caps, retention_quotas
+from lrmoe.planner.quotas import budget_caps, budget_level, expert_floor, memory_cap_pairs, rank_caps, retention_quotas
 
 # --- caps and floor -------------------------------------------------------------------------------------------
 

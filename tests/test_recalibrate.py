@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from lrmoe.recalibrate import (Recalibration, pair_groups, pair_hook, proportional_quotas, recalibrate,
+from lrmoe.recal.recalibrate import (Recalibration, pair_groups, pair_hook, proportional_quotas, recalibrate,
                                score_and_select)
-from lrmoe.reference import ReferenceMoE
-from lrmoe.scoring import METRICS, pair_scores
-from lrmoe.selection import MODES
+from lrmoe.runtime.reference import ReferenceMoE
+from lrmoe.recal.scoring import METRICS, pair_scores
+from lrmoe.recal.selection import MODES
 from _scripts import load_experiment
 
 D, FFN, E, K, T, SOURCES = 8, 6, 6, 2, 24, 2
@@ -220,7 +220,7 @@ def test_bad_input_raises_value_error_naming_it(call, message):
 def test_metric_fidelity_quick_run(tmp_path):
     """At ρ = 1 the harness must measure no error at all; at ρ = 0.5 on heavy-tailed token gradients the
     gradient-norm metric must beat random in the biased mode (a large, robust effect)."""
-    from lrmoe.tracking import read_results
+    from lrmoe.integrations.tracking import read_results
 
     fidelity = load_experiment("metric_fidelity")
     out = tmp_path / "fidelity.jsonl"
@@ -237,7 +237,7 @@ def test_metric_fidelity_quick_run(tmp_path):
 
 
 def test_bench_scoring_quick_run(tmp_path):
-    from lrmoe.tracking import read_results
+    from lrmoe.integrations.tracking import read_results
 
     bench = load_experiment("bench_scoring")
     out = tmp_path / "bench.jsonl"

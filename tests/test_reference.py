@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from lrmoe.config import model_preset
-from lrmoe.reference import ReferenceMoE
-from lrmoe.routing import route
+from lrmoe.runtime.reference import ReferenceMoE
+from lrmoe.runtime.routing import route
 
 D, FFN, E, K, T = 8, 6, 5, 2, 7
 

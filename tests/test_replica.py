@@ -8,9 +8,9 @@ unequal length with 4 ranks: 5, 5, 4, 4). The byte model itself is tested in tes
 import pytest
 import torch
 
-from lrmoe.distributed.accounting import Accountant, check_counts, expected_step, symi_step_bytes
-from lrmoe.distributed.launch import launch
-from lrmoe.distributed.replica import (AdamConfig, RangeGroups, ReplicaStore, flatten_experts, hosted_experts,
+from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_step, symi_step_bytes
+from lrmoe.runtime.distributed.launch import launch
+from lrmoe.runtime.distributed.replica import (AdamConfig, RangeGroups, ReplicaStore, flatten_experts, hosted_experts,
                                        ring_allreduce_bytes, shard_bounds, shard_sizes, sync_plan,
                                        unflatten_experts)
 

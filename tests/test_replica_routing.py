@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lrmoe.replica_routing import (apply_capacity, gshard_capacity, route_backward, route_forward,
+from lrmoe.planner.replica_routing import (apply_capacity, gshard_capacity, route_backward, route_forward,
                                    symi_capacity)
 
 
@@ -269,8 +269,8 @@ def test_balanced_is_near_the_brute_force_optimum(inputs):
 
 def test_balanced_routing_with_empty_slots_and_heavy_skew_assigns_every_pair_once():
     # regression: the descent's float shares drifted from the counts and the integer split overflowed
-    from lrmoe.placement import lrmoe_placement
-    from lrmoe.traces import generate_trace
+    from lrmoe.planner.placement import lrmoe_placement
+    from lrmoe.integrations.traces import generate_trace
 
     counts = generate_trace(1, 1, 8, 128, 8, 4096, skew_param=0.8, seed=0).counts_ILNE[0, 0]
     placement = lrmoe_placement(torch.ones(128, dtype=torch.float64), 8, 16, 16)

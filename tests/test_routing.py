@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lrmoe.routing import expert_counts, load_balancing_loss, route, update_expert_bias
+from lrmoe.runtime.routing import expert_counts, load_balancing_loss, route, update_expert_bias
 
 
 def test_softmax_topk_hand_case():

@@ -4,9 +4,9 @@ reads, scores on the device of its data, and a new metric plugs into the hook wi
 import pytest
 import torch
 
-from lrmoe.reference import ReferenceMoE
-from lrmoe.recalibrate import Recalibration, pair_hook, score_and_select
-from lrmoe.scoring import METRIC_REGISTRY, METRICS, NEEDS, Metric, PairParts, get_metric, pair_scores
+from lrmoe.runtime.reference import ReferenceMoE
+from lrmoe.recal.recalibrate import Recalibration, pair_hook, score_and_select
+from lrmoe.recal.scoring import METRIC_REGISTRY, METRICS, NEEDS, Metric, PairParts, get_metric, pair_scores
 
 
 def test_hand_values():

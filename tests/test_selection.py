@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lrmoe.selection import group_order, select
+from lrmoe.recal.selection import group_order, select
 
 
 # --- loop-per-group references (slow, obviously right) -------------------------------------------------------

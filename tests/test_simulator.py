@@ -8,17 +8,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lrmoe.backward import BackwardConfig
+from lrmoe.recal.backward_config import BackwardConfig
 from lrmoe.config import cluster_preset, model_preset
-from lrmoe.distributed.launch import launch
-from lrmoe.distributed.replica import RangeGroups
-from lrmoe.layer import EPMoELayer, initial_placement
-from lrmoe.placement import MemoryModel
-from lrmoe.policies import LRMoE, Capacity, StaticEP, Symi
-from lrmoe.reference import ReferenceMoE
+from lrmoe.runtime.distributed.launch import launch
+from lrmoe.runtime.distributed.replica import RangeGroups
+from lrmoe.runtime.layer import EPMoELayer, initial_placement
+from lrmoe.planner.placement import MemoryModel
+from lrmoe.planner.policies import LRMoE, Capacity, StaticEP, Symi
+from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.sim.cost import CATEGORIES, PHASES, CostModel
 from lrmoe.sim.simulator import System, iter_plans, one_intra_op_thread, simulate
-from lrmoe.traces import generate_trace
+from lrmoe.integrations.traces import generate_trace
 
 D, F, E, K, T = 8, 5, 8, 2, 16
 PLAN_FIELDS = ("placement_NS", "fwd_NG", "dropped_NE", "keep_NG", "bwd_flows_V4", "floor_excess_N", "bwd_cap_N",
@@ -214,7 +214,7 @@ def _ablate_module():
 
 
 def test_ablation_runner_writes_results_headline_and_figures(tmp_path, capsys):
-    from lrmoe.tracking import read_results
+    from lrmoe.integrations.tracking import read_results
 
     ablate = _ablate_module()
     out = tmp_path / "ablate.jsonl"

@@ -1,4 +1,5 @@
-"""The optimizer step's byte model (lrmoe.sync_model): range groups and sources, the bytes of both replica-gradient
+"""The optimizer step's byte model (lrmoe.bytemodel.sync_model): range groups and sources, the bytes of both
+replica-gradient
 modes from hand-derived cases and from their definitions, and its purity (no torch.distributed)."""
 
 import ast
@@ -9,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lrmoe.sync_model import (REPLICA_GRAD_MODES, allreduce_bytes, check_replica_grad, hosted_experts, hosts_mask,
-                              ring_allreduce_bytes, shard_sizes, step_bytes, sync_plan)
+from lrmoe.bytemodel.sync_model import (REPLICA_GRAD_MODES, allreduce_bytes, check_replica_grad, hosted_experts,
+                                        hosts_mask, ring_allreduce_bytes, shard_sizes, step_bytes, sync_plan)
 
 E, P = 6, 18  # P = 18: shards 5, 5, 4, 4 over four ranks
 CONTIGUOUS_4 = [[0, 0, 1], [1, 1, 2], [3, 4, 5], [5, 5, 5]]
@@ -159,15 +160,15 @@ def test_modes_are_checked():
 
 def test_the_byte_model_and_the_cost_model_stay_off_torch_distributed():
     """Planner-side modules never import the distributed runtime: the byte model's source imports no
-    torch.distributed, and importing it with the cost model loads no lrmoe.distributed module."""
-    import lrmoe.sync_model as sync_model
+    torch.distributed, and importing it with the cost model loads no lrmoe.runtime.distributed module."""
+    import lrmoe.bytemodel.sync_model as sync_model
 
     tree = ast.parse(Path(sync_model.__file__).read_text())
     imported = [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
     imported += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
     assert not [m for m in imported if "distributed" in m], imported
-    code = ("import sys, lrmoe.sync_model, lrmoe.sim.cost, lrmoe.sim.simulator; "
-            "print([m for m in sys.modules if m.startswith('lrmoe.distributed')])")
+    code = ("import sys, lrmoe.bytemodel.sync_model, lrmoe.sim.cost, lrmoe.sim.simulator; "
+            "print([m for m in sys.modules if m.startswith('lrmoe.runtime.distributed')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from _scripts import load_experiment
 
-from lrmoe.backward import BackwardConfig
-from lrmoe.placement import MemoryModel
-from lrmoe.sync_model import REPLICA_GRAD_MODES
+from lrmoe.recal.backward_config import BackwardConfig
+from lrmoe.planner.placement import MemoryModel
+from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import (ALIASES, SYSTEMS, SystemContext, canonical, check_systems, get_system, plan_twins,
                            system_arg)
 

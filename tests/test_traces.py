@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lrmoe.traces import (Trace, generate_trace, gini, inclusion_probs, load_trace, max_over_mean, rank_loads,
-                          sample_routing, sample_topk, zipf_popularity)
+from lrmoe.integrations.traces import (Trace, generate_trace, gini, inclusion_probs, load_trace, max_over_mean,
+                                       rank_loads, sample_routing, sample_topk, zipf_popularity)
 
 
 def test_trace_round_trips_and_never_overwrites(tmp_path):
@@ -82,7 +82,7 @@ def test_a_file_that_is_not_a_trace_gets_an_error_naming_it(tmp_path):
 
     import numpy as np
 
-    from lrmoe.traces import TraceFormatError
+    from lrmoe.integrations.traces import TraceFormatError
 
     cases = {}
     (tmp_path / "notes.txt").write_text("step,layer,counts\n1,2,3\n")
@@ -123,7 +123,7 @@ def test_a_file_that_is_not_a_trace_gets_an_error_naming_it(tmp_path):
 
 
 def test_join_ranks_concatenates_source_ranks():
-    from lrmoe.traces import join_ranks
+    from lrmoe.integrations.traces import join_ranks
 
     a, b = generate_trace(2, 3, 1, 8, 2, 16, seed=1), generate_trace(2, 3, 2, 8, 2, 16, seed=2)
     joined = join_ranks([a, b])
@@ -140,7 +140,7 @@ def _write_jsonl(path, records):
 
 
 def test_imported_megatron_trace_equals_the_counts_it_encodes(tmp_path):
-    from lrmoe.traces import import_megatron_trace
+    from lrmoe.integrations.traces import import_megatron_trace
 
     E, K = 8, 2
     gen = torch.Generator().manual_seed(0)
@@ -169,7 +169,7 @@ def test_imported_megatron_trace_equals_the_counts_it_encodes(tmp_path):
 
 
 def test_bad_megatron_records_name_file_and_line(tmp_path):
-    from lrmoe.traces import TraceFormatError, import_megatron_trace
+    from lrmoe.integrations.traces import TraceFormatError, import_megatron_trace
 
     ok = {"step": 0, "layer": 0, "rank": 0, "topk": 2, "top_indices": [[0, 1]]}
     cases = {
@@ -201,8 +201,8 @@ def test_recorder_counts_the_routers_choices_of_an_hf_model():
     from transformers import Qwen3MoeForCausalLM
 
     from lrmoe.config import model_preset
-    from lrmoe.hf import hf_config
-    from lrmoe.traces import RouterRecorder
+    from lrmoe.integrations.hf import hf_config
+    from lrmoe.integrations.traces import RouterRecorder
 
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(hf_config(model_preset("qwen3-30b-a3b-debug").replace(num_layers=2)))

@@ -11,8 +11,8 @@ import textwrap
 import matplotlib.pyplot as plt
 import pytest
 
-from lrmoe import tracking
-from lrmoe.tracking import Tracker, atomic_write_text, read_results, wandb_mode
+from lrmoe.integrations import tracking
+from lrmoe.integrations.tracking import Tracker, atomic_write_text, read_results, wandb_mode
 
 
 def test_offline_run_results_file_and_no_overwrite(tmp_path, capsys):
@@ -171,7 +171,7 @@ def test_one_writer_at_a_time_and_the_lock_dies_with_its_holder(tmp_path):
     # a writer killed by SIGKILL (no cleanup at all) does not lock out the resumed run
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from lrmoe.tracking import Tracker
+        from lrmoe.integrations.tracking import Tracker
         run = Tracker("exp", results={str(results)!r}, resume=True, wandb=False, quiet=True)
         run.log({{"loss": 1.0}}, step=1)
         print("ready", flush=True)
@@ -219,7 +219,7 @@ def offline_run_ids(wandb_dir) -> list[str]:
 
 
 def test_argv_names_paths_relative_to_the_working_folder(monkeypatch, tmp_path):
-    from lrmoe.tracking import portable_argv
+    from lrmoe.integrations.tracking import portable_argv
 
     monkeypatch.chdir(tmp_path)
     assert portable_argv([str(tmp_path / "experiments" / "x.py"), "--out", str(tmp_path / "o.jsonl"), "/elsewhere/y",

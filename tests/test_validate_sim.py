@@ -13,9 +13,9 @@ import torch
 
 from lrmoe.harness.calibrate_cpu import (CalibrationSpec, across_ranks, calibrate, calibration_data,
                                          fit_gemm, fit_line, spec_for_bench, write_calibration)
-from lrmoe.layout import STEP_PHASES
+from lrmoe.bytemodel.layout import STEP_PHASES
 from lrmoe.sim.cost import cpu_gloo_preset
-from lrmoe.tracking import read_results
+from lrmoe.integrations.tracking import read_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -227,7 +227,7 @@ def test_errors_on_a_hand_case():
 def tiny_bench(tmp_path_factory):
     """A 2-rank layer_bench on a synthetic and a recorded trace: capacity (drops), SYMI, and LRMoE without a spare
     slot under a tight memory budget (its quotas trim the backward), compact (metric m2) and padded."""
-    from lrmoe.traces import generate_trace
+    from lrmoe.integrations.traces import generate_trace
 
     folder = tmp_path_factory.mktemp("bench")
     generate_trace(3, 2, 2, 16, 4, 32, seed=5).save(folder / "recorded.npz")

@@ -1,30 +1,35 @@
 """CPU micro-benchmarks that calibrate the cost model's "cpu-gloo" cluster (:func:`lrmoe.sim.cost.cpu_gloo_preset`),
 so that its predictions can be checked against the layer measured on the same machine (``experiments/validate_sim.py``).
 
-The measurements, each on ``num_ranks`` forked gloo processes (:func:`lrmoe.distributed.launch.launch`, one thread
+The measurements, each on ``num_ranks`` forked gloo processes (:func:`lrmoe.runtime.distributed.launch.launch`, one
+thread
 each) running *concurrently*, as the ranks of ``experiments/layer_bench.py`` do: on a machine with fewer cores
 than ranks the ranks share the cores, and the constants must describe the machine as the benchmark sees it.
 
-* **Expert GEMM**: the layer's own SwiGLU compute (:func:`lrmoe.expert_compute.swiglu_forward` and
-  :func:`~lrmoe.expert_compute.swiglu_backward`, torch backend) on ``groups`` slots of ``rows`` rows each, at the
+* **Expert GEMM**: the layer's own SwiGLU compute (:func:`lrmoe.runtime.expert_compute.swiglu_forward` and
+  :func:`~lrmoe.runtime.expert_compute.swiglu_backward`, torch backend) on ``groups`` slots of ``rows`` rows each, at
+  the
   benchmark's D and F. Fitted jointly, forward and backward, to the cost model's curve
   ``t = launch_s + Σ_{groups} flops_per_row · (m + m_half) / rate`` (flops_per_row = 6·D·F forward, 12·D·F backward,
   as :class:`~lrmoe.config.MoEConfig` counts them). Only ``eff_max · peak_flops`` is identifiable on a CPU, so the
   preset sets ``peak_flops = rate`` and ``eff_max = 1``.
-* **All-to-all**: the layer's helper :func:`lrmoe.distributed.comm.all_to_all_rows` (gloo ``all_to_all_single``) with
+* **All-to-all**: the layer's helper :func:`lrmoe.runtime.distributed.comm.all_to_all_rows` (gloo
+``all_to_all_single``) with
   ``b`` bytes to every other rank, fitted to ``t = latency + bytes_sent / bandwidth`` (the cost model's all-to-all
   line for one node). Each repetition follows some expert-sized compute of a random size and no barrier, so the
   ranks arrive staggered as in the layer (a staggered collective costs its last rank more than an aligned one).
-  The layer's point-to-point exchange (:func:`lrmoe.distributed.comm.exchange_rows`, gradient collection and
+  The layer's point-to-point exchange (:func:`lrmoe.runtime.distributed.comm.exchange_rows`, gradient collection and
   redistribution) is timed the same way, as a diagnostic the cost model does not use.
-* **Memory passes**: the replica store's own packing (:func:`lrmoe.distributed.replica.pack_owner_major_`) of a
+* **Memory passes**: the replica store's own packing (:func:`lrmoe.runtime.distributed.replica.pack_owner_major_`) of a
   rank's (E/N + 1) class sums into its owner-major send buffer, reading slot gradients from a pool larger than the
   caches (the optimizer step's passes touch data the backward has evicted), as ``mem_bw = bytes read + written /
   seconds``: the bandwidth at which the cost model prices every memory-bound pass (Adam's 32 bytes per parameter,
-  the optimizer step's sums, packing, folding and placing; :func:`lrmoe.sync_model.local_bytes`).
-* **Adam**: :func:`lrmoe.distributed.replica.adam_update_` on one rank's fp32 shard of every expert (E × ⌈3DF/N⌉),
+  the optimizer step's sums, packing, folding and placing; :func:`lrmoe.bytemodel.sync_model.local_bytes`).
+* **Adam**: :func:`lrmoe.runtime.distributed.replica.adam_update_` on one rank's fp32 shard of every expert (E ×
+⌈3DF/N⌉),
   kept as a diagnostic: its effective bandwidth at the cost model's 32 bytes of traffic per parameter.
-* **Optimizer-step fixed costs**: each phase of a :class:`~lrmoe.distributed.replica.ReplicaStore` (replica sync,
+* **Optimizer-step fixed costs**: each phase of a :class:`~lrmoe.runtime.distributed.replica.ReplicaStore` (replica
+sync,
   gradient collection, Adam, redistribution), in both replica-gradient modes, on experts of 3 × 1 × N parameters
   (negligible bytes) at the benchmark's expert and rank counts (:func:`host_placement`): what is left is the phase's
   host loops, launches and collective wake-ups, which the cost model adds once per phase in place of that phase's
@@ -57,9 +62,9 @@ from pathlib import Path
 
 import torch
 
-from ..checks import positive_fields
-from ..layout import STEP_PHASES
-from ..sync_model import REPLICA_GRAD_MODES
+from lrmoe.checks import positive_fields
+from lrmoe.bytemodel.layout import STEP_PHASES
+from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 
 GEMM_MODEL = "t = launch_s + sum over non-empty groups of flops_per_row * (rows + m_half) / peak_flops"
 A2A_MODEL = "t = a2a_latency + bytes sent to other ranks / a2a_bw"
@@ -275,10 +280,10 @@ def _time_into(out: dict[str, list[float]], fn, keep: bool = True) -> None:
 
 def _bench_rank(rank: int, spec: CalibrationSpec) -> dict:
     """Every measurement of the grid on this rank: lists of per-repetition seconds."""
-    from ..distributed.comm import all_to_all_rows, exchange_rows
-    from ..distributed.replica import AdamConfig, adam_update_, owner_runs, pack_owner_major_
-    from ..sync_model import shard_bounds
-    from ..expert_compute import slot_offsets, swiglu_backward, swiglu_forward
+    from lrmoe.runtime.distributed.comm import all_to_all_rows, exchange_rows
+    from lrmoe.runtime.distributed.replica import AdamConfig, adam_update_, owner_runs, pack_owner_major_
+    from lrmoe.bytemodel.sync_model import shard_bounds
+    from lrmoe.runtime.expert_compute import slot_offsets, swiglu_backward, swiglu_forward
 
     gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank)
     dtype, D, F = spec.torch_dtype, spec.hidden, spec.ffn
@@ -365,13 +370,14 @@ def host_placement(num_ranks: int, num_experts: int) -> torch.Tensor:
 
 
 def _step_host(rank: int, spec: CalibrationSpec) -> dict[str, dict[str, dict[str, list[float]]]]:
-    """Seconds of each optimizer-step phase of a :class:`~lrmoe.distributed.replica.ReplicaStore` whose experts hold
+    """Seconds of each optimizer-step phase of a :class:`~lrmoe.runtime.distributed.replica.ReplicaStore` whose experts
+    hold
     one parameter per rank (3 x 1 x N): the bytes are negligible, what is left is each phase's fixed host cost (its
     Python loops over classes and peers, launches, a collective's wake-up), in both replica-gradient modes, at the
     benchmark's expert and rank counts. {mode: {phase: {clock: [seconds per repetition]}}}."""
     import torch.distributed as dist
 
-    from ..distributed.replica import RangeGroups, ReplicaStore
+    from lrmoe.runtime.distributed.replica import RangeGroups, ReplicaStore
 
     n, e = spec.num_ranks, spec.num_experts
     placement_NS = host_placement(n, e)
@@ -450,7 +456,7 @@ def summarise(spec: CalibrationSpec, per_rank: list[dict], clock: str = "cpu") -
                  # not used by the cost model, which charges its point-to-point phases as all-to-alls
                  "p2p": {**asdict(pfit), "model": "t = latency_s + bytes sent to other ranks / bandwidth",
                          "ranks": coll,
-                         "note": "diagnostic: lrmoe.distributed.comm.exchange_rows, one buffer per peer"},
+                         "note": "diagnostic: lrmoe.runtime.distributed.comm.exchange_rows, one buffer per peer"},
                  "mem_passes": {"bytes": per_rank[0]["mem_passes"]["bytes"], "seconds": passes_s, "ranks": local,
                           "model": "mem_bw = bytes read + written / seconds of the store's owner-major packing"},
                  "step_fixed": {"placement": host_placement(spec.num_ranks, spec.num_experts).tolist(),
@@ -487,7 +493,7 @@ def provenance(spec: CalibrationSpec) -> dict:
         prov["triton"] = triton.__version__
     except ImportError:
         prov["triton"] = "absent"
-    from ..tracking import git_commit
+    from lrmoe.integrations.tracking import git_commit
 
     prov["git_commit"] = git_commit()
     return prov
@@ -495,7 +501,7 @@ def provenance(spec: CalibrationSpec) -> dict:
 
 def calibrate(spec: CalibrationSpec, timeout_s: float = 600.0) -> dict:
     """Run the micro-benchmarks on ``spec.num_ranks`` forked ranks; return the calibration data with provenance."""
-    from ..distributed.launch import launch
+    from lrmoe.runtime.distributed.launch import launch
 
     per_rank = launch(_bench_rank, spec.num_ranks, spec, timeout_s=timeout_s)
     return {**calibration_data(spec, per_rank), "provenance": provenance(spec)}

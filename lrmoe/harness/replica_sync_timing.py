@@ -1,5 +1,5 @@
 """CPU timing of the replica-gradient path (DESIGN.md §3.4): replica sync + gradient collection of one
-:class:`~lrmoe.distributed.replica.ReplicaStore`, per mode, on forked gloo ranks.
+:class:`~lrmoe.runtime.distributed.replica.ReplicaStore`, per mode, on forked gloo ranks.
 
 Three variants, on the same placement and slot gradients:
 
@@ -24,8 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..distributed.launch import launch
-from ..distributed.replica import RangeGroups, ReplicaStore, sync_plan
+from lrmoe.runtime.distributed.launch import launch
+from lrmoe.runtime.distributed.replica import RangeGroups, ReplicaStore, sync_plan
 
 VARIANTS = ("range", "shard", "range-allreduce")
 
@@ -96,7 +96,7 @@ def time_replica_grad(placement_NS: torch.Tensor, num_experts: int, hidden: int,
 def example_placements(num_ranks: int = 4, num_experts: int = 16, extra_slots: int = 1,
                        seed: int = 0) -> dict[str, torch.Tensor]:
     """SYMI's contiguous and LRMoE's scattered placements for one skewed popularity (Zipf-like, synthetic)."""
-    from ..placement import lrmoe_placement, symi_placement
+    from lrmoe.planner.placement import lrmoe_placement, symi_placement
 
     g = torch.Generator().manual_seed(seed)
     pop_E = (1.0 / torch.arange(1, num_experts + 1).double() ** 0.8)[torch.randperm(num_experts, generator=g)]

@@ -1,6 +1,6 @@
 """Cost model: one MoE layer's plan for one iteration turned into seconds, bytes and memory per rank.
 
-The model reads only a :class:`~lrmoe.plan.LayerPlan`'s counted work (pairs per source rank and slot, kept
+The model reads only a :class:`~lrmoe.planner.plan.LayerPlan`'s counted work (pairs per source rank and slot, kept
 pairs, moved pairs, placement) and a model / cluster preset. It is a pure function of them: no clocks, no
 devices. Every number it uses is a field below, with its source or marked as ours.
 
@@ -16,8 +16,9 @@ Timing assumptions (all ours; they are what "time per phase set by the slowest r
   ``t = max(send, recv) + latency`` with ``send = max(intra_bytes / intra_bw, inter_bytes / inter_bw)``. The
   latency is charged once per link kind a rank uses (messages to many peers are pipelined). Rows a rank keeps
   for itself cost nothing (the local permutation is not modelled).
-* **Weight push** (online replication, :mod:`lrmoe.online`): a plan's ``push_src_G`` copies whole experts into
-  spare slots before the dispatch (bytes: :func:`lrmoe.sync_model.push_bytes`, the layer's accounting's), priced as
+* **Weight push** (online replication, :mod:`lrmoe.planner.online`): a plan's ``push_src_G`` copies whole experts into
+  spare slots before the dispatch (bytes: :func:`lrmoe.bytemodel.sync_model.push_bytes`, the layer's accounting's),
+  priced as
   an all-to-all on the links it uses (the policy pushes inside nodes only: NVLink). Not overlapped with the
   dispatch, like every phase here (the anchor can overlap it with the permutation; conservative for online). The
   pushed copies hold no optimizer state: unsharded Adam and state count the home placement only.
@@ -26,14 +27,14 @@ Timing assumptions (all ours; they are what "time per phase set by the slowest r
   fixed ``launch_s`` per grouped-GEMM call on a rank with any rows. The backward (input and weight gradients)
   costs ``pair_bwd_flops`` per row (about 2x the forward) on the same curve. A pair whose backward was moved to
   another replica recomputes its gate and up projections there (2/3 of the forward FLOPs).
-* **Packets** are the layer's own, from the plan's byte model (:mod:`lrmoe.layout`, shared with the layer's
+* **Packets** are the layer's own, from the plan's byte model (:mod:`lrmoe.bytemodel.layout`, shared with the layer's
   accounting, so modelled bytes = counted bytes): compact backward (``compaction=True``, where the plan trims or
   moves pairs) sends the retained gradient rows plus the moved pairs' input rows and a 4-byte index per staying row,
   and multiplies the retained rows; the forward layout (``compaction=False``, or a plan that keeps everything)
   sends every forward row (zeros where not retained) plus moved gradient and input rows, and multiplies fwd + moved
   rows. ``combine_cols`` extra elements ride on each combine row when the plan selects (metric m2's ‖h‖).
-* **Replica gradient sync** (the substrate of :mod:`lrmoe.distributed.replica`, as the layer runs it; bytes from
-  the shared byte model :mod:`lrmoe.sync_model`): the local slots of an expert are summed for free, then
+* **Replica gradient sync** (the substrate of :mod:`lrmoe.runtime.distributed.replica`, as the layer runs it; bytes from
+  the shared byte model :mod:`lrmoe.bytemodel.sync_model`): the local slots of an expert are summed for free, then
   ``replica_grad="range"`` (SYMI's): every rank of the consecutive range spanned by the expert's hosts
   all-reduces, priced as a ring (each sends and receives about ``2 (h - 1) / h`` of the gradient, plus
   ``2 (h - 1)`` latencies) at the slowest link the range crosses; a rank in several ranges runs them one after
@@ -57,7 +58,7 @@ Timing assumptions (all ours; they are what "time per phase set by the slowest r
 * **GEMM constants** are published figures until a GPU calibrates them (see ``_GEMM_DEFAULTS``); :meth:`CostModel.
   variant` swaps the uncertain ones (GEMM efficiency, half-efficiency rows, link bandwidth) for sensitivity bands.
 
-Memory per rank is :mod:`lrmoe.memory`'s one model, the planner's too (:meth:`CostModel.memory_model`): slots
+Memory per rank is :mod:`lrmoe.bytemodel.memory`'s one model, the planner's too (:meth:`CostModel.memory_model`): slots
 (weights + gradients of every allocated slot) and saved activations for every layer, in-flight buffers for the
 layer in flight, each buffer counted once. The budget is one layer's share of the rank's memory (by default the
 cluster's budget over the model's MoE layers); ``oom`` flags a layer that would not fit if every MoE layer were
@@ -77,18 +78,19 @@ from pathlib import Path
 
 import torch
 
-from ..checks import non_negative_fields
-from ..config import ClusterConfig, MoEConfig
-from ..layout import A2A_PHASES, STEP_PHASES, backward_counts, layer_traffic, plan_selects, uses_compact
-from ..layout import PHASES as LAYOUT_PHASES
-from ..memory import (STATE_BYTES_PER_PARAM, Footprint, LayerMemory, footprint, layer_memory, optimizer_shard_bytes,
-                      plan_loads, slot_capacity)
-from ..placement import MemoryModel
-from ..sync_model import (LOCAL_PHASES, REPLICA_GRAD_MODES, check_replica_grad, hosts_mask, push_bytes, shard_sizes,
-                          step_bytes)
-from .overheads import OVERHEADS, check_overheads, planner_seconds, selection_seconds
+from lrmoe.checks import non_negative_fields
+from lrmoe.config import ClusterConfig, MoEConfig
+from lrmoe.bytemodel.layout import A2A_PHASES, STEP_PHASES, backward_counts, layer_traffic, plan_selects, uses_compact
+from lrmoe.bytemodel.layout import PHASES as LAYOUT_PHASES
+from lrmoe.bytemodel.memory import (STATE_BYTES_PER_PARAM, Footprint, LayerMemory, footprint, layer_memory,
+                                    optimizer_shard_bytes, plan_loads, slot_capacity)
+from lrmoe.planner.placement import MemoryModel
+from lrmoe.bytemodel.sync_model import (LOCAL_PHASES, REPLICA_GRAD_MODES, check_replica_grad, hosts_mask, push_bytes,
+                                        shard_sizes, step_bytes)
+from lrmoe.sim.overheads import OVERHEADS, check_overheads, planner_seconds, selection_seconds
 
-# The modelled phases, named as the layer names them (one vocabulary: lrmoe.layout.PHASES), in execution order. The
+# The modelled phases, named as the layer names them (one vocabulary: lrmoe.bytemodel.layout.PHASES), in execution
+# order. The
 # backward all-to-alls are named for the forward one they invert: combine_a2a_bwd carries output gradients from
 # the home ranks to the experts, dispatch_a2a_bwd carries input gradients back.
 PHASES = tuple(p for p in LAYOUT_PHASES if p in (
@@ -98,7 +100,7 @@ PHASES = tuple(p for p in LAYOUT_PHASES if p in (
 CATEGORIES = {
     "forward": ("expert_fwd", "shared_fwd"),
     "backward": ("expert_bwd", "shared_bwd"),
-    "communication": A2A_PHASES + ("weight_push",),  # weight_push: online replication's copies (lrmoe.online)
+    "communication": A2A_PHASES + ("weight_push",),  # weight_push: online replication's copies (lrmoe.planner.online)
     "sync": STEP_PHASES,
     "overhead": ("plan", "recalibrate"),  # the counts all-gather and planning; scoring, selection, compaction
 }
@@ -233,7 +235,7 @@ def cpu_gloo_preset(calibration_json: str | Path, num_ranks: int,
 class PhaseTimes:
     """Seconds, bytes and memory of one layer-iteration, per rank; phase ``p`` is ``PHASES[p]``.
 
-    Memory follows :mod:`lrmoe.memory`: what the layer keeps from its forward to its backward (slots, saved
+    Memory follows :mod:`lrmoe.bytemodel.memory`: what the layer keeps from its forward to its backward (slots, saved
     activations), what it holds only while it runs (the larger of its forward and backward in-flight buffers),
     and the optimizer shard. ``peak_bytes_N`` is the whole model's peak if all ``num_layers`` MoE layers looked
     like this one, which is what the planner checks; ``oom`` compares it with the whole budget.
@@ -326,7 +328,8 @@ class PlanWork:
     bwd_rows_NS: torch.Tensor  # GEMM rows per slot, backward
     moved_NS: torch.Tensor | None  # moved pairs recomputed per slot
     tokens_N: torch.Tensor  # tokens per rank (the shared expert's rows)
-    steps: dict  # {replica-gradient mode: lrmoe.sync_model.StepBytes of the optimizer step}: each mode priceable
+    # {replica-gradient mode: lrmoe.bytemodel.sync_model.StepBytes of the optimizer step}: each mode priceable
+    steps: dict
     memory: LayerMemory
     state_N: torch.Tensor
     planner_s: float  # host seconds of the plan
@@ -367,7 +370,7 @@ COUNT_BYTES = 8  # the layer all-gathers int64 counts
 
 @dataclass(frozen=True)
 class CostModel:
-    """Turns a :class:`~lrmoe.plan.LayerPlan` into :class:`PhaseTimes` on ``cluster`` for ``model``."""
+    """Turns a :class:`~lrmoe.planner.plan.LayerPlan` into :class:`PhaseTimes` on ``cluster`` for ``model``."""
 
     model: MoEConfig
     cluster: ClusterConfig
@@ -404,7 +407,8 @@ class CostModel:
         non_negative_fields(self, "grad_bytes", "state_bytes_per_param", "optimizer_traffic_per_param",
                             "recompute_fraction", "mem_budget_bytes")
 
-    # -- memory (lrmoe.memory): what LRMoE's placement MemoryModel is given ---------------------------------------
+    # -- memory (lrmoe.bytemodel.memory): what LRMoE's placement MemoryModel is given
+    # ---------------------------------------
     @property
     def footprint(self) -> Footprint:
         m = self.model
@@ -428,7 +432,8 @@ class CostModel:
         return optimizer_shard_bytes(m.num_experts, m.expert_params, n, self.sharded_optimizer, hosted)
 
     def memory_model(self) -> MemoryModel:
-        """The planner's :class:`~lrmoe.placement.MemoryModel` of this cost model's accounting: the whole budget of
+        """The planner's :class:`~lrmoe.planner.placement.MemoryModel` of this cost model's accounting: the whole
+        budget of
         the model's MoE layers, the footprint, and the optimizer shard when it counts."""
         fixed = float(self.state_bytes_N().max()) if self.optimizer_in_budget else 0.0
         n_l = self.model.num_moe_layers
@@ -508,7 +513,7 @@ class CostModel:
         if e != m.num_experts:
             raise ValueError(f"plan has {e} experts but model {m.name!r} has num_experts={m.num_experts}")
         fwd_NG = plan.fwd_NG
-        # The layer's own packet layout (lrmoe.layout): the same rows it sends, compact or padded.
+        # The layer's own packet layout (lrmoe.bytemodel.layout): the same rows it sends, compact or padded.
         traffic = layer_traffic(plan, m.hidden, m.dtype_bytes, compact=self.compaction,
                                 combine_cols=self.combine_cols)
         a2a = {phase: t.bytes_NN for phase, t in traffic.items()}
@@ -593,7 +598,8 @@ class CostModel:
     def _sync(self, w: PlanWork, time_NH: torch.Tensor, bytes_NH: torch.Tensor) -> None:
         """Replica sync, gradient collection, Adam and redistribution, in place.
 
-        The bytes are :func:`lrmoe.sync_model.step_bytes`'s, the layer's own byte model (the placement of this plan
+        The bytes are :func:`lrmoe.bytemodel.sync_model.step_bytes`'s, the layer's own byte model (the placement of
+        this plan
         stands in for the next one); this only turns them into time, on the links of :meth:`_a2a`:
 
         * ``replica_grad="range"``: each expert's group all-reduce is priced as a ring, ``bytes / bw + 2 (h - 1)``
@@ -605,7 +611,7 @@ class CostModel:
           local add, not priced).
         * Redistribution: one all-to-all in both modes; Adam: E/N experts' state at HBM bandwidth.
         * Each exchange phase also pays its local passes (the sums, packing, folding and placing of
-          :func:`lrmoe.sync_model.local_bytes`) at HBM bandwidth, after its transfer.
+          :func:`lrmoe.bytemodel.sync_model.local_bytes`) at HBM bandwidth, after its transfer.
         * Where the cluster holds a measured fixed time of a phase (:meth:`ClusterConfig.step_fixed`, the phase run
           with negligible bytes: its host loops, launches and collective wake-ups), every rank pays it once and the
           phase's latency terms are dropped (they are part of it); elsewhere the latency model above stands.

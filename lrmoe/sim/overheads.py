@@ -28,7 +28,8 @@ DESIGN.md §5.4: every overhead on the critical path is charged, and each can be
     bytes once at the datasheet HBM bandwidth, plus one launch each. The padded layout has no such pass.
 ``capacity_buffers``
     Fixed-size capacity buffers (SYMI-cf1 and the capacity systems, ``CostModel(capacity_cf=...)``): every slot
-    holds and multiplies ceil(cf · routed pairs / slots) rows however many arrive, in memory (:mod:`lrmoe.memory`)
+    holds and multiplies ceil(cf · routed pairs / slots) rows however many arrive, in memory
+    (:mod:`lrmoe.bytemodel.memory`)
     and in the expert GEMMs, forward and backward. Source: the fixed-capacity dispatch of GShard / DeepSpeed-MoE
     (Lepikhin et al. 2020; Rajbhandari et al. 2022) and SYMI's slot capacity (DESIGN.md §3.3). Ours: the exchange
     still sends only the filled rows.
@@ -57,7 +58,8 @@ PLANNER_EXPERTS = 128
 # bench_scoring run bench_scoring-20261129-231235-994277 (m2, top-k, one thread)
 SELECT_MS_PER_PAIR = (1.213 + 1.843) / 65536  # selection + the metric's per-pair hook
 TOKEN_NORM_MS_PER_ELEMENT = 1.934 / (8192 * 2048)  # ‖δ‖ of each token
-SELECTION_KERNELS = 20  # ours: device ops of lrmoe.scoring's m2 and lrmoe.selection's top-k path, from the code
+# ours: device ops of lrmoe.recal.scoring's m2 and lrmoe.recal.selection's top-k path, from the code
+SELECTION_KERNELS = 20
 CPU_THREAD_BW = 8.7e9  # bytes/s: one thread's numpy copy (read + write) of 256 MB on the development CPU, best of 7
 
 

@@ -11,9 +11,10 @@ micro-batch and the sync phases (replica sync, gradient collection, Adam, redist
 one: gradients accumulate locally in between and the placement is fixed for the whole iteration. The trace's
 counts of a step stand for every micro-batch of that iteration (ours: micro-batches of one step route alike).
 
-Whole-model memory per rank (:mod:`lrmoe.memory`, the planner's model too): every MoE layer's slots and saved
+Whole-model memory per rank (:mod:`lrmoe.bytemodel.memory`, the planner's model too): every MoE layer's slots and saved
 activations are alive at the end of the forward, and one layer's in-flight buffers at a time on top of them,
-plus the optimizer shard when it counts: Σ_l resident + max_l in flight + fixed (:func:`lrmoe.memory.model_peak`).
+plus the optimizer shard when it counts: Σ_l resident + max_l in flight + fixed
+(:func:`lrmoe.bytemodel.memory.model_peak`).
 When a trace holds fewer layers than the model, the simulated layers' mean stands for the missing ones
 (:attr:`SimResult.peak_IN`; headlines simulate every layer). The budget is the cost model's per-layer budget times
 the model's MoE layers (by default the cluster's whole budget).
@@ -32,9 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ClusterConfig, MoEConfig
-from ..memory import model_peak
-from .cost import CATEGORIES, PHASES, CostModel, PhaseTimes
+from lrmoe.config import ClusterConfig, MoEConfig
+from lrmoe.bytemodel.memory import model_peak
+from lrmoe.sim.cost import CATEGORIES, PHASES, CostModel, PhaseTimes
 
 
 @dataclass(frozen=True)

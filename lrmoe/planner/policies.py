@@ -1,4 +1,4 @@
-"""Policies: small objects that turn one layer's routed counts into a :class:`~lrmoe.plan.LayerPlan`.
+"""Policies: small objects that turn one layer's routed counts into a :class:`~lrmoe.planner.plan.LayerPlan`.
 
 Each has a short ``name``, ``placement(popularity_E, num_ranks, total_pairs) -> placement_NS`` (its placement
 step alone) and ``plan(counts_NE, prev_counts_E=None) -> LayerPlan``: counts_NE [N, E] are the routed pairs per
@@ -30,10 +30,10 @@ import torch
 from torch import Tensor
 
 from lrmoe.checks import check_cf, check_fraction, non_negative_int, positive_int
-from lrmoe.placement import MemoryModel, lrmoe_placement, replica_table, static_placement, symi_placement
-from lrmoe.plan import DROP_RULES, LayerPlan, no_flows
-from lrmoe.quotas import budget_caps, check_rho, rank_caps, retention_quotas
-from lrmoe.replica_routing import (apply_capacity, backward_on, check_counts, forward_on, gshard_capacity,
+from lrmoe.planner.placement import MemoryModel, lrmoe_placement, replica_table, static_placement, symi_placement
+from lrmoe.planner.plan import DROP_RULES, LayerPlan, no_flows
+from lrmoe.planner.quotas import budget_caps, check_rho, rank_caps, retention_quotas
+from lrmoe.planner.replica_routing import (apply_capacity, backward_on, check_counts, forward_on, gshard_capacity,
                                    route_forward, symi_capacity)
 
 QUOTA_MODES = ("budget", "cap")
@@ -159,7 +159,7 @@ class Symi:
 class LRMoE:
     """LRMoE as we reconstruct it (DESIGN.md §4); every knob is ours and documented here.
 
-    quota_mode        how much of the backward each rank retains (:mod:`lrmoe.quotas`):
+    quota_mode        how much of the backward each rank retains (:mod:`lrmoe.planner.quotas`):
                       "budget" (the default): every rank keeps B_n = min(L_n, ceil(rho · mean L)) pairs, a balanced
                       level declared in advance; "cap": only ranks above ceil((1 + eps) · mean L) are trimmed, to it
                       (the first reconstruction, inert once replicas balance the forward: an ablation).
@@ -172,7 +172,7 @@ class LRMoE:
                       backward frees no memory for replicas).
     gamma             per-expert floor: keep at least ceil(gamma · C_e) pairs of every expert (in [0, 1]).
     extra_slots       replica slots per rank beside the E/N home slots; with ``memory`` the most allowed.
-    memory            a :class:`~lrmoe.placement.MemoryModel`: extra slots = as many as fit beside the buffers
+    memory            a :class:`~lrmoe.planner.placement.MemoryModel`: extra slots = as many as fit beside the buffers
                       of the planned load, and the memory cap Q^mem = pairs whose buffers fit beside the slots.
                       None: ``extra_slots`` as given, no memory cap from it.
     mem_cap_pairs_N   an explicit memory cap (int or [N]) on retained pairs per rank, combined by min.
@@ -293,7 +293,7 @@ class Trimmed:
     """Another policy's plan with its backward trimmed to the retention budget of LRMoE's ``budget`` mode.
 
     Every rank keeps B_n = min(L_n, ceil(rho · mean L)) of the pairs it computed (plus the floor's excess),
-    each (source, slot) group in proportion to its pairs (:func:`~lrmoe.quotas.retention_quotas`); which pairs
+    each (source, slot) group in proportion to its pairs (:func:`~lrmoe.planner.quotas.retention_quotas`); which pairs
     of a group is the layer's backward config (``BackwardConfig(metric="random")``: the random-trim control that
     separates "less work" from "the right work"). Same placement and forward as the wrapped policy, nothing
     moves between replicas. ``gamma`` is the per-expert floor (default 0: a plain trim; LRMoE's floor is its own

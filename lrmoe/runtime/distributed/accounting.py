@@ -7,10 +7,11 @@ length of rank n's shard of an expert (⌈P/N⌉ or ⌊P/N⌋). From the plan: c
 the pairs rank src sends to rank dst (c[n, n] stays local); A_n = Σ_dst c[n, dst] the pairs whose home is n,
 R_n = Σ_src c[src, n] the pairs computed on n. From the placement: the hosts of expert e, their rank span
 [lo_e, hi_e] of size h_e (= the number of hosting ranks for SYMI's contiguous placements), source(n, e) as in
-:func:`lrmoe.distributed.replica.sync_plan`, and X_m = the distinct experts rank m hosts in the next placement.
+:func:`lrmoe.runtime.distributed.replica.sync_plan`, and X_m = the distinct experts rank m hosts in the next placement.
 
 Bytes are those that leave (or reach) a rank: a rank's exchange with itself is a local copy and counts zero.
-The layer's all-to-alls, pairs and buffers follow the plan's byte model, :mod:`lrmoe.layout` (the runtime lays its
+The layer's all-to-alls, pairs and buffers follow the plan's byte model, :mod:`lrmoe.bytemodel.layout` (the runtime
+lays its
 packets out by the same rules, and the cost model prices them): :func:`expected_layer`. The optimizer step, per rank n
 and iteration (:func:`expected_step`):
 
@@ -46,9 +47,9 @@ from typing import Callable
 
 import torch
 
-from ..layout import BYTE_PHASES, COUNTERS, PHASES, layer_counts, pair_matrix_NN  # noqa: F401 - re-exported
-from ..scoring import get_metric
-from ..sync_model import push_bytes, step_bytes
+from lrmoe.bytemodel.layout import (BYTE_PHASES, COUNTERS, PHASES, layer_counts, pair_matrix_NN)  # noqa: F401 - re-exported
+from lrmoe.recal.scoring import get_metric
+from lrmoe.bytemodel.sync_model import push_bytes, step_bytes
 
 
 @dataclass
@@ -141,7 +142,8 @@ class Accountant:
 def expected_layer(plan, hidden: int, ffn: int, act_bytes: int, metric: str | None = None, compact: bool = True,
                    input_grad: bool = True, param_bytes: int | None = None) -> dict[str, torch.Tensor]:
     """What every rank of a layer running ``plan`` counts in one forward and backward ([N] each): the bytes of the
-    all-to-alls, the pairs and the buffers, by the plan's byte model (:func:`lrmoe.layout.layer_counts`), and the
+    all-to-alls, the pairs and the buffers, by the plan's byte model (:func:`lrmoe.bytemodel.layout.layer_counts`), and
+    the
     bytes of the plan's weight push (:func:`expected_push`; only for plans that carry one).
     ``metric``: the recalibration metric's name (its extra combine columns ride along when the plan selects; None:
     the plain backward); ``compact``: the backward's compaction switch; ``input_grad=False``: no input gradients;
@@ -155,7 +157,8 @@ def expected_layer(plan, hidden: int, ffn: int, act_bytes: int, metric: str | No
 
 def expected_push(plan, hidden: int, ffn: int, param_bytes: int) -> dict[str, torch.Tensor]:
     """``weight_push.sent_bytes`` / ``.recv_bytes`` ([N] each) of the plan's weight push: the closed form of
-    :func:`lrmoe.sync_model.push_bytes` (a whole expert, 3·D·F·b_p, per distinct expert a rank sends another)."""
+    :func:`lrmoe.bytemodel.sync_model.push_bytes` (a whole expert, 3·D·F·b_p, per distinct expert a rank sends
+    another)."""
     push_NM = push_bytes(plan.placement_NS, plan.push_src_G, 3 * hidden * ffn, param_bytes)
     return {"weight_push.sent_bytes": push_NM.sum(1), "weight_push.recv_bytes": push_NM.sum(0)}
 
@@ -163,7 +166,8 @@ def expected_push(plan, hidden: int, ffn: int, param_bytes: int) -> dict[str, to
 def expected_step(placement_NS: torch.Tensor, next_placement_NS: torch.Tensor, num_experts: int, hidden: int,
                   ffn: int, param_bytes: int, replica_grad: str = "range") -> dict[str, torch.Tensor]:
     """The optimizer-step bytes of every rank ([N] each): replica sync, gradient collection, redistribution, in
-    ``replica_grad`` mode: the closed form of :func:`lrmoe.sync_model.step_bytes` (the byte model the cost model
+    ``replica_grad`` mode: the closed form of :func:`lrmoe.bytemodel.sync_model.step_bytes` (the byte model the cost
+    model
     prices too)."""
     return step_bytes(placement_NS, next_placement_NS, num_experts, 3 * hidden * ffn, param_bytes,
                       replica_grad=replica_grad).per_rank()

@@ -22,10 +22,10 @@ import torch
 from torch import Tensor
 
 from lrmoe.checks import non_negative_int, positive_int
-from lrmoe.layout import plan_selects
-from lrmoe.memory import (Footprint, LayerLoads, layer_memory, model_peak, plan_loads, plan_memory, slot_capacity,
-                          uniform_peak)
-from lrmoe.quotas import memory_cap_pairs
+from lrmoe.bytemodel.layout import plan_selects
+from lrmoe.bytemodel.memory import (Footprint, LayerLoads, layer_memory, model_peak, plan_loads, plan_memory,
+                                    slot_capacity, uniform_peak)
+from lrmoe.planner.quotas import memory_cap_pairs
 
 
 def _popularity(popularity_E: Tensor) -> Tensor:
@@ -170,13 +170,13 @@ def slots_that_fit(mem_budget_bytes, slot_bytes: float, pair_buffer_bytes: float
 @dataclass(frozen=True)
 class MemoryModel:
     """Per-rank memory of the MoE layers as the planner sees it (DESIGN.md §4 step 1, §5.4): the one model of
-    :mod:`lrmoe.memory`, shared with the simulator's accounting.
+    :mod:`lrmoe.bytemodel.memory`, shared with the simulator's accounting.
 
     budget_bytes   memory a rank gives its ``num_layers`` MoE layers together (``num_layers=1``: one layer's);
     slot_bytes     one replica slot (weights + gradients), ``footprint.slot``;
     pair_bytes     resident bytes per pair a rank computes, ``footprint.expert_pair`` (with a lumped footprint: the
                    backward buffers of one retained pair);
-    footprint      every buffer's bytes (:func:`lrmoe.memory.footprint`); None: the lumped two-number model
+    footprint      every buffer's bytes (:func:`lrmoe.bytemodel.memory.footprint`); None: the lumped two-number model
                    ``Footprint.lumped(slot_bytes, pair_bytes)``;
     num_layers     MoE layers sharing the budget; the planner assumes they all look like the layer it plans;
     fixed_bytes    bytes outside the layers that count against the budget (the optimizer shard, when it does).
@@ -209,7 +209,7 @@ class MemoryModel:
     @classmethod
     def for_model(cls, footprint: Footprint, budget_bytes: float, num_layers: int = 1,
                   fixed_bytes: float = 0.0) -> "MemoryModel":
-        """The full model: ``footprint`` (:func:`lrmoe.memory.footprint`) over ``num_layers`` layers."""
+        """The full model: ``footprint`` (:func:`lrmoe.bytemodel.memory.footprint`) over ``num_layers`` layers."""
         return cls(budget_bytes=float(budget_bytes), slot_bytes=footprint.slot, pair_bytes=footprint.expert_pair,
                    footprint=footprint, num_layers=num_layers, fixed_bytes=float(fixed_bytes))
 

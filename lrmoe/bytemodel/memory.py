@@ -1,6 +1,6 @@
 """The one memory model of an MoE layer: which buffers a rank holds, for how long, and how many bytes each takes.
 
-Read by the planner (:class:`lrmoe.placement.MemoryModel`: LRMoE's replica slots and memory cap, SYMI's slot
+Read by the planner (:class:`lrmoe.planner.placement.MemoryModel`: LRMoE's replica slots and memory cap, SYMI's slot
 count), by the cost model and the simulator (:mod:`lrmoe.sim.cost`, :mod:`lrmoe.sim.simulator`: peak memory and
 out-of-memory), by the layer benchmark and the notebooks. Pure: no ``torch.distributed``. DESIGN.md §5.4 states
 the rules; this module is them, term by term.
@@ -51,9 +51,9 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from .layout import backward_counts, plan_selects
+from lrmoe.bytemodel.layout import backward_counts, plan_selects
 
-INDEX_BYTES = 4  # one int32 per staying row of the compact backward (lrmoe.layout)
+INDEX_BYTES = 4  # one int32 per staying row of the compact backward (lrmoe.bytemodel.layout)
 STATE_BYTES_PER_PARAM = 12.0  # fp32 master weights + two fp32 Adam moments
 
 
@@ -153,14 +153,14 @@ def _per_rank(x_G: Tensor, num_ranks: int) -> Tensor:
 
 def slot_capacity(plan, cf: float) -> int:
     """Rows of each slot's fixed-size buffer under a capacity factor: ceil(cf · routed pairs / (N · S)), the
-    capacity SYMI gives a slot (and GShard an expert, S = E/N); lrmoe.replica_routing."""
+    capacity SYMI gives a slot (and GShard an expert, S = E/N); lrmoe.planner.replica_routing."""
     routed = int(plan.fwd_NG.sum()) + int(plan.dropped_NE.sum())
     return math.ceil(cf * routed / plan.num_slots - 1e-9)
 
 
 def plan_loads(plan, compact: bool = True, slot_capacity_rows: int | None = None,
                input_grad: bool = True) -> LayerLoads:
-    """The rows of every buffer of one layer-iteration executing ``plan`` (the layout of :mod:`lrmoe.layout`).
+    """The rows of every buffer of one layer-iteration executing ``plan`` (the layout of :mod:`lrmoe.bytemodel.layout`).
 
     ``compact``: the backward's compaction switch. ``slot_capacity_rows``: fixed-size capacity buffers; each
     non-empty slot's expert-side buffers (forward and backward) hold that many rows. ``input_grad=False``: no

@@ -6,7 +6,7 @@ top_k_index, top_k_weights)``); the block's own forward, its router (``block.gat
 rest of the model stay HF's. So HF's router decides (its parameter names, its precision, fp32 for GLM;
 ``norm_topk_prob`` either way, ``routed_scaling_factor``, the ``e_score_correction_bias`` buffer, group-limited
 routing with ``n_group`` / ``topk_group``), its hooks still collect ``output_router_logits``, and its top-k
-indices and weights reach the layer as ``routing=`` (:class:`~lrmoe.routing.RouterOutput`): the layer plans,
+indices and weights reach the layer as ``routing=`` (:class:`~lrmoe.runtime.routing.RouterOutput`): the layer plans,
 dispatches and computes the experts, and the router gradient flows back through HF's weights.
 
     dist.init_process_group(...)                     # every rank, then the same model on every rank
@@ -42,16 +42,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import MoEConfig
-from .distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
-from .layer import EPMoELayer
-from .load_stats import load_stats
-from .plan import LayerPlan, no_flows
-from .policies import initial_placement
-from .replica_routing import route_forward
-from .routing import RouterOutput, update_expert_bias
-from .systems import SystemContext, SystemSpec, get_system
-from .traces import RouterRecorder, Trace, join_ranks
+from lrmoe.config import MoEConfig
+from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
+from lrmoe.runtime.layer import EPMoELayer
+from lrmoe.integrations.load_stats import load_stats
+from lrmoe.planner.plan import LayerPlan, no_flows
+from lrmoe.planner.policies import initial_placement
+from lrmoe.planner.replica_routing import route_forward
+from lrmoe.runtime.routing import RouterOutput, update_expert_bias
+from lrmoe.systems import SystemContext, SystemSpec, get_system
+from lrmoe.integrations.traces import RouterRecorder, Trace, join_ranks
 
 __all__ = ["FAMILIES", "EPExperts", "HFExpertParallel", "gather_trace", "hf_config", "hf_to_reference",
            "moe_blocks", "reference_to_hf", "swap_moe_blocks"]
@@ -78,7 +78,8 @@ FAMILIES = {
 def _family(config) -> Family:
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
-        raise ValueError(f"lrmoe.hf swaps the MoE blocks of {sorted(FAMILIES)} models; this model's model_type is "
+        raise ValueError(f"lrmoe.integrations.hf swaps the MoE blocks of {sorted(FAMILIES)} models; "
+                         f"this model's model_type is "
                          f"{model_type!r}")
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
@@ -170,7 +171,7 @@ class _HeldPlacement:
 
 class EPExperts(nn.Module):
     """Drop-in for HF's fused experts module: ``forward(hidden_TD, top_k_index_TK, top_k_weights_TK) -> y_TD``
-    (Σ_k weight · expert output, as HF's), computed by an :class:`~lrmoe.layer.EPMoELayer` given HF's routing.
+    (Σ_k weight · expert output, as HF's), computed by an :class:`~lrmoe.runtime.layer.EPMoELayer` given HF's routing.
 
     The layer is held as a plain attribute, not a submodule: its slots are stepped by the replica store, not by a
     dense optimizer, and its router copy is unused. The state dict speaks HF's names (module doc).
@@ -419,7 +420,7 @@ class HFExpertParallel:
         return [layer.last_plan for layer in self.layers]
 
     def load_stats(self, **kw) -> dict:
-        """:func:`lrmoe.load_stats.load_stats` of the last training forward's plans (no collective)."""
+        """:func:`lrmoe.integrations.load_stats.load_stats` of the last training forward's plans (no collective)."""
         plans = self.plans()
         if any(p is None for p in plans):
             raise ValueError("load_stats needs a training forward first")
@@ -457,7 +458,8 @@ class HFExpertParallel:
 
 
 def gather_trace(recorder: RouterRecorder, **meta) -> Trace:
-    """Join what every rank's :class:`~lrmoe.traces.RouterRecorder` recorded (its own tokens) into one trace with a
+    """Join what every rank's :class:`~lrmoe.integrations.traces.RouterRecorder` recorded (its own tokens) into one
+    trace with a
     source-rank dimension of N · the recorder's virtual ranks (collective; every rank gets it)."""
     local = recorder.trace(**meta)
     parts = [None] * dist.get_world_size()

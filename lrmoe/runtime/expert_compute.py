@@ -1,6 +1,6 @@
 """The raw expert computation of the EP layer, forward and backward by hand, on rows sorted by slot: SwiGLU
 experts as variable-size grouped GEMMs (``lrmoe.kernels.grouped_gemm``), no dispatch. :class:`SwiGLUExperts` is the
-seam the expert exchange (:mod:`lrmoe.backward`) computes through.
+seam the expert exchange (:mod:`lrmoe.runtime.backward`) computes through.
 
 The forward keeps its activations (:class:`Activations`) so the backward of the rows that stay on their slot
 needs no recomputation; the backward runs on whichever rows it is given (only the retained ones), and rows whose
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .kernels.grouped_gemm import grouped_mm, grouped_mm_dw, swiglu_experts
+from lrmoe.kernels.grouped_gemm import grouped_mm, grouped_mm_dw, swiglu_experts
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The recalibrated expert exchange of the EP layer: one autograd op from the tokens at home to the per-pair
 expert outputs back at home, with a hand-written backward that moves and computes only the retained pairs.
 
-Forward (no autograd inside): the dispatcher's one data path (:class:`lrmoe.dispatch.TokenDispatcher`: pack →
+Forward (no autograd inside): the dispatcher's one data path (:class:`lrmoe.runtime.dispatch.TokenDispatcher`: pack →
 all-to-all → slot-major), the SwiGLU of every local slot as grouped GEMMs, *saving* its activations (input, gate and
 up pre-activations, h), and the dispatcher's combine back home.
 The op returns o_MD, one row per computed pair in the forward's packed order; the layer's weighted un-permute
@@ -11,7 +11,7 @@ every pair, whatever this backward keeps.
 Backward, on every rank (DESIGN.md §4 steps 4–8):
 
 1. *Select, at home.* grad_o = g·δ arrives for each pair. If the plan trims (keep_NG < fwd_NG) or moves pairs
-   (bwd_flows_V4), the recalibration metric scores the pairs and :func:`lrmoe.selection.select` keeps the top
+   (bwd_flows_V4), the recalibration metric scores the pairs and :func:`lrmoe.recal.selection.select` keeps the top
    keep_NG[home, g] of each group (home rank, forward slot g) (or a sample scaled by 1/p, unbiased mode); the
    flows out of (home, g) take the group's lowest-scoring kept pairs (:func:`flow_slots`). Dropped pairs stop
    here: they never cross the network.
@@ -29,9 +29,10 @@ Backward, on every rank (DESIGN.md §4 steps 4–8):
 
 A plan that keeps every computed pair and moves none is the plain backward: the forward layout, every row, no
 selection (bitwise what autograd through the forward would give). The byte layout of every packet is
-:mod:`lrmoe.layout`'s. The ablations of DESIGN.md §4 map onto :class:`BackwardConfig` (metric → ``"random"``,
+:mod:`lrmoe.bytemodel.layout`'s. The ablations of DESIGN.md §4 map onto :class:`BackwardConfig` (metric → ``"random"``,
 compaction → padded) and onto the policy (placement, quotas, backward routing). What the backward chose is written
-to the forward's :class:`BackwardRecord`. The exchange receives the dispatcher and its :class:`~lrmoe.dispatch.Comm`,
+to the forward's :class:`BackwardRecord`. The exchange receives the dispatcher and its
+:class:`~lrmoe.runtime.dispatch.Comm`,
 never the layer.
 """
 
@@ -43,47 +44,13 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .dispatch import Dispatch, TokenDispatcher
-from .expert_compute import Activations, SwiGLUExperts, slot_offsets
-from .kernels.compact import CompactPlan, compact_plan, pack, unpack
-from .layout import CARRY, MOVED, STAY, backward_counts, pair_matrix_NN, plan_selects, receive_layout
-from .scoring import METRICS, PairParts, get_metric
-from .selection import DEFAULT_UNIFORM_MIX, MODES, group_order, select
-
-
-@dataclass(frozen=True)
-class BackwardConfig:
-    """How the layer's backward chooses and moves pairs (the plan says how many; this says which and how).
-
-    metric      recalibration metric of :mod:`lrmoe.scoring` ("m1", "m2", "m3", "gate" or "random").
-    mode        "topk" (keep the best, biased) or "unbiased" (sample p ∝ score, scale by 1/p).
-    compact     pack retained rows densely (True) or send padded forward-layout buffers (False: same gradients,
-                more bytes and GEMM rows).
-    seed        seeds the generator of the random metric and of unbiased draws (offset by the rank).
-    uniform_mix the unbiased mode's zero-score guard (:func:`lrmoe.selection.select`).
-    """
-
-    metric: str = "m1"
-    mode: str = "topk"
-    compact: bool = True
-    seed: int = 0
-    uniform_mix: float = DEFAULT_UNIFORM_MIX
-
-    def __post_init__(self) -> None:
-        if self.metric not in METRICS:
-            raise ValueError(f"BackwardConfig.metric={self.metric!r} is not one of {METRICS}")
-        if self.mode not in MODES:
-            raise ValueError(f"BackwardConfig.mode={self.mode!r} is not one of {MODES}")
-        if not isinstance(self.compact, bool):
-            raise ValueError(f"BackwardConfig.compact must be a bool, got {self.compact!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"BackwardConfig.seed must be a non-negative int, got {self.seed!r}")
-        if not self.uniform_mix >= 0:
-            raise ValueError(f"BackwardConfig.uniform_mix must be non-negative, got {self.uniform_mix!r}")
-
-    def generator(self, rank: int) -> torch.Generator:
-        """The rank's own generator: every rank draws differently, every run the same."""
-        return torch.Generator().manual_seed(self.seed * 1_000_003 + rank)
+from lrmoe.runtime.dispatch import Dispatch, TokenDispatcher
+from lrmoe.runtime.expert_compute import Activations, SwiGLUExperts, slot_offsets
+from lrmoe.kernels.compact import CompactPlan, compact_plan, pack, unpack
+from lrmoe.bytemodel.layout import CARRY, MOVED, STAY, backward_counts, pair_matrix_NN, plan_selects, receive_layout
+from lrmoe.recal.scoring import PairParts, get_metric
+from lrmoe.recal.backward_config import BackwardConfig
+from lrmoe.recal.selection import group_order, select
 
 
 @dataclass
@@ -131,7 +98,7 @@ def flow_slots(slot_M: Tensor, keep_M: Tensor, scores_M: Tensor, flows_V3: Tenso
     slot_M: forward slot (the group) of each row of one source rank; keep_M: the selection; flows_V3: that
     source's rows (from_slot, to_slot, count) of bwd_flows_V4, sorted. The flows out of a group take its
     lowest-scoring kept rows, the lowest ones to the first flow row; the rest stay. Kept rows are ranked as
-    :func:`lrmoe.selection.select` ranks them (score descending, then row index), so "lowest" is its reverse.
+    :func:`lrmoe.recal.selection.select` ranks them (score descending, then row index), so "lowest" is its reverse.
     Example: a group of kept rows scored [.9, .1, .5, .3] with flows (g, a, 1), (g, b, 2): the .1 row goes to
     a, the .3 and .5 rows to b, the .9 row stays.
     """
@@ -192,7 +159,8 @@ class ExpertExchange:
     """One forward of the recalibrated exchange on one rank: built by the layer, run by :func:`expert_exchange`.
 
     ``dispatcher`` moves the rows (and its ``comm`` times, counts and exchanges); ``dispatch`` is the plan and this
-    rank's forward bookkeeping; ``experts`` computes the local slots (:class:`~lrmoe.expert_compute.SwiGLUExperts`
+    rank's forward bookkeeping; ``experts`` computes the local slots
+    (:class:`~lrmoe.runtime.expert_compute.SwiGLUExperts`
     or anything with its two calls); ``record`` receives what the backward kept.
     """
 

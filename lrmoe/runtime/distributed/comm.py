@@ -138,7 +138,7 @@ def init_process_group_from_env(backend: str | None = None, timeout_s: float = 1
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
         raise ValueError(f"init_process_group_from_env: environment variables {missing} are not set "
-                         f"(run under torchrun, or use lrmoe.distributed.launch for local runs)")
+                         f"(run under torchrun, or use lrmoe.runtime.distributed.launch for local runs)")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("nccl", "gloo"):

@@ -23,7 +23,8 @@ Recorded traces come from real routers:
 * :class:`RouterRecorder`: forward hooks on the router modules of any Hugging Face MoE model (Qwen3-MoE,
   GLM-4.5, Mixtral, ...; swapped onto the expert-parallel layer or not). One model forward is one step; the
   tokens of a forward can be split over ``num_ranks`` virtual source ranks (contiguous blocks, as data parallelism
-  splits a batch). Under ``torch.distributed`` each rank records its own tokens and ``lrmoe.hf.gather_trace``
+  splits a batch). Under ``torch.distributed`` each rank records its own tokens and
+  ``lrmoe.integrations.hf.gather_trace``
   joins them (:func:`join_ranks`).
 * :func:`import_megatron_trace`: Megatron-Core's router traces (``--moe-routing-trace-path``: one JSON-lines file
   per rank, one record per step, layer and rank with the top-k expert indices of its tokens).
@@ -111,7 +112,7 @@ def _describe(head: bytes) -> str:
         return "a Python pickle (e.g. torch.save output); traces never hold pickled data"
     if head.lstrip()[:1] in (b"{", b"["):
         return ("JSON text: if it is a Megatron-Core router trace (--moe-routing-trace-path), convert it with "
-                "lrmoe.traces.import_megatron_trace")
+                "lrmoe.integrations.traces.import_megatron_trace")
     try:
         head.decode("utf-8")
         return "a text file"
@@ -127,7 +128,7 @@ def load_trace(path: str | Path) -> Trace:
         raise FileNotFoundError(f"trace file {path} does not exist")
     if path.is_dir():
         raise TraceFormatError(f"{path} is a directory, not a trace file (.npz); a folder of Megatron-Core router "
-                               f"traces is read by lrmoe.traces.import_megatron_trace")
+                               f"traces is read by lrmoe.integrations.traces.import_megatron_trace")
     with open(path, "rb") as f:
         head = f.read(64)
     if head[:4] not in _ZIP_MAGIC:
@@ -277,7 +278,7 @@ def sample_routing(p_E: torch.Tensor, num_tokens: int, top_k: int, family: str, 
                    temperature: float = 1.0):
     """Synthetic router output for ``num_tokens`` tokens: logits = (log p + Gumbel) / temperature, routed by the
     family's router, so choices are Gumbel-top-k and gate weights have the family's form."""
-    from .routing import route
+    from lrmoe.runtime.routing import route
 
     logits_TE = (torch.log(p_E.double()) + _gumbel((num_tokens, p_E.shape[-1]), generator)) / temperature
     return route(logits_TE.float(), family, top_k)
@@ -402,7 +403,7 @@ class RouterRecorder:
 
     A real checkpoint on a machine with the weights: ``model = AutoModelForCausalLM.from_pretrained(path)``, then
     the same lines. A model swapped onto the expert-parallel layer keeps HF's routers, so it records the same way
-    (each rank its own tokens; ``lrmoe.hf.gather_trace`` joins the ranks).
+    (each rank its own tokens; ``lrmoe.integrations.hf.gather_trace`` joins the ranks).
     """
 
     def __init__(self, model: nn.Module, num_ranks: int = 1, num_experts: int | None = None,

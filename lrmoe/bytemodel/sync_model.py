@@ -3,7 +3,7 @@ whom in the replica-gradient sync, the gradient collection and the weight redist
 replica-gradient modes.
 
 Pure: placements in, integer byte matrices out; no ``torch.distributed``. The same functions serve the layer's
-accounting (:func:`lrmoe.distributed.accounting.expected_step`, checked against the counted bytes every
+accounting (:func:`lrmoe.runtime.distributed.accounting.expected_step`, checked against the counted bytes every
 iteration) and the cost model (:meth:`lrmoe.sim.cost.CostModel._sync`, which only turns them into time).
 
 Notation: N ranks, E experts, P parameters per expert, split into N contiguous optimizer shards (``shard_q``
@@ -44,7 +44,8 @@ a = max(b_g, 4) (the sums run in at least fp32); c_n: rank n's shard; S'_n the o
 * redistribution: the sent shards gathered (2 × sent), the received placed (2 × received), the own shard cast
   (2·|X_n|·c_n·b_w), the full weights copied into the slots (2·S'_n·P·b_w).
 
-Weight push (online replication, :mod:`lrmoe.online`; before the expert compute, not in the optimizer step): a plan's
+Weight push (online replication, :mod:`lrmoe.planner.online`; before the expert compute, not in the optimizer step): a
+plan's
 ``push_src_G`` fills empty slots with copies of resident ones. Rank q sends rank m ≠ q each distinct expert that
 m's pushed slots take from q's slots once, whole: q → m carries |{e pushed from q to m}|·P·b_w. A push from a slot
 of the same rank is a local copy (zero bytes).

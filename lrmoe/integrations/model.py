@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import MoEConfig
-from .routing import load_balancing_loss
+from lrmoe.config import MoEConfig
+from lrmoe.runtime.routing import load_balancing_loss
 
 
 class RMSNorm(nn.Module):

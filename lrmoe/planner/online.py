@@ -13,12 +13,13 @@ replicas. The home layout never moves:
   hottest such expert per replica first); stop when the most loaded rank cannot be relieved;
 * the plan pushes each replica's weights from the expert's home slot (``LayerPlan.push_src_G``; only inside one
   node of ``ranks_per_node`` ranks, the anchor's NVLink domain) and routes the forward ``"balanced"`` over the
-  replicas (:func:`lrmoe.replica_routing.route_forward`);
-* the backward sums the replicas' gradients into the expert's like any replica's (:mod:`lrmoe.distributed.replica`),
+  replicas (:func:`lrmoe.planner.replica_routing.route_forward`);
+* the backward sums the replicas' gradients into the expert's like any replica's
+(:mod:`lrmoe.runtime.distributed.replica`),
   and the step's redistribution into the home placement empties the spare slots again.
 
 Pure: no ``torch.distributed``; the same counts give the same plan on every rank, so the push needs no collective
-beyond itself. The retention budget on top (``online-rho…`` in the registry) is :class:`lrmoe.policies.Trimmed`
+beyond itself. The retention budget on top (``online-rho…`` in the registry) is :class:`lrmoe.planner.policies.Trimmed`
 around this policy: online plans keep every computed pair where it ran.
 """
 
@@ -29,9 +30,9 @@ import torch
 from torch import Tensor
 
 from lrmoe.checks import non_negative_int, positive_int
-from lrmoe.placement import replica_table, static_placement
-from lrmoe.plan import LayerPlan, no_flows
-from lrmoe.replica_routing import FORWARD_MODES, check_counts, forward_on
+from lrmoe.planner.placement import replica_table, static_placement
+from lrmoe.planner.plan import LayerPlan, no_flows
+from lrmoe.planner.replica_routing import FORWARD_MODES, check_counts, forward_on
 
 
 def home_placement(num_experts: int, num_ranks: int, spare_slots: int) -> Tensor:

@@ -14,7 +14,7 @@ With g the pair's gate weight, δ = ∂L/∂y of its token, o the expert output 
 
 Each metric is a :class:`Metric` object that declares what it needs besides grad_o (``needs``), what that costs
 the forward (``combine_cols``, ``save_output``) and computes its scores on the device of the data
-(:meth:`Metric.score`): no host sync, no host copy. Only the selection (:mod:`lrmoe.selection`) reads the [M]
+(:meth:`Metric.score`): no host sync, no host copy. Only the selection (:mod:`lrmoe.recal.selection`) reads the [M]
 scores on the host. Adding a metric is one :class:`Metric` subclass and one entry in :data:`METRIC_REGISTRY`;
 the hook, the distributed layer, the accounting and the scripts read everything else from the object.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from .selection import MODES
+from lrmoe.recal.selection import MODES
 
 # what a metric may need besides grad_o, and the PairParts field that carries it
 NEEDS = {"o": "o_MD", "h_norm": "h_norm_M", "gate": "gate_M"}

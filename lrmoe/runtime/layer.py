@@ -5,19 +5,20 @@ One forward, on every rank (DESIGN.md §4, the data flows one way):
 
     route (replicated router) → all-gather counts_NE → plan = policy.plan(counts_NE, prev_counts_E)
     → [weight push into empty slots, if the plan has one: ReplicaStore.push]
-    → expert exchange (lrmoe.backward: the dispatcher's pack → all-to-all → slot-major → grouped-GEMM SwiGLU →
+    → expert exchange (lrmoe.runtime.backward: the dispatcher's pack → all-to-all → slot-major → grouped-GEMM SwiGLU →
       all-to-all back) → weighted un-permute (+ shared expert)
 
 Every rank runs the same policy on the same all-gathered counts, so all ranks hold the same plan without further
 communication, and each derives its all-to-all split sizes from it. The layer never looks at which policy made the
-plan: static EP, capacity with drops, SYMI or LRMoE placements all arrive as a :class:`~lrmoe.plan.LayerPlan`.
+plan: static EP, capacity with drops, SYMI or LRMoE placements all arrive as a :class:`~lrmoe.planner.plan.LayerPlan`.
 The plan is made once per iteration; :meth:`EPMoELayer.expert_step` moves the weights into the placement it
 planned for the next iteration.
 
 The layer keeps the routing, the shared expert and the orchestration. The data path is the dispatcher's
-(:mod:`lrmoe.dispatch`); the backward is the expert exchange's (:mod:`lrmoe.backward`), one code path for every
+(:mod:`lrmoe.runtime.dispatch`); the backward is the expert exchange's (:mod:`lrmoe.runtime.backward`), one code path
+for every
 plan: with ``backward=None`` it is the plain backward (plans that trim or move backward pairs are refused), with a
-:class:`~lrmoe.backward.BackwardConfig` the recalibrated one (metric and selection at home, compacted packets).
+:class:`~lrmoe.runtime.backward.BackwardConfig` the recalibrated one (metric and selection at home, compacted packets).
 The per-pair expert outputs come home as one tensor ``o_MD`` before the weighted un-permute
 ``y_t = Σ_j g_tj · o_tj``, so the router gradient (through g) is exact for every pair.
 """
@@ -31,16 +32,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .backward import BackwardConfig, BackwardRecord, ExpertExchange, expert_exchange
-from .config import ROUTER_FAMILIES
-from .dispatch import Comm, Dispatch, TokenDispatcher, assign_pairs, make_dispatch, source_to_slot_major
-from .distributed.accounting import Accountant
-from .expert_compute import SwiGLUExperts
-from .distributed.replica import AdamConfig, RangeGroups, ReplicaStore
-from .plan import LayerPlan
-from .policies import initial_placement
-from .reference import EXPERT_WEIGHTS, SHARED_WEIGHTS, swiglu
-from .routing import RouterOutput, route
+from lrmoe.recal.backward_config import BackwardConfig
+from lrmoe.runtime.backward import BackwardRecord, ExpertExchange, expert_exchange
+from lrmoe.config import ROUTER_FAMILIES
+from lrmoe.runtime.dispatch import Comm, Dispatch, TokenDispatcher, assign_pairs, make_dispatch, source_to_slot_major
+from lrmoe.runtime.distributed.accounting import Accountant
+from lrmoe.runtime.expert_compute import SwiGLUExperts
+from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, ReplicaStore
+from lrmoe.planner.plan import LayerPlan
+from lrmoe.planner.policies import initial_placement
+from lrmoe.runtime.reference import EXPERT_WEIGHTS, SHARED_WEIGHTS, swiglu
+from lrmoe.runtime.routing import RouterOutput, route
 
 __all__ = ["EPMoELayer", "EPMoEInfo", "NeedsRecalibration", "check_layer_plan", "initial_placement", "Dispatch",
            "assign_pairs", "source_to_slot_major"]

@@ -1,7 +1,7 @@
 """Load statistics of MoE routing, per layer and across layers: the numbers MoE papers and training logs report.
 
 Per layer, from the routed counts ``counts_NE`` [source rank, expert] of one iteration (and, when the layer ran
-it, the iteration's :class:`~lrmoe.plan.LayerPlan`):
+it, the iteration's :class:`~lrmoe.planner.plan.LayerPlan`):
 
 * tokens per expert: min, max, mean, std (population std over the E experts) and their Gini coefficient;
   ``expert_max_over_mean`` is the hottest expert over the mean;
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .plan import LayerPlan
-from .traces import gini
+from lrmoe.planner.plan import LayerPlan
+from lrmoe.integrations.traces import gini
 
 PERCENTILES = (50, 90, 99)
 LAYER_KEYS = ("tokens_per_expert_min", "tokens_per_expert_max", "tokens_per_expert_mean", "tokens_per_expert_std",

@@ -6,7 +6,7 @@ per-pair expert outputs back home, and the communication object every exchange o
 
 :func:`make_dispatch` turns one rank's routing and the plan into integer bookkeeping (:class:`Dispatch`, no data
 moves, no gradients); :class:`TokenDispatcher` moves rows by it. Nothing here is differentiable: the expert exchange
-(:mod:`lrmoe.backward`) wraps the whole path in one autograd op with a hand-written backward, which moves its
+(:mod:`lrmoe.runtime.backward`) wraps the whole path in one autograd op with a hand-written backward, which moves its
 packets through the same :class:`Comm`.
 
 Pair-level rule (shared with the planner and the simulator): the pairs of (source rank n, expert e), in token
@@ -24,10 +24,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .distributed.accounting import Accountant
-from .distributed.comm import all_gather_rows, all_to_all_rows
-from .kernels.compact import CompactPlan, compact_plan, pack, unpack
-from .plan import DROP_RULES, LayerPlan
+from lrmoe.runtime.distributed.accounting import Accountant
+from lrmoe.runtime.distributed.comm import all_gather_rows, all_to_all_rows
+from lrmoe.kernels.compact import CompactPlan, compact_plan, pack, unpack
+from lrmoe.planner.plan import DROP_RULES, LayerPlan
 
 
 # -- communication and accounting ----------------------------------------------------------------------------------

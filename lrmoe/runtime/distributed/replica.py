@@ -32,12 +32,13 @@ all-gather, not the backend's all-reduce, whose order is its own; the shard owne
 two modes agree bit for bit in fp32. (In a lower slot dtype the range mode rounds the reduced gradient to it for
 the all-gather, the shard mode keeps the fp32 sum: they differ by that one rounding.)
 
-Online replication (:mod:`lrmoe.online`) adds a step 0 before the forward, :meth:`ReplicaStore.push`: copies of
+Online replication (:mod:`lrmoe.planner.online`) adds a step 0 before the forward, :meth:`ReplicaStore.push`: copies of
 resident slots fill empty ones (the plan's ``push_src_G``), the replicas' gradients join steps 1-2 like any other,
 and the redistribution into a next placement without them empties them again.
 
-The pure helpers (who talks to whom, and how many bytes) live in :mod:`lrmoe.sync_model` and are re-exported here;
-the accounting (:mod:`lrmoe.distributed.accounting`) and the cost model take their bytes from there.
+The pure helpers (who talks to whom, and how many bytes) live in :mod:`lrmoe.bytemodel.sync_model` and are re-exported
+here;
+the accounting (:mod:`lrmoe.runtime.distributed.accounting`) and the cost model take their bytes from there.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..sync_model import (SyncPlan, check_placement, check_replica_grad, hosted_experts, hosts_mask, push_rows,
-                          ring_allreduce_bytes, shard_bounds, shard_sizes, sync_plan)
-from .comm import all_to_all_rows, exchange_rows
+from lrmoe.bytemodel.sync_model import (SyncPlan, check_placement, check_replica_grad, hosted_experts, hosts_mask,
+                                        push_rows, ring_allreduce_bytes, shard_bounds, shard_sizes, sync_plan)
+from lrmoe.runtime.distributed.comm import all_to_all_rows, exchange_rows
 
 __all__ = ["AdamConfig", "RangeGroups", "ReplicaStore", "SyncPlan", "adam_update_", "check_placement",
            "flatten_experts", "hosted_experts", "ring_allreduce_bytes", "shard_bounds", "shard_sizes", "sync_plan",
@@ -411,7 +412,7 @@ class ReplicaStore(nn.Module):
     def push(self, placement_NS: torch.Tensor, push_src_G: torch.Tensor) -> None:
         """Fill empty slots with copies of resident slots before the forward (a plan's ``push_src_G``: the global
         slot each pushed slot copies, -1 for the others), then hold ``placement_NS``. Every rank sends each peer one
-        message with the distinct experts that peer takes from its slots (:func:`lrmoe.sync_model.push_rows`);
+        message with the distinct experts that peer takes from its slots (:func:`lrmoe.bytemodel.sync_model.push_rows`);
         copies within a rank are local. Timed and counted as ``weight_push`` (collective).
 
         The pushed slots then take part in the replica-gradient sum like any replica, and the redistribution of

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ROUTER_FAMILIES, MoEConfig
-from .routing import expert_counts, route
+from lrmoe.config import ROUTER_FAMILIES, MoEConfig
+from lrmoe.runtime.routing import expert_counts, route
 
 EXPERT_WEIGHTS = ("w_router_ED", "bias_E", "w_gate_EDF", "w_up_EDF", "w_down_EFD")
 SHARED_WEIGHTS = ("w_shared_gate_DF", "w_shared_up_DF", "w_shared_down_FD")

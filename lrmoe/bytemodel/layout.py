@@ -1,7 +1,8 @@
 """The byte model of one plan: which rows every all-to-all of an MoE layer-iteration carries, from the plan alone.
 
-One set of rules, read by everything that counts or prices traffic: the runtime (:mod:`lrmoe.dispatch`,
-:mod:`lrmoe.backward`) lays its packets out by them, :mod:`lrmoe.distributed.accounting` turns them into the bytes a
+One set of rules, read by everything that counts or prices traffic: the runtime (:mod:`lrmoe.runtime.dispatch`,
+:mod:`lrmoe.runtime.backward`) lays its packets out by them, :mod:`lrmoe.runtime.distributed.accounting` turns them
+into the bytes a
 rank must have counted, and the cost model (:mod:`lrmoe.sim.cost`) into seconds. Pure: no ``torch.distributed``.
 
 Notation (DESIGN.md §8, shape letters): N ranks, S slots per rank, G = N·S global slots, E experts, D hidden width,
@@ -37,8 +38,9 @@ BACKWARD_PHASES = ("recalibrate", "combine_a2a_bwd", "bwd_index_a2a", "expert_bw
 STEP_PHASES = ("replica_sync", "grad_collect", "adam", "redistribute")
 PHASES = FORWARD_PHASES + BACKWARD_PHASES + STEP_PHASES
 A2A_PHASES = ("dispatch_a2a", "combine_a2a", "combine_a2a_bwd", "bwd_index_a2a", "dispatch_a2a_bwd")
-# weight_push: online replication copies expert weights into spare slots before the expert compute (lrmoe.online;
-# its bytes are lrmoe.sync_model.push_bytes)
+# weight_push: online replication copies expert weights into spare slots before the expert compute
+# (lrmoe.planner.online;
+# its bytes are lrmoe.bytemodel.sync_model.push_bytes)
 BYTE_PHASES = A2A_PHASES + ("weight_push", "replica_sync", "grad_collect", "redistribute")
 COUNTERS = ("pairs_fwd", "pairs_bwd", "pairs_retained", "pairs_recomputed", "pairs_dropped", "token_buffer_bytes",
             "bwd_buffer_bytes")

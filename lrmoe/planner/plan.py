@@ -1,7 +1,7 @@
 """The plan of one MoE layer for one iteration: everything the layer (or the simulator) needs, as plain tensors.
 
 N ranks, S slots per rank, G = N·S global slots (slot g lives on rank g // S at local index g % S), E experts.
-A policy (lrmoe.policies) produces a :class:`LayerPlan` from the routed counts; the layer never branches on
+A policy (lrmoe.planner.policies) produces a :class:`LayerPlan` from the routed counts; the layer never branches on
 the policy, it only reads the plan.
 
 Pair-level rule every consumer follows. The pairs of (source n, expert e), in token order, minus the dropped
@@ -46,7 +46,8 @@ class LayerPlan:
                    the weights can move there at the end of this iteration without planning again. It assumes the
                    next iteration routes as many pairs (only memory-aware placement looks at that). None (the
                    default) means the placement stays: it is filled with placement_NS.
-    push_src_G     [G] online replication (lrmoe.online): the global slot whose weights are copied into slot g before
+    push_src_G     [G] online replication (lrmoe.planner.online): the global slot whose weights are copied into slot g
+    before
                    this iteration's expert compute, -1 where g is not pushed. A pushed slot is empty in the placement
                    the slots hold and holds the source's expert in placement_NS; a source is never pushed itself.
                    None (the default): nothing is pushed.

@@ -1,7 +1,7 @@
 """The backward hook that recalibrates an MoE layer's backward load, pair by pair.
 
 :func:`recalibrate` is the identity on the per-pair expert outputs o_PD in the forward. In the backward it
-receives grad_o = g·δ for every pair, scores the pairs with the chosen metric (a :class:`lrmoe.scoring.Metric`,
+receives grad_o = g·δ for every pair, scores the pairs with the chosen metric (a :class:`lrmoe.recal.scoring.Metric`,
 from what the token's home rank holds: grad_o and what the metric needs of o, ‖h‖ and g), selects them inside
 the given quotas, records the selection on its :class:`Recalibration` object and returns the gradient masked
 and scaled (0 for dropped pairs, 1 or 1/p for kept ones). The gate multiplies o outside the hook, so the router
@@ -17,16 +17,17 @@ from typing import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
-from .checks import apportion
-from .scoring import Metric, PairParts, get_metric
-from .selection import DEFAULT_UNIFORM_MIX, MODES, Selection, check_groups, select
+from lrmoe.checks import apportion
+from lrmoe.recal.scoring import Metric, PairParts, get_metric
+from lrmoe.recal.selection import DEFAULT_UNIFORM_MIX, MODES, Selection, check_groups, select
 
 
 @dataclass
 class Recalibration:
     """What the hook is told (metric, mode, a group per pair and a quota per group) and what it did.
 
-    metric: a name of :data:`lrmoe.scoring.METRICS` or a :class:`lrmoe.scoring.Metric` (``scorer`` is the object).
+    metric: a name of :data:`lrmoe.recal.scoring.METRICS` or a :class:`lrmoe.recal.scoring.Metric` (``scorer`` is the
+    object).
     group_P: long [P] in [0, Q), e.g. source rank · E + expert; quota_Q: long [Q] pairs to keep per group.
     After each backward, ``scores_P`` and ``selection`` hold the latest scores and selection, and
     ``num_backward`` counts the backward passes (a retained graph may be run several times: each run draws
@@ -123,7 +124,7 @@ def recalibrate(o_PD: torch.Tensor, rec: Recalibration, *, gate_P: torch.Tensor 
 
 
 def pair_hook(rec: Recalibration) -> Callable:
-    """A ``pair_hook`` for :class:`lrmoe.reference.ReferenceMoE` that applies :func:`recalibrate`."""
+    """A ``pair_hook`` for :class:`lrmoe.runtime.reference.ReferenceMoE` that applies :func:`recalibrate`."""
 
     def hook(o_PD, aux):
         return recalibrate(o_PD, rec, gate_P=aux.gate_TK.reshape(-1), h_norm_P=aux.h_norm_TK.reshape(-1))

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from .config import ROUTER_FAMILIES
+from lrmoe.config import ROUTER_FAMILIES
 
 
 class RouterOutput(NamedTuple):

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from lrmoe.checks import apportion_array, apportion_rows_array, check_cf
-from lrmoe.placement import ReplicaTable, replica_table
+from lrmoe.planner.placement import ReplicaTable, replica_table
 
 FORWARD_MODES = ("even", "balanced")
 

@@ -1,0 +1,13 @@
+"""The planner: from routed counts to a :class:`~lrmoe.planner.plan.LayerPlan` (pure; no ``torch.distributed``).
+
+* :mod:`~lrmoe.planner.plan`: the plan, plain data the layer and the simulator both consume;
+* :mod:`~lrmoe.planner.policies`: the policies (static EP, capacity, SYMI, LRMoE, trimmed) behind one interface;
+* :mod:`~lrmoe.planner.online`: online replication from the current forward;
+* :mod:`~lrmoe.planner.placement`: SYMI's and LRMoE's placements, and the memory-aware slot count;
+* :mod:`~lrmoe.planner.replica_routing`: which replica computes which pairs, forward and backward;
+* :mod:`~lrmoe.planner.quotas`: LRMoE's retention quotas (cap and budget modes, the floor, the memory cap).
+
+Shape letters (DESIGN.md §8 has the full glossary): N ranks (a second rank index is N again), S slots per rank,
+G = N·S global slots (slot g lives on rank g // S), E experts, A hosted slots in (expert, slot) order, V backward
+flows (source, from slot, to slot, count), Q quota groups.
+"""

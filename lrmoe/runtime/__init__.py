@@ -1,0 +1,16 @@
+"""The runtime: the expert-parallel layer on ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+* :mod:`~lrmoe.runtime.layer`: :class:`~lrmoe.runtime.layer.EPMoELayer`: routing, planning once per iteration,
+  the shared expert, orchestration;
+* :mod:`~lrmoe.runtime.dispatch`: the token dispatcher, the one forward data path;
+* :mod:`~lrmoe.runtime.backward`: the recalibrated expert exchange, one autograd op;
+* :mod:`~lrmoe.runtime.expert_compute`: the SwiGLU experts on grouped GEMMs, forward and backward by hand;
+* :mod:`~lrmoe.runtime.routing`: the routers (softmax top-k, GLM's sigmoid with bias);
+* :mod:`~lrmoe.runtime.reference`: the dense single-process reference every test compares against;
+* :mod:`~lrmoe.runtime.distributed`: all-to-all and point-to-point, the launcher, the replica substrate, the
+  accountant.
+
+Shape letters (DESIGN.md §8 has the full glossary): T tokens of a rank, K top-k, P = T·K pairs, D hidden width,
+F expert FFN width, E experts, N ranks, S slots per rank, G = N·S global slots, M pair rows at home in packed order,
+R rows on the expert side, W = 3·D·F parameters of one expert.
+"""
