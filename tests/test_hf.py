@@ -109,7 +109,7 @@ def _equal_to_hf(rank: int, family: str, system: str) -> dict:
         torch.testing.assert_close(out.aux_loss, want.aux_loss, **CLOSE)
     out.loss.backward()
     ep.sync_dense_grads(1.0)
-    expert_grads = ep.gather_expert_grads()
+    expert_grads = ep.gather_expert_grads(1.0)
     sum(ref(x, labels=x, output_router_logits=True).loss for x in ids).backward()
     dense = dict(model.named_parameters())
     names = dict(ref.named_parameters())
