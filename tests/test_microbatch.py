@@ -12,7 +12,6 @@ every gradient is bitwise the run's without checkpointing, and the recomputation
 8 tokens per rank and micro-batch) and skewed routing, so that the placements replicate and the quotas trim.
 """
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint

@@ -247,7 +247,7 @@ class EPMoELayer(nn.Module):
             with comm.phase("plan"):
                 counts_NE = comm.all_gather_counts(torch.bincount(routed.idx_TK.reshape(-1),
                                                                   minlength=self.num_experts))
-                if training and self.micro_batches and self.store.pushed:
+                if self.store.pushed:
                     self.store.unpush()  # online replication: the previous micro-batch's replicas make room
                 plan = policy.plan(counts_NE, self.prev_counts_E)
                 check_layer_plan(plan, counts_NE, self.placement_NS, recalibrated=self.backward_config is not None)
@@ -270,6 +270,8 @@ class EPMoELayer(nn.Module):
             # the experts' activations gate, up and h of the R computed rows (held until the backward)
             comm.count("token_buffer_bytes", 3 * R * self.expert_ffn * x_TD.element_size())
             comm.count("pairs_dropped", int((dispatch.slot_P < 0).sum()))
+        if replay is None and not training and plan.push_src_G is not None:
+            self.store.unpush(keep_grads=False)  # a forward without gradients leaves the slots as it found them
         if training:
             self.iteration_counts_NE = counts_NE if self.iteration_counts_NE is None else \
                 self.iteration_counts_NE + counts_NE

@@ -489,12 +489,16 @@ class ReplicaStore(nn.Module):
         self.placement_NS = tgt
 
     @torch.no_grad()
-    def unpush(self) -> None:
+    def unpush(self, keep_grads: bool = True) -> None:
         """Empty the pushed slots (back to the resident placement) between two micro-batches of one step, keeping
         their gradients: each emptied slot's gradient is added to its expert's ``unpushed_grads`` (in fp32 or
         wider, then the slots' dtype), which the replica-gradient sum of :meth:`step` includes. No collective:
-        every rank knows every rank's pushed slots from the plans."""
+        every rank knows every rank's pushed slots from the plans. ``keep_grads=False``: after a forward without
+        gradients, whose replicas hold none."""
         if self.resident_NS is None:
+            return
+        if not keep_grads:
+            self.placement_NS, self.resident_NS = self.resident_NS, None
             return
         emptied_G = (self.placement_NS != self.resident_NS).reshape(-1)
         hosts_NE = hosts_mask(torch.where(emptied_G.view_as(self.placement_NS), self.placement_NS, -1),
