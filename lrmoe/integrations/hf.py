@@ -499,6 +499,11 @@ class EPOptimizer(torch.optim.Optimizer):
     the mean loss over ranks and micro-batches, module doc). :meth:`zero_grad` clears both parts;
     :meth:`state_dict` holds the dense optimizer's state and this rank's expert state (per rank, like the
     experts' optimizer shards: save one per rank).
+
+    Not for ``transformers.Trainer`` or Accelerate: they wrap the model in DistributedDataParallel, which all-reduces
+    the dense gradients itself (this step would reduce them twice) and assumes every rank holds every parameter
+    (each rank holds only its expert slots and optimizer shard). Write the loop by hand (README, "Use it with
+    transformers"): micro-batches, gradient checkpointing and LR schedulers all work in it.
     """
 
     def __init__(self, ep: HFExpertParallel, dense_optimizer: type[torch.optim.Optimizer], *,
