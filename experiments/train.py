@@ -394,7 +394,8 @@ def worker(rank: int, args) -> list[dict]:
             trace = Trace(torch.stack(counts), {"source": "recorded", "model": cfg.name, "seed": args.seed,
                                                  "policy": args.policy, "architecture": run.architecture,
                                                  "steps": len(counts),
-                                                 "tokens_per_rank": args.batch * args.seq_len})
+                                                 "tokens_per_rank": args.batch * args.seq_len,
+                                                 "micro_batches": args.micro_batches})  # counts: summed over them
             trace.save(args.trace_out, overwrite=args.overwrite or args.resume)
     finally:
         if progress is not None:
