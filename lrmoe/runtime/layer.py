@@ -298,6 +298,18 @@ class EPMoELayer(nn.Module):
                            f"checkpoint (use_reentrant=False; the reentrant one runs the first forward without "
                            f"gradients, which plans nothing), and keep the router deterministic")
 
+    def planning_state(self) -> tuple:
+        """What a training forward advances (counts, micro-batches, recorded decisions, the last plan): for a side
+        forward that must leave no trace, e.g. a benchmark's reference gradient (:meth:`restore_planning_state`)."""
+        return (self.prev_counts_E, self.iteration_counts_NE, self.micro_batches, list(self.decisions),
+                self.last_plan, self.last_dispatch, self._iteration_policy)
+
+    def restore_planning_state(self, state: tuple) -> None:
+        """Back to a :meth:`planning_state`, with the replicas a side forward pushed emptied (no gradient kept)."""
+        (self.prev_counts_E, self.iteration_counts_NE, self.micro_batches, self.decisions, self.last_plan,
+         self.last_dispatch, self._iteration_policy) = state
+        self.store.unpush(keep_grads=False)
+
     # -- after the backward --------------------------------------------------------------------------------------
     def mean_grad_scale(self) -> float:
         """1 / (ranks x micro-batches of this iteration): what turns the summed gradients into the gradient of the
