@@ -129,7 +129,8 @@ class EPMoELayer(nn.Module):
     Build it on every rank with the same full ``weights`` (the reference layer's layout, e.g.
     ``ReferenceMoE.export_weights()``); each rank keeps only its slots and its shard of the optimizer state.
     The router and shared-expert weights are data-parallel: :meth:`sync_dense_grads` all-reduces their gradients.
-    Every rank must run the forward and a backward through its output each iteration (they are collective).
+    Every rank must run each forward and a backward through its output (they are collective); any number of
+    training forwards (micro-batches) may precede :meth:`expert_step`, each one's backward before the next forward.
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], top_k: int, router: str, policy, placement_NS: torch.Tensor,
