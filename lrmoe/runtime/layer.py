@@ -130,7 +130,8 @@ class EPMoELayer(nn.Module):
     ``ReferenceMoE.export_weights()``); each rank keeps only its slots and its shard of the optimizer state.
     The router and shared-expert weights are data-parallel: :meth:`sync_dense_grads` all-reduces their gradients.
     Every rank must run each forward and a backward through its output (they are collective); any number of
-    training forwards (micro-batches) may precede :meth:`expert_step`, each one's backward before the next forward.
+    training forwards (micro-batches) may precede :meth:`expert_step` (with online replication, each one's backward
+    before the next forward: the next one pushes other replicas into the slots).
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], top_k: int, router: str, policy, placement_NS: torch.Tensor,
