@@ -1,75 +1,49 @@
-"""Peak memory of one training step with and without activation checkpointing, on gloo CPU ranks.
+"""Peak memory of a training step with and without activation checkpointing, on gloo CPU ranks.
 
-Each configuration runs in fresh ranks: the model of ``experiments/train.py`` (lrmoe's own, or HF's with
---hf-config) is built, one step warms it up, then each measured step starts from a clean slate (garbage collected,
-freed heap returned to the system with ``malloc_trim``, the kernel's peak-RSS mark reset through
-``/proc/self/clear_refs``) and its memory is the rank's peak resident set during the step minus its resident set
-before it: the activations, gradients and buffers the step adds on top of the weights and optimizer state.
-Reported: the median over the measured steps of the largest rank's figure, per configuration, and the ratio.
-Linux only (``/proc``, glibc).
+Runs experiments/train.py through its command line twice, in processes of their own: the same model, data and
+system, once plain and once with --activation-checkpointing, both with --record-peak-rss (each step starts from a
+clean slate: garbage collected, the freed heap returned to the system, the kernel's peak-RSS mark reset; its
+figure is the largest rank's peak resident memory during the step minus its resident memory before it: the
+activations, gradients and buffers the step adds on top of the weights and optimizer state,
+lrmoe.harness.rss). The first step (warm-up: lazy allocations, optimizer state) is left out; reported are the
+median, min and max over the other steps, and the ratio of the medians. Linux only.
 
     python experiments/checkpoint_memory.py --preset qwen3-30b-a3b-debug --batch 8 --seq-len 256 --no-wandb
+    python experiments/checkpoint_memory.py --hf-config qwen3 --batch 8 --seq-len 256 --no-wandb
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, read_results
 
-from lrmoe.experiments import train
-from lrmoe.integrations.tracking import Tracker, add_tracking_args
-from lrmoe.runtime.distributed.launch import launch
+TRAIN = Path(__file__).resolve().parent / "train.py"
 
 
-def _kib(field: str) -> int:
-    """A field of /proc/self/status in bytes (VmRSS: resident now; VmHWM: the peak since the last reset)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _clean_slate() -> int:
-    """Free what can be freed, reset the peak-RSS mark; the resident bytes now."""
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to VmRSS (Linux >= 4.0)
-    return _kib("VmRSS")
-
-
-def _rank(rank: int, train_argv: list[str], steps: int, seed: int) -> list[int]:
-    args = train.parse_args(train_argv)
-    torch.manual_seed(args.seed)
-    _, run, _ = train.build(args, dist.get_world_size(), torch.device("cpu"))
-    gen = torch.Generator().manual_seed(seed * 7919 + rank)
-    vocab = run.cfg.vocab_size if hasattr(run, "cfg") else run.model.config.vocab_size
-    extra = []
-    for step in range(steps + 1):  # the first step warms up (lazy allocations, optimizer state)
-        x = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=gen)
-        base = _clean_slate()
-        run.train_step(x[:, :-1], x[:, 1:])
-        if step:
-            extra.append(_kib("VmHWM") - base)
-    return extra
-
-
-def measure(args, checkpointing: bool) -> dict:
-    """One configuration in fresh ranks: per measured step, the largest rank's peak bytes above its baseline."""
+def train_argv(args, checkpointing: bool, out: Path) -> list[str]:
     model = ["--hf-config", args.hf_config] if args.hf_config else ["--preset", args.preset]
-    argv = [*model, "--policy", args.policy, "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-            "--micro-batches", str(args.micro_batches), "--cost-model", "", "--seed", str(args.seed),
-            *(["--activation-checkpointing"] if checkpointing else [])]
-    per_rank = launch(_rank, args.ranks, argv, args.steps, args.seed, timeout_s=args.timeout)
-    step_max = [max(r[i] for r in per_rank) for i in range(args.steps)]
-    return {"activation_checkpointing": checkpointing, "median_peak_mib": statistics.median(step_max) / 2**20,
-            "min_peak_mib": min(step_max) / 2**20, "max_peak_mib": max(step_max) / 2**20, "steps": args.steps}
+    return [*model, "--policy", args.policy, "--ranks", str(args.ranks), "--batch", str(args.batch),
+            "--seq-len", str(args.seq_len), "--micro-batches", str(args.micro_batches), "--steps",
+            str(args.steps + 1), "--seed", str(args.seed), "--cost-model", "", "--ckpt-every", "0",
+            "--eval-every", str(args.steps + 1), "--eval-batches", "1", "--record-peak-rss", "--out", str(out),
+            "--no-wandb", "--quiet", *(["--activation-checkpointing"] if checkpointing else [])]
+
+
+def measure(args, checkpointing: bool, folder: Path) -> dict:
+    """One configuration: train.py in a process of its own; the measured steps' peaks."""
+    out = folder / f"checkpointing_{'on' if checkpointing else 'off'}.jsonl"
+    code = subprocess.run([sys.executable, str(TRAIN), *train_argv(args, checkpointing, out)]).returncode
+    if code:
+        raise SystemExit(f"checkpoint_memory.py: error: train.py exited with {code}")
+    peaks = [r["peak_rss_mib"] for r in read_results(out) if r["step"] > 1]
+    return {"activation_checkpointing": checkpointing, "median_peak_mib": statistics.median(peaks),
+            "min_peak_mib": min(peaks), "max_peak_mib": max(peaks), "steps": len(peaks)}
 
 
 def main(argv=None) -> list[dict]:
@@ -83,7 +57,6 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5, help="measured steps per configuration (after one warm-up)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=1800.0)
     add_tracking_args(parser, "outputs/checkpoint_memory.jsonl")
     args = parser.parse_args(argv)
     for name in ("ranks", "batch", "seq_len", "micro_batches", "steps"):
@@ -93,13 +66,13 @@ def main(argv=None) -> list[dict]:
         parser.error("the measurement reads /proc/self (Linux only)")
     rows = []
     with Tracker("checkpoint_memory", config=vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
-                 resume=args.resume, wandb=not args.no_wandb) as run:
+                 resume=args.resume, wandb=not args.no_wandb) as run, tempfile.TemporaryDirectory() as tmp:
         for checkpointing in (False, True):
-            row = measure(args, checkpointing)
+            row = measure(args, checkpointing, Path(tmp))
             run.log(row)
             rows.append(row)
-            print(f"activation checkpointing {'on ' if checkpointing else 'off'}: peak above baseline "
-                  f"{row['median_peak_mib']:.1f} MiB (median of {args.steps} steps; "
+            print(f"activation checkpointing {'on ' if checkpointing else 'off'}: peak above the step's start "
+                  f"{row['median_peak_mib']:.1f} MiB (median of {row['steps']} steps; "
                   f"{row['min_peak_mib']:.1f}-{row['max_peak_mib']:.1f})")
         ratio = rows[1]["median_peak_mib"] / rows[0]["median_peak_mib"]
         run.log_summary({"peak_ratio_on_over_off": ratio})

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lrmoe.config import MoEConfig, cluster_preset, model_preset
+from lrmoe.harness.rss import peak_bytes, reset_peak
 from lrmoe.integrations.data import get_batch, load_corpus
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups
 from lrmoe.runtime.layer import EPMoELayer, initial_placement
@@ -256,11 +257,12 @@ def build(args, world: int, device: torch.device):
         # modelled time: this run's plans priced as if every pair were a full-size pair of the model family
         # (the preset without "-debug", with this run's experts and top-k) on a node of the cluster preset
         from lrmoe.sim.cost import CostModel
+        from lrmoe.sim.systems import cost_options
 
         full = model_preset(args.preset.removesuffix("-debug")).replace(num_experts=cfg.num_experts,
                                                                           top_k=cfg.top_k)
         cluster = cluster_preset(args.cost_model).replace(num_ranks=world, ranks_per_node=world)
-        cost = CostModel(full, cluster)
+        cost = CostModel(full, cluster, **cost_options(get_system(args.policy)))  # priced as the system's entry says
     return cfg, run, cost
 
 
@@ -366,10 +368,12 @@ def worker(rank: int, args) -> list[dict]:
         progress = tqdm(total=args.steps, initial=start, desc=f"{args.policy}", disable=None)
     try:
         for step in range(start, args.steps):
+            base = reset_peak() if args.record_peak_rss else 0  # before the clock starts
             t0 = time.perf_counter()
             x, y = get_batch(corpus.train, args.batch, args.seq_len, gen)
             set_lr(run.opt, run.ep.layers if isinstance(run, HFModel) else run.layers, lr_at(step, args))
             loss, plans, counts_LNE = run.train_step(x.to(device), y.to(device))
+            peak = torch.tensor([peak_bytes() - base if args.record_peak_rss else 0], dtype=torch.float64)
             elapsed = time.perf_counter() - t0
             loss_sum = loss.double().reshape(1)
             if world > 1:
@@ -378,6 +382,10 @@ def worker(rank: int, args) -> list[dict]:
             evaluating = (step + 1) % args.eval_every == 0 or step + 1 == args.steps
             record = step_record(args, step + 1, float(loss_sum), plans, counts_LNE, elapsed, world, cost,
                                  per_layer=evaluating)
+            if args.record_peak_rss:  # the step's peak resident memory above its start, the largest rank's
+                if world > 1:
+                    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                record["peak_rss_mib"] = float(peak) / 2**20
             if evaluating:
                 record["val_loss"] = evaluate(run, corpus.val, args, world)
             history.append(record)
@@ -424,6 +432,9 @@ def parse_args(argv=None):
                              "accumulation; the placement holds for the step); must divide --batch")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's activations in the backward (the MoE layers replay their plans)")
+    parser.add_argument("--record-peak-rss", action="store_true",
+                        help="record each step's peak resident memory above its start (the largest rank's; Linux "
+                             "only, CPU ranks; the heap is freed before every step, outside the timed part)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                         help="'cosine': linear warm-up, then cosine decay to --min-lr-frac x --lr at the last step")
