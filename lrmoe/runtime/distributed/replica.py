@@ -79,8 +79,8 @@ class AdamConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"AdamConfig.lr must be positive, got {self.lr}")
+        if not self.lr >= 0:  # 0 as torch's Adam allows it: a warm-up schedule's first step
+            raise ValueError(f"AdamConfig.lr must be non-negative, got {self.lr}")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"AdamConfig.{name} must be in [0, 1), got {getattr(self, name)}")
