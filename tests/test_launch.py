@@ -1,6 +1,7 @@
 """The fork launcher returns every rank's result, and fails fast and loudly when a rank fails or hangs."""
 
 import os
+from pathlib import Path
 import subprocess
 import sys
 import textwrap
@@ -110,3 +111,63 @@ def test_a_script_whose_rank_fails_exits_non_zero(tmp_path):
     assert proc.returncode != 0
     assert "rank one is broken" in proc.stderr
     assert time.monotonic() - start < 60
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie, dead but not yet reaped by its new parent, does not)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+LAUNCHER = textwrap.dedent("""
+    import os, sys, time
+    from lrmoe.runtime.distributed.launch import launch
+
+    def work(rank):
+        open(os.path.join(sys.argv[1], f"rank{rank}"), "w").write(str(os.getpid()))
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        launch(work, 2, timeout_s=600)
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks through /proc")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_ranks_die_with_their_launcher_and_leave_no_launch_folder(tmp_path, sig):
+    import signal
+    import tempfile
+
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.05)
+            ranks = [int(p.read_text()) for p in tmp_path.glob("rank*") if p.read_text()]
+        folders = list(Path(tempfile.gettempdir()).glob(f"lrmoe-launch-{proc.pid}-*"))
+        assert len(folders) == 1
+        os.kill(proc.pid, getattr(signal, sig))  # the launcher only, not its process group
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(alive(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [r for r in ranks if alive(r)], f"ranks outlived their launcher's {sig}"
+        if sig == "SIGKILL":  # nothing ran on the launcher's way out: the next launch removes its folder
+            assert folders[0].exists()
+            launch(_rank_info, 1, 0)
+        assert not folders[0].exists()
+    finally:
+        for pid in [proc.pid, *ranks]:
+            try:
+                os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
