@@ -1,11 +1,11 @@
 """The fork launcher returns every rank's result, and fails fast and loudly when a rank fails or hangs."""
 
 import os
-from pathlib import Path
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch

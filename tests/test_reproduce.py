@@ -12,7 +12,6 @@ import textwrap
 import time
 
 import pytest
-
 from _scripts import load_experiment
 
 reproduce = load_experiment("reproduce")
