@@ -93,6 +93,7 @@ non_negative_int_arg = _arg(non_negative_int, int)
 positive_float_arg = _arg(check_positive_number, float)
 
 
+non_negative_float_arg = _arg(lambda name, value: check_fraction(name, value, None), float)
 fraction_arg = _arg(lambda name, value: check_fraction(name, value, 1.0), float)  # a number in [0, 1]
 
 
