@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from lrmoe.config import MoEConfig, cluster_preset, model_preset
 from lrmoe.integrations.data import get_batch, load_corpus
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups
-from lrmoe.runtime.layer import EPMoELayer, initial_placement
+from lrmoe.runtime.layer import EPMoELayer, grad_flags, initial_placement, raise_on_grad_flags
 from lrmoe.integrations.load_stats import flat_log, load_stats
 from lrmoe.integrations.model import MoETransformer
 from lrmoe.planner.plan import LayerPlan
@@ -93,12 +93,16 @@ def set_lr(optimizer: torch.optim.Optimizer, layers: list[EPMoELayer], lr: float
         layer.store.adam = dataclasses.replace(layer.store.adam, lr=lr)
 
 
-def all_reduce_mean_(tensors: list[torch.Tensor], world: int) -> None:
-    """Average gradients over the data-parallel ranks in one flat all-reduce."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+def all_reduce_mean_(tensors: list[torch.Tensor], world: int, layers: list[EPMoELayer]) -> None:
+    """Average gradients over the data-parallel ranks in one flat all-reduce, which carries the layers' gradient
+    check: a NaN or inf on any rank raises on every rank, before any weight is updated."""
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+    flags = grad_flags(layers, dist.get_rank(), world, finite).to(tensors[0])
+    flat = torch.cat([*(t.reshape(-1) for t in tensors), flags])
     if world > 1:
         dist.all_reduce(flat)
-    flat /= world
+    raise_on_grad_flags(flat[-world:], layers, dist.get_rank())
+    flat = flat[:-world] / world
     offset = 0
     for t in tensors:
         t.copy_(flat[offset: offset + t.numel()].view_as(t))
@@ -129,6 +133,7 @@ class NativeModel:
                                routed_scaling=cfg.routed_scaling, adam=AdamConfig(lr=args.lr, weight_decay=0.0),
                                device=device, backward=system.layer_backward(args.seed * 1000 + i),
                                replica_grad=args.replica_grad)
+            layer.name = f"MoE layer {i}"
             self.layers.append(layer)
             return layer
 
@@ -143,7 +148,8 @@ class NativeModel:
         for layer in self.layers:
             layer.store.slots_SW.grad = None
         total.backward()
-        all_reduce_mean_([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense], self.world)
+        all_reduce_mean_([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense], self.world,
+                         self.layers)
         self.opt.step()
         for layer in self.layers:
             layer.expert_step(grad_scale=1.0 / self.world)
