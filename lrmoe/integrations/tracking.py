@@ -438,11 +438,45 @@ def output_problem(flag: str, path: str | os.PathLike, replace: bool) -> str | N
     return None
 
 
-def check_tracking_args(parser, args, name: str, outputs: dict[str, Any] | None = None) -> None:
+_REPORT_MARK = "<!-- lrmoe report of "  # the first line of every report: the results file it belongs to
+
+
+def report_path(results: str | os.PathLike) -> Path:
+    """Where the Markdown report of a results file goes: beside it, ``.md`` for its suffix."""
+    return Path(results).with_suffix(".md")
+
+
+def report_problem(results: str | os.PathLike, replace: bool) -> str | None:
+    """Why the report of ``results`` could not be written, or None: it would be the results file itself, or a file
+    there was not written as a report (never replaced, even with --overwrite), or it exists and ``replace`` is
+    false."""
+    report = report_path(results)
+    if report.resolve() == Path(results).resolve():
+        return f"--out {results}: the report would overwrite the results file; give --out a .jsonl name"
+    if report.is_file():
+        with open(report, encoding="utf-8", errors="replace") as f:
+            ours = f.readline().startswith(_REPORT_MARK)
+        if not ours:
+            return f"--out {results}: its report {report} exists and is not a report of this package; move it or " \
+                   f"choose another --out"
+        if not replace:
+            return f"--out {results}: its report {report} exists; pass --overwrite to replace it"
+    return None
+
+
+def write_report(results: str | os.PathLike, text: str) -> Path:
+    """Write the Markdown report of ``results`` (atomically, marked as a report of that file); its path."""
+    report = report_path(results)
+    atomic_write_text(report, f"{_REPORT_MARK}{Path(results).name} -->\n{text}")
+    return report
+
+
+def check_tracking_args(parser, args, name: str, outputs: dict[str, Any] | None = None, report: bool = False) -> None:
     """Check the flags of :func:`add_tracking_args` and the script's other output files (``outputs``: flag ->
     path or None) before any work starts, with ``parser.error`` (argparse's message and exit status 2): the results
     file is new unless --overwrite / --resume, its folder writable, not another script's file when resuming, not
-    locked by a live writer; an online W&B has a key."""
+    locked by a live writer; with ``report``, its report (:func:`report_problem`) can be written; an online W&B has
+    a key."""
     if args.overwrite and args.resume:
         parser.error("--overwrite and --resume contradict each other; choose one")
     replace = args.overwrite or args.resume
@@ -467,6 +501,8 @@ def check_tracking_args(parser, args, name: str, outputs: dict[str, Any] | None 
     for flag, path in (outputs or {}).items():
         if path and (problem := output_problem(flag, path, replace)):
             parser.error(problem)
+    if report and args.out and (problem := report_problem(args.out, replace)):
+        parser.error(problem)
     if not args.no_wandb and wandb_mode()[0] == "online" and not wandb_login():
         parser.error("W&B is online (WANDB_MODE=online) but has no API key: set WANDB_API_KEY or run `wandb login`, "
                      "or set WANDB_MODE=offline, or pass --no-wandb")
