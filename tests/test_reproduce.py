@@ -136,7 +136,7 @@ RANKED_STAGE = textwrap.dedent("""
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the processes through /proc")
 def test_sigterm_of_the_main_job_stops_its_stage_and_the_stage_s_ranks(tmp_path):
-    from test_launch import alive
+    from test_launch import kill_leftovers, pids_in, survivors, wait_for_pids
 
     script = tmp_path / "ranked.py"
     script.write_text(RANKED_STAGE)
@@ -145,23 +145,10 @@ def test_sigterm_of_the_main_job_stops_its_stage_and_the_stage_s_ranks(tmp_path)
               f"reproduce.main(['--out-dir', {str(out)!r}, '--only', 'ranked'], "
               f"stages=[reproduce.Stage('ranked', {str(script)!r})])\n")
     job = subprocess.Popen([sys.executable, "-c", driver], start_new_session=True)
-    pids: list[int] = []
     try:
-        deadline = time.monotonic() + 60
-        while len(pids) < 3:
-            assert job.poll() is None and time.monotonic() < deadline, "the stage's ranks did not start"
-            time.sleep(0.05)
-            pids = [int(p.read_text()) for p in out.glob("*.pid") if p.read_text()]
+        pids = wait_for_pids(out, "*.pid", 3, job)  # the stage and its two ranks
         os.kill(job.pid, signal.SIGTERM)
         job.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [p for p in pids if alive(p)], "the stage or its ranks outlived the main job"
+        assert not survivors(pids), "the stage or its ranks outlived the main job"
     finally:
-        for pid in [job.pid, *pids]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        job.wait(timeout=30)
+        kill_leftovers(job, pids_in(out, "*.pid"))

@@ -64,3 +64,14 @@ def test_a_run_that_fails_before_its_first_record_leaves_no_file(tmp_path):
     with pytest.raises(RuntimeError), Tracker("exp", results=results, overwrite=True, wandb=False):
         raise RuntimeError("a failed --overwrite start")
     assert results.read_text() == '{"kind": "run", "run_id": "old", "name": "exp"}\n', "the old results were lost"
+
+
+def test_a_report_never_shares_a_path_with_results_nor_replaces_an_unrelated_file(tmp_path, capsys):
+    frontier = load_experiment("frontier")
+    err = refuses(capsys, frontier.main, ["--out", str(tmp_path / "x.md"), "--no-wandb"])
+    assert "overwrite the results file" in err
+    notes = tmp_path / "notes.md"
+    notes.write_text("mine")
+    err = refuses(capsys, frontier.main, ["--out", str(tmp_path / "notes.jsonl"), "--overwrite", "--no-wandb"])
+    assert "not a report" in err and notes.read_text() == "mine"
+    assert not (tmp_path / "notes.jsonl").exists()
