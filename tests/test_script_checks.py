@@ -75,3 +75,17 @@ def test_a_report_never_shares_a_path_with_results_nor_replaces_an_unrelated_fil
     err = refuses(capsys, frontier.main, ["--out", str(tmp_path / "notes.jsonl"), "--overwrite", "--no-wandb"])
     assert "not a report" in err and notes.read_text() == "mine"
     assert not (tmp_path / "notes.jsonl").exists()
+
+
+def test_a_report_beside_its_own_results_file_is_replaced_only_when_asked(tmp_path):
+    from lrmoe.integrations.tracking import report_problem, write_report
+
+    results = tmp_path / "f.jsonl"
+    with Tracker("frontier", results=results, wandb=False) as run:
+        run.log({"x": 1.0}, step=0)
+    (tmp_path / "f.md").write_text("# an earlier report, unmarked\n")
+    assert "--overwrite" in report_problem(results, False, "frontier")
+    assert report_problem(results, True, "frontier") is None
+    assert "not a report" in report_problem(results, True, "ablate")  # another script's results: not its report
+    write_report(tmp_path / "g.jsonl", "text\n")  # marked: its own, even without a results file
+    assert report_problem(tmp_path / "g.jsonl", True, "frontier") is None

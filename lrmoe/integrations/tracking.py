@@ -446,16 +446,23 @@ def report_path(results: str | os.PathLike) -> Path:
     return Path(results).with_suffix(".md")
 
 
-def report_problem(results: str | os.PathLike, replace: bool) -> str | None:
-    """Why the report of ``results`` could not be written, or None: it would be the results file itself, or a file
-    there was not written as a report (never replaced, even with --overwrite), or it exists and ``replace`` is
-    false."""
+def report_problem(results: str | os.PathLike, replace: bool, name: str) -> str | None:
+    """Why script ``name`` could not write the report of ``results``, or None: it would be the results file itself,
+    or a file there is not this script's report (neither marked as a report nor beside a results file of ``name``:
+    never replaced, even with --overwrite), or it exists and ``replace`` is false."""
+    results = Path(results)
     report = report_path(results)
-    if report.resolve() == Path(results).resolve():
+    if report.resolve() == results.resolve():
         return f"--out {results}: the report would overwrite the results file; give --out a .jsonl name"
     if report.is_file():
         with open(report, encoding="utf-8", errors="replace") as f:
             ours = f.readline().startswith(_REPORT_MARK)
+        if not ours and results.is_file():
+            try:
+                headers = [r for r in _parse(results, _complete_lines(results)) if r.get("kind") == "run"]
+            except ValueError:  # not a results file
+                headers = []
+            ours = bool(headers) and headers[-1].get("name") == name
         if not ours:
             return f"--out {results}: its report {report} exists and is not a report of this package; move it or " \
                    f"choose another --out"
@@ -501,7 +508,7 @@ def check_tracking_args(parser, args, name: str, outputs: dict[str, Any] | None 
     for flag, path in (outputs or {}).items():
         if path and (problem := output_problem(flag, path, replace)):
             parser.error(problem)
-    if report and args.out and (problem := report_problem(args.out, replace)):
+    if report and args.out and (problem := report_problem(args.out, replace, name)):
         parser.error(problem)
     if not args.no_wandb and wandb_mode()[0] == "online" and not wandb_login():
         parser.error("W&B is online (WANDB_MODE=online) but has no API key: set WANDB_API_KEY or run `wandb login`, "
