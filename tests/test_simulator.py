@@ -266,7 +266,7 @@ def test_ablation_runner_writes_results_headline_and_figures(tmp_path, capsys):
     assert len(lr["iter_s_corners"]) == 8 * 3 + 3  # 8 corners and the base constants, at 3 micro-batch counts
     assert "overhead_ms_per_layer" in lr and lr["overhead_ms_per_layer"] > 0
     assert (tmp_path / "ablate_ratio_vs_symi.png").exists() and (tmp_path / "ablate_time_split.pdf").exists()
-    with pytest.raises(FileExistsError):
+    with pytest.raises(SystemExit):  # an existing results file: refused before any work
         ablate.main(argv)
 
 

@@ -188,7 +188,7 @@ def test_train_with_an_unknown_preset_exits_with_one_message_and_no_rank_traceba
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "unknown model preset 'nope'" in result.stderr
-    assert "Traceback" not in result.stderr and "rank" not in result.stderr.lower()
+    assert "Traceback" not in result.stderr and "failed" not in result.stderr  # no rank started, none failed
 
 
 def test_layer_bench_rejects_bad_arguments_before_any_rank_starts(tmp_path, capsys):
