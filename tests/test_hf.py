@@ -364,3 +364,23 @@ def test_the_readme_example_runs(tmp_path):
     proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 2 loss" in proc.stdout and proc.stdout.strip().endswith("Qwen3MoeExperts")
+
+
+def _nan_input(rank: int) -> str:
+    model = tiny_model("qwen")
+    swap_moe_blocks(model, "lrmoe")
+    ids = batches()[rank]
+    if rank == 1:  # one token's embedding turns NaN on rank 1 only
+        with torch.no_grad():
+            model.model.embed_tokens.weight[ids[0, 0]] = float("nan")
+    try:
+        model(ids, labels=ids).loss.backward()
+    except Exception as exc:  # noqa: BLE001 - the message is what the test reads
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_nan_through_the_drop_in_names_the_block_and_the_rank_not_an_internal_tensor():
+    for rank, message in enumerate(launch(_nan_input, RANKS)):
+        assert message.startswith("NonFiniteError: model.layers.0.mlp") and "rank 1" in message, message
+        assert f"this is rank {rank}" in message and "_P" not in message
