@@ -284,7 +284,9 @@ class EPMoELayer(nn.Module):
             counts_NE, plan, dispatch = replay.counts_NE, replay.plan, replay.dispatch
         else:
             with comm.phase("plan"):
-                bad = (~torch.isfinite(x_TD).all()).long().view(1)  # rides in the counts' all-gather: no new collective
+                # detached: no autograd node (isfinite's abs would save x_TD, and a recomputation, which skips
+                # this check, would then save fewer tensors than the forward it replays)
+                bad = (~torch.isfinite(x_TD.detach()).all()).long().view(1)  # rides in the counts' all-gather
                 gathered_NE = comm.all_gather_counts(torch.cat([torch.bincount(routed.idx_TK.reshape(-1),
                                                                                minlength=self.num_experts), bad]))
                 if gathered_NE[:, -1].any():
@@ -308,10 +310,10 @@ class EPMoELayer(nn.Module):
         if self.shared:
             with comm.phase("shared_fwd"):
                 y_TD = y_TD + swiglu(x_TD, self.w_shared_gate_DF, self.w_shared_up_DF, self.w_shared_down_FD)[0]
-        if y_TD.requires_grad and replay is None:  # the gradient check's local half (grad_flags; no host sync)
-            if not self.micro_batches:  # an iteration's first micro-batch
+        if y_TD.requires_grad:  # the gradient check's local half (grad_flags; no host sync)
+            if training and not self.micro_batches:  # an iteration's first micro-batch
                 self.grad_finite = None
-            y_TD.register_hook(self._note_grad)
+            y_TD.register_hook(self._note_grad)  # also when recomputed: checkpointing wants the same graph
 
         if replay is None:
             R = int(dispatch.recv_counts_NS.sum())
