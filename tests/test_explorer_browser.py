@@ -49,6 +49,13 @@ def chromium() -> str:
     return path
 
 
+@pytest.fixture
+def tools():
+    """Playwright's sync API and the Chromium to drive, or a skip that says which is missing."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (`make browser`)")
+    return sync_api, chromium()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -224,11 +231,10 @@ def run_new_cell(page, code: str) -> str:
     return output.first.inner_text()
 
 
-def test_explorer_redraws_deterministically_as_its_controls_move(lab, tmp_path):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (`make browser`)")
-    url, token, log = lab
+def test_explorer_redraws_deterministically_as_its_controls_move(tools, lab, tmp_path):
+    (sync_api, executable), (url, token, log) = tools, lab
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium(), timeout=WAIT_MS,
+        browser = playwright.chromium.launch(executable_path=executable, timeout=WAIT_MS,
                                              args=["--no-sandbox", "--disable-dev-shm-usage"])
         try:
             page = browser.new_page(viewport={"width": 1366, "height": 900})
