@@ -84,7 +84,8 @@ def train_argv(args, policy: str, seed: int, results: Path) -> list[str]:
             "--eval-every", str(args.eval_every), "--seed", str(seed),
             "--lr-schedule", args.lr_schedule, "--warmup", str(min(args.warmup, args.steps - 1)),
             "--extra-slots", str(args.lrmoe_extra_slots if lrmoe else args.extra_slots),
-            "--eps", str(args.lrmoe_eps), "--aux-coef", str(args.aux_coef),
+            "--eps", str(args.lrmoe_eps), "--aux-coef", str(args.aux_coef), "--micro-batches", str(args.micro_batches),
+            *(["--activation-checkpointing"] if args.activation_checkpointing else []),
             "--ckpt-dir", str(folder / "checkpoints" / policy), "--ckpt-every", str(args.ckpt_every),
             "--out", str(results), "--trace-out", str(folder / f"trace_{policy}.npz"),
             *(["--overwrite"] if args.overwrite else ["--resume"] if results.exists() or args.resume else []),
@@ -104,6 +105,8 @@ def parse_args(argv=None):
                              "step, so the curves have flattened by then")
     parser.add_argument("--warmup", type=non_negative_int_arg, default=10, help="warm-up steps of the cosine schedule")
     parser.add_argument("--seq-len", type=positive_int_arg, default=64)
+    parser.add_argument("--micro-batches", type=positive_int_arg, default=1, help="train.py's: micro-batches per step")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="train.py's: recompute activations")
     parser.add_argument("--eval-every", type=positive_int_arg, default=20)
     parser.add_argument("--seed", type=int, default=0, help="one seed (ignored when --seeds is given)")
     parser.add_argument("--seeds", type=non_negative_int_arg, nargs="+", default=None,

@@ -149,7 +149,7 @@ def _reduce_sum(values: list[float]) -> list[float]:
 
 def full_gradient(layer: EPMoELayer, policy, routing, x_TD, dy_TD, grad_scale: float):
     """Expert-gradient shards and dx of the full gradient, with no side effect on the layer (untimed)."""
-    saved = layer.accountant, layer.store.accountant, layer.prev_counts_E, layer.last_dispatch
+    saved = layer.accountant, layer.store.accountant, layer.planning_state()
     layer.accountant = layer.store.accountant = None
     try:
         x = x_TD.clone().requires_grad_(True)
@@ -158,7 +158,8 @@ def full_gradient(layer: EPMoELayer, policy, routing, x_TD, dy_TD, grad_scale: f
         layer.store.sync_replica_grads()
         shards = layer.store.collect_grad_shards(grad_scale).clone()
     finally:
-        layer.accountant, layer.store.accountant, layer.prev_counts_E, layer.last_dispatch = saved
+        layer.accountant, layer.store.accountant = saved[:2]
+        layer.restore_planning_state(saved[2])
         layer.store.slots_SW.grad = None
         for p in layer.dense_parameters():
             p.grad = None

@@ -26,6 +26,13 @@ throughput, modelled time (--cost-model), load statistics (lrmoe.integrations.lo
 across layers and the dropped / trimmed totals every step; each layer's "load/layer<i>/<key>" every --eval-every
 steps), and the per-layer routing counts, saved as a recorded trace. Checkpoints every --ckpt-every steps;
 --resume continues from the latest checkpoint exactly where it stopped.
+
+--micro-batches K splits each rank's --batch sequences of a step into K micro-batches, each with its own forward,
+plan and backward, one optimizer step after the last (lrmoe.runtime.layer: the placement holds for the step; the
+gradient is that of the mean loss over ranks and micro-batches, so K changes the arithmetic, not the data).
+--activation-checkpointing recomputes each transformer block's activations in the backward (torch's non-reentrant
+checkpoint; HF's gradient_checkpointing_enable()); the MoE layers replay their recorded plans. Per-step records hold
+both; their load columns are the last micro-batch's.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lrmoe.config import MoEConfig, cluster_preset, model_preset
+from lrmoe.harness.rss import peak_bytes, reset_peak
 from lrmoe.integrations.data import get_batch, load_corpus
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups
 from lrmoe.runtime.layer import EPMoELayer, grad_flags, initial_placement, raise_on_grad_flags
@@ -93,16 +101,18 @@ def set_lr(optimizer: torch.optim.Optimizer, layers: list[EPMoELayer], lr: float
         layer.store.adam = dataclasses.replace(layer.store.adam, lr=lr)
 
 
-def all_reduce_mean_(tensors: list[torch.Tensor], world: int, layers: list[EPMoELayer]) -> None:
-    """Average gradients over the data-parallel ranks in one flat all-reduce, which carries the layers' gradient
-    check: a NaN or inf on any rank raises on every rank, before any weight is updated."""
+def all_reduce_mean_(tensors: list[torch.Tensor], world: int, layers: list[EPMoELayer],
+                     micro_batches: int = 1) -> None:
+    """Average gradients over the data-parallel ranks and the step's micro-batches in one flat all-reduce, which
+    carries the layers' gradient check: a NaN or inf on any rank raises on every rank, before any weight is
+    updated."""
     finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
     flags = grad_flags(layers, dist.get_rank(), world, finite).to(tensors[0])
     flat = torch.cat([*(t.reshape(-1) for t in tensors), flags])
     if world > 1:
         dist.all_reduce(flat)
     raise_on_grad_flags(flat[-world:], layers, dist.get_rank())
-    flat = flat[:-world] / world
+    flat = flat[:-world] / (world * micro_batches)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset: offset + t.numel()].view_as(t))
@@ -111,8 +121,9 @@ def all_reduce_mean_(tensors: list[torch.Tensor], world: int, layers: list[EPMoE
 
 # -- the two architectures behind one interface ----------------------------------------------------------------------
 # Each builds its model and optimizers on every rank and offers: train_step(x, y) -> (this rank's loss, the MoE
-# layers' plans, routed counts [L, N, E]); eval_loss(x, y) (no planning state advanced); state_dict() /
-# load_state_dict() (this rank's checkpoint; collective where the model's state dict is).
+# layers' plans of every micro-batch [micro-batch][layer], routed counts [L, N, E] summed over the micro-batches);
+# eval_loss(x, y) (no planning state advanced); state_dict() / load_state_dict() (this rank's checkpoint; collective
+# where the model's state dict is).
 class NativeModel:
     """lrmoe's own transformer (lrmoe.integrations.model.MoETransformer) with an EPMoELayer per MoE layer."""
 
@@ -138,26 +149,33 @@ class NativeModel:
             return layer
 
         self.model = MoETransformer(cfg, moe_factory, seed=args.seed).to(device)
+        self.model.activation_checkpointing = args.activation_checkpointing
         expert_params = {id(layer.store.slots_SW) for layer in self.layers}
         self.dense = [p for p in self.model.parameters() if id(p) not in expert_params]
         self.opt = torch.optim.AdamW(self.dense, lr=args.lr, weight_decay=0.0)
 
-    def train_step(self, x, y) -> tuple[torch.Tensor, list[LayerPlan], torch.Tensor]:
-        _, infos, loss, total = self.model(x, y, aux_coef=self.args.aux_coef)
+    def train_step(self, x, y) -> tuple[torch.Tensor, list[list[LayerPlan]], torch.Tensor]:
+        k = self.args.micro_batches
         self.opt.zero_grad(set_to_none=False)
         for layer in self.layers:
             layer.store.slots_SW.grad = None
-        total.backward()
+        losses, plans, counts = [], [], 0
+        for x_m, y_m in zip(x.chunk(k), y.chunk(k)):  # micro-batches: gradients accumulate, one step
+            _, infos, loss, total = self.model(x_m, y_m, aux_coef=self.args.aux_coef)
+            total.backward()
+            losses.append(loss.detach())
+            plans.append([info.dispatch.plan for info in infos])
+            counts = counts + torch.stack([info.dispatch.counts_NE for info in infos])
+        # the gradient of the mean loss over ranks and micro-batches (the layers' default scale for the experts)
         all_reduce_mean_([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense], self.world,
-                         self.layers)
+                         self.layers, k)
         self.opt.step()
         for layer in self.layers:
-            layer.expert_step(grad_scale=1.0 / self.world)
-            if self.cfg.router == "sigmoid_bias":  # GLM-4.5: aux-loss-free balancing of the selection bias
+            layer.expert_step()
+            if self.cfg.router == "sigmoid_bias":  # GLM-4.5: aux-loss-free balancing from the step's counts
                 layer.bias_E.copy_(update_expert_bias(layer.bias_E, layer.prev_counts_E.to(self.device),
                                                       self.args.bias_rate))
-        plans = [info.dispatch.plan for info in infos]
-        return loss.detach(), plans, torch.stack([info.dispatch.counts_NE for info in infos])
+        return torch.stack(losses).mean(), plans, counts
 
     @torch.no_grad()
     def eval_loss(self, x, y) -> torch.Tensor:
@@ -198,6 +216,10 @@ class HFModel:
         self.device = device
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         self.model = AutoModelForCausalLM.from_config(hf_config(cfg)).to(device)  # on its device before the swap
+        if args.activation_checkpointing:
+            self.model.train()  # HF checkpoints its decoder layers in training mode only
+            getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)()
+        self.micro_batches = args.micro_batches
         self.ep = swap_moe_blocks(self.model, args.policy, context=system_context(args, cfg, world), seed=args.seed,
                                   adam=AdamConfig(lr=args.lr, weight_decay=0.0), replica_grad=args.replica_grad)
         self.opt = torch.optim.AdamW(self.ep.dense_parameters(), lr=args.lr, weight_decay=0.0)
@@ -205,14 +227,19 @@ class HFModel:
         self.aux_coef = 0.0 if self.ep.family.biased else args.aux_coef  # GLM: the selection bias balances
         self.bias_rate = args.bias_rate
 
-    def train_step(self, x, y) -> tuple[torch.Tensor, list[LayerPlan], torch.Tensor]:
-        out = self.model(x, output_router_logits=True)
-        loss = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())  # y is x shifted by one already
-        total = loss + self.aux_coef * out.aux_loss if self.aux_coef else loss
-        total.backward()
-        self.ep.step(self.opt, bias_rate=self.bias_rate)  # dense sync + AdamW, expert Adam + redistribution, bias
-        plans = self.ep.plans()
-        return loss.detach(), plans, torch.stack([p.routed_NE for p in plans])
+    def train_step(self, x, y) -> tuple[torch.Tensor, list[list[LayerPlan]], torch.Tensor]:
+        losses, plans = [], []
+        for x_m, y_m in zip(x.chunk(self.micro_batches), y.chunk(self.micro_batches)):
+            out = self.model(x_m, output_router_logits=True)
+            loss = F.cross_entropy(out.logits.flatten(0, 1), y_m.flatten())  # y is x shifted by one already
+            total = loss + self.aux_coef * out.aux_loss if self.aux_coef else loss
+            total.backward()
+            losses.append(loss.detach())
+            plans.append(self.ep.plans())
+        # dense sync + AdamW, expert Adam + redistribution, bias: the mean loss over ranks and micro-batches
+        self.ep.step(self.opt, bias_rate=self.bias_rate)
+        counts = sum(torch.stack([p.routed_NE for p in micro]) for micro in plans)
+        return torch.stack(losses).mean(), plans, counts
 
     @torch.no_grad()
     def eval_loss(self, x, y) -> torch.Tensor:
@@ -260,23 +287,28 @@ def evaluate(run, data, args, world: int) -> float:
     return float(total) / (args.eval_batches * world)
 
 
-def step_record(args, step: int, loss_sum: float, plans: list[LayerPlan], counts_LNE: torch.Tensor,
+def step_record(args, step: int, loss_sum: float, plans_M: list[list[LayerPlan]], counts_LNE: torch.Tensor,
                 elapsed: float, world: int, cost, per_layer: bool) -> dict:
     """One step's results row: loss, dropped pairs, forward / retained backward pairs per rank, the hot rank's
-    backward cut, throughput, modelled time, load statistics (each layer's only when ``per_layer``)."""
+    backward cut (of the last micro-batch), throughput, modelled time (every micro-batch's exchanges and GEMMs, the
+    sync phases once), load statistics (each layer's only when ``per_layer``)."""
+    plans = plans_M[-1]
     fwd_N = torch.stack([p.fwd_load_N for p in plans]).sum(0).double()
     bwd_N = torch.stack([p.bwd_load_N for p in plans]).sum(0).double()
     hot = int(fwd_N.argmax())
     record = {
         "policy": args.policy, "step": step, "loss": loss_sum / world,
-        "dropped_frac": float(sum(p.dropped_NE.sum() for p in plans)) / float(counts_LNE.sum()),
+        "dropped_frac": float(sum(p.dropped_NE.sum() for ps in plans_M for p in ps)) / float(counts_LNE.sum()),
         "fwd_pairs_max": float(fwd_N.max()), "fwd_pairs_mean": float(fwd_N.mean()),
         "bwd_pairs_max": float(bwd_N.max()), "bwd_pairs_mean": float(bwd_N.mean()),
         "hot_rank_bwd_cut": 1.0 - float(bwd_N[hot] / fwd_N[hot]),
         "tokens_per_s": args.batch * args.seq_len * world / elapsed,
+        "micro_batches": args.micro_batches, "activation_checkpointing": args.activation_checkpointing,
     }
     if cost is not None:
-        record["modelled_s"] = sum(cost.cost(p).total_s for p in plans)
+        times = [[cost.cost(p) for p in ps] for ps in plans_M]
+        record["modelled_s"] = (sum(t.total_s - t.category_s()["sync"] for ts in times for t in ts)
+                                + sum(t.category_s()["sync"] for t in times[-1]))
     record.update(flat_log(load_stats(plans=plans), prefix="load/", per_layer=per_layer))
     return record
 
@@ -440,10 +472,12 @@ def worker(rank: int, args) -> list[dict]:
         progress = tqdm(total=args.steps, initial=start, desc=f"{args.policy}", disable=None)
     try:
         for step in range(start, args.steps):
+            base = reset_peak() if args.record_peak_rss else 0  # before the clock starts
             t0 = time.perf_counter()
             x, y = get_batch(corpus.train, args.batch, args.seq_len, gen)
             set_lr(run.opt, run.ep.layers if isinstance(run, HFModel) else run.layers, lr_at(step, args))
             loss, plans, counts_LNE = run.train_step(x.to(device), y.to(device))
+            peak = torch.tensor([peak_bytes() - base if args.record_peak_rss else 0], dtype=torch.float64)
             elapsed = time.perf_counter() - t0
             loss_sum = loss.double().reshape(1)
             if world > 1:
@@ -452,6 +486,10 @@ def worker(rank: int, args) -> list[dict]:
             evaluating = (step + 1) % args.eval_every == 0 or step + 1 == args.steps
             record = step_record(args, step + 1, float(loss_sum), plans, counts_LNE, elapsed, world, cost,
                                  per_layer=evaluating)
+            if args.record_peak_rss:  # the step's peak resident memory above its start, the largest rank's
+                if world > 1:
+                    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                record["peak_rss_mib"] = float(peak) / 2**20
             if evaluating:
                 record["val_loss"] = evaluate(run, corpus.val, args, world)
             history.append(record)
@@ -468,7 +506,8 @@ def worker(rank: int, args) -> list[dict]:
             trace = Trace(torch.stack(counts), {"source": "recorded", "model": cfg.name, "seed": args.seed,
                                                  "policy": args.policy, "architecture": run.architecture,
                                                  "steps": len(counts),
-                                                 "tokens_per_rank": args.batch * args.seq_len})
+                                                 "tokens_per_rank": args.batch * args.seq_len,
+                                                 "micro_batches": args.micro_batches})  # counts: summed over them
             trace.save(args.trace_out, overwrite=args.overwrite or args.resume)
     finally:
         if progress is not None:
@@ -492,6 +531,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="split each rank's --batch into this many micro-batches per optimizer step (gradient "
+                             "accumulation; the placement holds for the step); must divide --batch")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block's activations in the backward (the MoE layers replay their plans)")
+    parser.add_argument("--record-peak-rss", action="store_true",
+                        help="record each step's peak resident memory above its start (the largest rank's; Linux "
+                             "only, CPU ranks; the heap is freed before every step, outside the timed part)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                         help="'cosine': linear warm-up, then cosine decay to --min-lr-frac x --lr at the last step")
@@ -535,9 +582,11 @@ def parse_args(argv=None):
         args.preset = preset
     elif args.preset is None:
         args.preset = DEFAULT_PRESET
-    for name in ("steps", "batch", "seq_len", "ranks", "eval_every", "eval_batches"):
+    for name in ("steps", "batch", "seq_len", "ranks", "eval_every", "eval_batches", "micro_batches"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.batch % args.micro_batches:
+        parser.error(f"--micro-batches {args.micro_batches} must divide --batch {args.batch} (sequences per rank)")
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup must be in [0, --steps), got {args.warmup}")
     if not 0 < args.min_lr_frac <= 1:

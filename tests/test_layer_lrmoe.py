@@ -79,7 +79,7 @@ def run_case(rank, groups, policy, cfg, *, family="softmax_topk", shared=False, 
     torch.testing.assert_close(y, y_ref[mine], **TIGHT)
     if input_grad:
         torch.testing.assert_close(x_local.grad, x_ref.grad[mine], **TIGHT)
-    layer.sync_dense_grads()
+    layer.sync_dense_grads(1.0)
     names = ["w_router_ED"] + (["w_shared_gate_DF", "w_shared_up_DF", "w_shared_down_FD"] if shared else [])
     for p, name in zip(layer.dense_parameters(), names):  # the router and the shared expert: exact
         torch.testing.assert_close(p.grad, getattr(ref, name).grad, **TIGHT)
@@ -196,11 +196,11 @@ def _training(rank, steps):
         y_ref, _ = ref(x, keep_TK, scale_TK)
         (y_ref * w).sum().backward()
         torch.testing.assert_close(y, y_ref[mine].detach(), rtol=1e-5, atol=1e-6)  # masters are fp32
-        layer.sync_dense_grads()
+        layer.sync_dense_grads(1.0)
         for opt in (dense_opt, ref_opt):
             opt.step()
             opt.zero_grad()
-        placements.append(layer.expert_step().clone())
+        placements.append(layer.expert_step(grad_scale=1.0).clone())
     master = layer.store.full_master()
     want = flatten_experts(ref.w_gate_EDF.detach(), ref.w_up_EDF.detach(), ref.w_down_EFD.detach())
     torch.testing.assert_close(master.double(), want, rtol=1e-5, atol=1e-6)

@@ -44,6 +44,24 @@ def test_stop_and_resume_give_the_same_losses(tmp_path):
     assert full[-1]["dropped_frac"] > 0  # SYMI-cf1 drops overflow
 
 
+def test_micro_batches_stopped_and_resumed_under_checkpointing_equal_an_unbroken_run(tmp_path):
+    """--micro-batches 2 (online replication: replicas per micro-batch), unbroken, against the same run with
+    --activation-checkpointing stopped between two checkpoints and resumed: bit-identical losses and records."""
+    args = ["--policy", "online", "--steps", "4", "--ckpt-every", "2", "--micro-batches", "2", "--eval-every", "2"]
+    full = run(tmp_path, *args, "--out", str(tmp_path / "a.jsonl"), "--ckpt-dir", str(tmp_path / "a"))
+    ckpt = [*args, "--activation-checkpointing", "--out", str(tmp_path / "b.jsonl"), "--ckpt-dir", str(tmp_path / "b")]
+    run(tmp_path, *ckpt, "--stop-after", "3")
+    resumed = run(tmp_path, *ckpt, "--resume")
+
+    def same(h):  # everything but the wall-clock throughput and the checkpointing flag
+        return {k: v for k, v in h.items() if k not in ("tokens_per_s", "activation_checkpointing")}
+
+    assert [same(h) for h in resumed] == [same(h) for h in full]
+    assert all(h["micro_batches"] == 2 and h["activation_checkpointing"] for h in resumed)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--batch", "3", "--micro-batches", "2"])  # must divide the batch
+
+
 def test_the_cosine_schedule_warms_up_then_decays_to_its_floor():
     args = train.parse_args(["--steps", "101", "--lr", "1e-2", "--lr-schedule", "cosine", "--warmup", "10",
                              "--min-lr-frac", "0.1"])
