@@ -72,7 +72,8 @@ SYSTEMS = ["static-ep", "capacity-cf1", "capacity-cf1.25", "symi-cf1", "symi-dro
            "lrmoe-host-groups", "lrmoe-no-memplace", "lrmoe-no-bwd-routing", "lrmoe-even-fwd",
            "lrmoe-even-fwd-no-bwd-routing", "lrmoe-no-quotas", "lrmoe-padded",
            "lrmoe-random", "lrmoe-gate", "lrmoe-m2-unbiased",
-           "online", "online-rho0.75"]  # online replication (lrmoe.planner.online) and LRMoE's budget on top of it
+           "online", "online-rho0.75",  # online replication (lrmoe.planner.online) and LRMoE's budget on top of it
+           "online-greedy"]  # its first rule: every copy that relieves the busiest rank, whatever the push costs
 # Quick mode simulates every MoE layer (fewer iterations instead), so it runs the headline systems and the
 # components of LRMoE the figures take apart; the metric variant lrmoe-random is LRMoE's plan twin (free).
 QUICK_SYSTEMS = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "symi-dropless-lrmoe-slots", "lrmoe",
@@ -82,7 +83,8 @@ CATS = ["forward", "backward", "communication", "sync", "overhead"]
 PLOTTED = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless-lrmoe-slots", "lrmoe", "lrmoe-host-groups",
            "lrmoe-no-memplace", "lrmoe-no-quotas", "lrmoe-padded"]
 # The headline's systems, priced again at every corner of the uncertain constants (the sensitivity band).
-BANDED = ["lrmoe", "symi-dropless", "symi-cf1", "symi-dropless-lrmoe-slots", "online", "online-rho0.75"]
+BANDED = ["lrmoe", "symi-dropless", "symi-cf1", "symi-dropless-lrmoe-slots", "online", "online-rho0.75",
+          "online-greedy"]
 # The uncertain constants and their ranges (DESIGN.md §5.4; issue 15): GEMM efficiency 0.5-0.9 of peak,
 # half-efficiency rows 32-512, links at 70-100 % of the datasheet, 1-32 micro-batches per iteration.
 SENSITIVITY = {"eff_max": (0.5, 0.9), "m_half": (32.0, 512.0), "bw_scale": (0.7, 1.0)}
@@ -178,7 +180,8 @@ def system_context(cell: Cell, cm: CostModel, args, headrooms: dict[str, float] 
                          spare_slots=base if args.max_extra is None else args.max_extra, eps=args.eps,
                          gamma=args.gamma, memory=cm.memory_model(), pairs_per_rank=cell.tokens * m.top_k,
                          symi_headroom=headrooms["symi"] if planned else args.symi_headroom,
-                         lrmoe_headroom=headrooms["lrmoe"] if planned else None, ranks_per_node=c.ranks_per_node)
+                         lrmoe_headroom=headrooms["lrmoe"] if planned else None, ranks_per_node=c.ranks_per_node,
+                         push_cost_rows=cm.push_cost_rows())
 
 
 def build_systems(cell: Cell, names: list[str], args, reference: tuple[torch.Tensor, torch.Tensor] | None = None

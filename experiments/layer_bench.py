@@ -66,7 +66,8 @@ def system_context(args, num_ranks: int, num_experts: int, memory: MemoryModel, 
     """What every system is built from: ``--spare-slots`` replica slots per rank beyond E/N (SYMI uses them,
     LRMoE derives its replica slots and memory cap from ``memory``), LRMoE's eps and gamma."""
     return SystemContext(num_experts=num_experts, num_ranks=num_ranks, spare_slots=args.spare_slots, eps=args.eps,
-                         gamma=args.gamma, memory=memory, pairs_per_rank=tokens * top_k)
+                         gamma=args.gamma, memory=memory, pairs_per_rank=tokens * top_k,
+                         push_cost_rows=args.push_cost_rows)
 
 
 def make_policy(name: str, ctx: SystemContext):
@@ -103,6 +104,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "host's sum straight to the optimizer-shard owners), for every system; both: every policy "
                         "runs in each mode side by side, labelled 'policy (mode)'")
     p.add_argument("--gamma", type=float, default=0.1, help="LRMoE's per-expert floor")
+    # ours: the CPU calibration of lrmoe.harness.calibrate_cpu (4 gloo ranks, fp32) prices one expert's push at
+    # 27 (D=512, F=256) to 60 (D=256, F=128) pairs of the busiest rank's work (lrmoe.sim.cost.CostModel.push_cost_rows)
+    p.add_argument("--push-cost-rows", type=float, default=32.0,
+                   help="cost-aware online replication pushes a copy only when it relieves the busiest rank by more "
+                        "than this many pairs (online-greedy: any relief)")
     p.add_argument("--buffer-load", type=float, default=None,
                    help="the memory budget's token buffers hold this many times the mean load (default 1 + eps); "
                         "below that LRMoE's memory cap trims the backward, and may leave no room for a replica")
@@ -157,7 +163,7 @@ class FullGradient:
         return LayerPlan(placement_NS=plan.placement_NS, fwd_NG=fwd_NG, dropped_NE=torch.zeros_like(plan.dropped_NE),
                          keep_NG=fwd_NG.clone(), bwd_flows_V4=no_flows(),
                          floor_excess_N=torch.zeros(N, dtype=torch.long), policy=self.name,
-                         next_placement_NS=plan.next_placement_NS)
+                         next_placement_NS=plan.next_placement_NS, push_src_G=plan.push_src_G)
 
 
 def memory_model(base: int, spare: int, tokens: int, top_k: int, hidden: int, ffn: int, elem: int,
@@ -206,8 +212,10 @@ def _reduce_sum(values: list[float]) -> list[float]:
 
 
 def full_gradient(layer: EPMoELayer, policy, routing, x_TD, dy_TD, grad_scale: float):
-    """Expert-gradient shards and dx of the full gradient, with no side effect on the layer (untimed)."""
+    """Expert-gradient shards and dx of the full gradient, with no side effect on the layer (untimed). A plan that
+    pushes weights (online replication) pushes them here too; the slots get their placement and weights back."""
     saved = layer.accountant, layer.store.accountant, layer.prev_counts_E, layer.last_dispatch
+    held_NS, slots_SW = layer.store.placement_NS.clone(), layer.store.slots_SW.detach().clone()
     layer.accountant = layer.store.accountant = None
     try:
         x = x_TD.clone().requires_grad_(True)
@@ -217,6 +225,9 @@ def full_gradient(layer: EPMoELayer, policy, routing, x_TD, dy_TD, grad_scale: f
         shards = layer.store.collect_grad_shards(grad_scale).clone()
     finally:
         layer.accountant, layer.store.accountant, layer.prev_counts_E, layer.last_dispatch = saved
+        layer.store.placement_NS = held_NS
+        with torch.no_grad():
+            layer.store.slots_SW.copy_(slots_SW)
         layer.store.slots_SW.grad = None
         for p in layer.dense_parameters():
             p.grad = None

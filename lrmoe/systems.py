@@ -49,6 +49,9 @@ class SystemContext:
                     system.
     ranks_per_node  consecutive ranks that share a node (None: one node): online replication pushes weights only
                     inside a node.
+    push_cost_rows  one weight push's cost in pairs of the busiest rank's work (the cost model's
+                    :meth:`~lrmoe.sim.cost.CostModel.push_cost_rows`): cost-aware online replication pushes a copy
+                    only when it saves more (None: not priced; only the greedy ``online-greedy`` entries build).
     """
 
     num_experts: int
@@ -61,6 +64,7 @@ class SystemContext:
     symi_headroom: float | None = None
     ranks_per_node: int | None = None
     lrmoe_headroom: float | None = None
+    push_cost_rows: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "num_ranks"):
@@ -79,6 +83,8 @@ class SystemContext:
                                                 or self.num_ranks % self.ranks_per_node):
             raise ValueError(f"SystemContext.ranks_per_node must be a positive int dividing num_ranks="
                              f"{self.num_ranks}, got {self.ranks_per_node!r}")
+        if self.push_cost_rows is not None and not self.push_cost_rows >= 0:
+            raise ValueError(f"SystemContext.push_cost_rows must be non-negative, got {self.push_cost_rows!r}")
         if self.lrmoe_headroom is not None and not (self.lrmoe_headroom > 0 and self.memory is not None
                                                     and self.pairs_per_rank is not None):
             raise ValueError(f"SystemContext.lrmoe_headroom={self.lrmoe_headroom!r} must be positive, with memory "
@@ -185,11 +191,22 @@ class TrimmedFactory:
 @dataclass(frozen=True)
 class OnlineFactory:
     """Online replication (:class:`~lrmoe.planner.online.Online`) with the spare slots SYMI-dropless gets in this
-    context
-    (``fit``: the same memory rule, so both replicate into the same memory), pushing inside the context's nodes."""
+    context (``fit``: the same memory rule, so both replicate into the same memory), pushing inside the context's
+    nodes, a copy only where it saves more than its push costs (the context's ``push_cost_rows``); ``greedy``: any
+    copy that relieves the busiest rank at all (the ablation)."""
 
     fit: SymiFactory = SymiFactory()
+    greedy: bool = False
     family = "online"
+
+    def push_cost_rows(self, ctx: SystemContext) -> float:
+        if self.greedy:
+            return 0.0
+        if ctx.push_cost_rows is None:
+            raise ValueError("cost-aware online replication needs SystemContext.push_cost_rows (the cost model's "
+                             "CostModel.push_cost_rows(), or a script's --push-cost-rows); the greedy rule is "
+                             "'online-greedy'")
+        return ctx.push_cost_rows
 
     def spare_slots(self, ctx: SystemContext) -> int:
         return self.fit.slots(ctx) - ctx.base_slots
@@ -198,7 +215,8 @@ class OnlineFactory:
         return self.fit.note(ctx)
 
     def __call__(self, ctx: SystemContext) -> Online:
-        return Online(spare_slots=self.spare_slots(ctx), ranks_per_node=ctx.ranks_per_node)
+        return Online(spare_slots=self.spare_slots(ctx), ranks_per_node=ctx.ranks_per_node,
+                      push_cost_rows=self.push_cost_rows(ctx))
 
 
 @dataclass(frozen=True)
@@ -344,12 +362,17 @@ SYSTEMS: dict[str, SystemSpec] = dict([
     *[_system(f"symi-dropless-rho{rho:g}", TrimmedFactory(SymiFactory(), rho), f"SYMI-dropless, random trim ρ={rho:g}",
               "#4a90c2", backward=BackwardConfig(metric="random"), recalibrated=True) for rho in RHOS],
     # -- online replication (lrmoe.planner.online; the MoonEP / Megatron-Core virtual-expert way): this forward's
-    # hottest
-    # experts copied into SYMI-dropless's spare slots inside a node; optimizer state stays with the home experts.
-    # "online-rho0.75": LRMoE's retention budget (m2, top-k, LRMoE's floor) on top of online replication.
+    # hottest experts copied into SYMI-dropless's spare slots inside a node, each copy only where it saves more
+    # time than its push costs; optimizer state stays with the home experts. "-greedy": every copy that relieves
+    # the busiest rank at all (the first rule, an ablation). "-rho0.75": LRMoE's retention budget (m2, top-k,
+    # LRMoE's floor) on top.
     _system("online", OnlineFactory(), "online replication", "#e6550d", **_UNSHARDED),
     _system("online-rho0.75", TrimmedFactory(OnlineFactory(), 0.75, gamma=None), "online + LRMoE budget ρ=0.75",
             "#fd8d3c", backward=BackwardConfig(metric="m2"), recalibrated=True, **_UNSHARDED),
+    _system("online-greedy", OnlineFactory(greedy=True), "online replication, greedy", "#a63603", **_UNSHARDED),
+    _system("online-greedy-rho0.75", TrimmedFactory(OnlineFactory(greedy=True), 0.75, gamma=None),
+            "online greedy + LRMoE budget ρ=0.75", "#fdae6b", backward=BackwardConfig(metric="m2"),
+            recalibrated=True, **_UNSHARDED),
     # -- LRMoE (DESIGN.md §4): "lrmoe" is the cap-mode configuration (eps), m2 metric, top-k, compacted -------
     _lrmoe("lrmoe", "LRMoE", "#d62728"),
     _lrmoe("lrmoe-m1", "LRMoE, m1 metric", "#ff9896", metric="m1"),

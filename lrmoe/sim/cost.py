@@ -439,6 +439,19 @@ class CostModel:
         n_l = self.model.num_moe_layers
         return MemoryModel.for_model(self.footprint, self.mem_budget_bytes * n_l, n_l, fixed)
 
+    def push_cost_rows(self) -> float:
+        """One online-replication push's cost in pairs of the busiest rank's work (ours): a whole expert's weights
+        on NVLink with its latency, over the seconds one more pair costs the rank that computes it (its forward and
+        backward GEMM rows at ``eff_max`` of peak, and its four all-to-all rows on the link that bounds them when
+        the sources are spread evenly over the ranks). The threshold of :class:`~lrmoe.planner.online.Online`."""
+        m, c = self.model, self.cluster
+        push_s = m.expert_params * m.dtype_bytes / c.intra_bw + c.intra_latency
+        n, rpn = c.num_ranks, c.ranks_per_node
+        row = m.hidden * m.dtype_bytes
+        link_s = max((rpn - 1) / n / c.intra_bw, (n - rpn) / n / c.inter_bw)  # per byte, the bounding link
+        pair_s = (m.pair_fwd_flops + m.pair_bwd_flops) / (self.gemm.eff_max * c.peak_flops) + 4 * row * link_s
+        return push_s / pair_s
+
     def slot_capacity_rows(self, plan) -> int | None:
         """Rows of each slot's fixed-size buffer, or None (dropless, or capacity buffers not charged)."""
         if self.capacity_cf is None or "capacity_buffers" not in self.overheads:
