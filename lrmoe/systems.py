@@ -249,10 +249,13 @@ class LRMoEFactory:
 
     def kwargs(self, ctx: SystemContext) -> dict:
         kw = {"eps": ctx.eps, "gamma": ctx.gamma, "extra_slots": ctx.spare_slots, "memory": ctx.memory}
-        if ctx.lrmoe_headroom is not None:  # the headroom rule: at most the slots its planned peak leaves
-            kw["extra_slots"] = spare_at(ctx, ctx.lrmoe_headroom) or 0
         for key, value in self.options:
             kw[key] = value(ctx) if callable(value) else value
+        options = dict(self.options)
+        if ctx.lrmoe_headroom is not None and "extra_slots" not in options:
+            # the headroom rule: at most the slots its planned peak leaves, in its own memory model
+            own = ctx if kw["memory"] is None else replace(ctx, memory=kw["memory"])
+            kw["extra_slots"] = spare_at(own, ctx.lrmoe_headroom) or 0
         return kw
 
     def note(self, ctx: SystemContext) -> str:
@@ -260,6 +263,17 @@ class LRMoEFactory:
 
     def __call__(self, ctx: SystemContext) -> LRMoE:
         return LRMoE(**self.kwargs(ctx))
+
+
+@dataclass(frozen=True)
+class EarlyMemory:
+    """A context-derived option: the context's memory model with early selection at ``rho`` (the forward saves
+    activations only for the pairs the backward keeps), so LRMoE's placement may hold more replicas."""
+
+    rho: float
+
+    def __call__(self, ctx: SystemContext) -> MemoryModel | None:
+        return None if ctx.memory is None else replace(ctx.memory, early_rho=self.rho)
 
 
 def lrmoe(**options) -> LRMoEFactory:
@@ -322,13 +336,14 @@ class SystemSpec:
     def cost_options(self) -> dict:
         """Keyword arguments of :class:`~lrmoe.sim.cost.CostModel` that this system sets."""
         cf = getattr(self.make, "cf", None)  # fixed-size capacity buffers (SYMI-cf1, capacity systems)
-        return {"sync_groups": self.sync_groups, **({"capacity_cf": cf} if cf is not None else {})}
+        return {"sync_groups": self.sync_groups, **({"capacity_cf": cf} if cf is not None else {}),
+                **({"early_selection": True} if self.backward.early else {})}
 
     @property
     def plan_key(self) -> tuple:
         """Equal for two systems with the same plans and the same simulated cost: they differ only in which pairs
         fill the quotas (metric, selection mode, seed), never in how many."""
-        return (self.make, self.backward.compact, self.sharded_optimizer, self.sync_groups)
+        return (self.make, self.backward.compact, self.backward.early, self.sharded_optimizer, self.sync_groups)
 
 
 def _system(name: str, make, label: str, color: str, **kw) -> tuple[str, SystemSpec]:
@@ -336,10 +351,12 @@ def _system(name: str, make, label: str, color: str, **kw) -> tuple[str, SystemS
 
 
 def _lrmoe(name: str, label: str, color: str, make: LRMoEFactory | None = None, metric: str = "m2",
-           mode: str = "topk", compact: bool = True, **kw) -> tuple[str, SystemSpec]:
-    """An LRMoE entry: the hand-written backward with this metric, selection mode and compaction."""
+           mode: str = "topk", compact: bool = True, early: bool = False, **kw) -> tuple[str, SystemSpec]:
+    """An LRMoE entry: the hand-written backward with this metric, selection mode, compaction and early
+    selection."""
     return _system(name, make or lrmoe(), label, color,
-                   backward=BackwardConfig(metric=metric, mode=mode, compact=compact), recalibrated=True, **kw)
+                   backward=BackwardConfig(metric=metric, mode=mode, compact=compact, early=early), recalibrated=True,
+                   **kw)
 
 
 RHOS = (0.9, 0.75, 0.6, 0.5)  # the retention budgets of the registry, fixed in advance (never tuned per cell)
@@ -405,6 +422,15 @@ SYSTEMS: dict[str, SystemSpec] = dict([
                lrmoe(quota_mode="budget", rho=rho), mode="unbiased"),
         _lrmoe(f"lrmoe-rho{rho:g}-random", f"LRMoE ρ={rho:g}, random", "#8c564b",
                lrmoe(quota_mode="budget", rho=rho), metric="random"))],
+    # Early selection (DESIGN.md §4): the gate chooses in the forward, which saves activations for the kept pairs
+    # alone; the memory model counts the saving, so memory-aware placement may hold more replicas (top-k and
+    # unbiased).
+    *[entry for rho in (0.75, 0.5) for entry in (
+        _lrmoe(f"lrmoe-rho{rho:g}-early", f"LRMoE ρ={rho:g}, early selection (gate)", "#843c39",
+               lrmoe(quota_mode="budget", rho=rho, memory=EarlyMemory(rho)), metric="gate", early=True),
+        _lrmoe(f"lrmoe-rho{rho:g}-early-unbiased", f"LRMoE ρ={rho:g}, early selection (gate), unbiased", "#d6616b",
+               lrmoe(quota_mode="budget", rho=rho, memory=EarlyMemory(rho)), metric="gate", mode="unbiased",
+               early=True))],
 ])
 
 # Names older scripts and results files used, and the system each one is.

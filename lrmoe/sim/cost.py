@@ -383,6 +383,7 @@ class CostModel:
     optimizer_traffic_per_param: float = 32.0  # HBM bytes Adam reads and writes per parameter (ours)
     recompute_fraction: float = 2 / 3  # share of forward FLOPs a moved pair recomputes (gate and up GEMMs)
     mem_budget_bytes: float | None = None  # one layer's share of a rank's memory; None: cluster's / MoE layers
+    early_selection: bool = False  # the forward saves activations only for the pairs the plan keeps (DESIGN.md §4)
     optimizer_in_budget: bool = False  # count the optimizer shard against the budget (ours: no, see the module doc)
     sync_groups: str = "range"  # "range": the layer's consecutive-range groups; "hosts": only the hosting ranks
     replica_grad: str = "range"  # "range": SYMI's group all-reduce + collection; "shard": straight to the owners
@@ -550,7 +551,7 @@ class CostModel:
         modes = REPLICA_GRAD_MODES if self.sharded_optimizer else ("range",)
         steps = {mode: step_bytes(placement_NS, placement_NS, e, m.expert_params, self.grad_bytes, m.dtype_bytes,
                                   mode, self.sync_groups) for mode in modes}
-        loads = plan_loads(plan, self.compaction, cap)
+        loads = plan_loads(plan, self.compaction, cap, early=self.early_selection)
         memory = layer_memory(self.footprint, loads, combine=plan_selects(plan))
         planner_s = 0.0
         if "planning" in self.overheads:

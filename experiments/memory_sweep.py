@@ -1,0 +1,220 @@
+"""Where memory binds: every system simulated at a grid of per-rank MoE budgets, from the smallest that holds the
+E/N home slots beside the buffers of the mean load up to 80 GB (lrmoe.sim.memory_sweep.budget_grid: one point per
+replica slot's worth of memory while systems can still gain one, then coarse ones). Per budget, each system's
+slots per rank, peak memory, time per iteration (with the sensitivity band) and whether it fits; then the budget
+range where memory binds, each system's out-of-memory line, and each placement (LRMoE's, online's, SYMI's) without
+and with the retention budget rho side by side.
+
+    python experiments/memory_sweep.py                 # both models on two 8-GPU nodes, low and high skew
+    python experiments/memory_sweep.py --quick         # the main job's: Qwen3, high skew, three budgets
+    python experiments/memory_sweep.py --resume        # continue a killed sweep from its last finished cell
+
+Skews (``--skews``; ours, until the frontier's regimes fix matched values): Zipf 0.2 stands for production-like
+auxiliary-loss balancing (low skew: Gini 0.10, hottest expert 2.1x the mean) and Zipf 0.8 for weakly balanced
+routing (high skew: Gini 0.50, 14.6x; DESIGN.md §5.7). Each cell is one run of the ablation's simulator
+(lrmoe.experiments.ablate: the same systems, memory model, headroom rule, overheads and sensitivity corners), on
+fewer layers (``--layers``: their mean stands for the rest) and iterations than the ablation to afford the grid.
+Traces are synthetic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import pandas as pd
+from tqdm import tqdm
+
+from lrmoe.config import cluster_preset, model_preset
+from lrmoe.experiments import ablate
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, read_results
+from lrmoe.sim.memory_sweep import EARLY, PLACEMENTS, binding_range, budget_grid, fit_gb, placement_table
+from lrmoe.systems import system_arg, system_names_help
+
+SYSTEMS = ["static-ep", "symi-cf1", "symi-dropless", "symi-dropless-rho0.75", "lrmoe", "lrmoe-rho0.75",
+           "lrmoe-rho0.75-early", "online", "online-rho0.75", "online-greedy"]
+SKEWS = ["zipf:0.2", "zipf:0.8"]  # low (production-like aux-loss balancing) and high (weakly balanced) skew
+QUICK_SPARE = (1, 3, 6)  # quick mode: the budgets that hold the home slots and this many spare slots at the mean load
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a small sweep for the main job (Qwen3, Zipf 0.8, 3 budgets)")
+    p.add_argument("--models", nargs="+", default=ablate.MODELS)
+    p.add_argument("--cluster", default="a100-40gb-x8", help="cluster preset (its node is replicated)")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--skews", nargs="+", type=ablate.skew_arg, default=None, help=f"default {' '.join(SKEWS)}")
+    p.add_argument("--max-gb", type=float, default=80.0, help="largest per-rank MoE budget")
+    p.add_argument("--step-gb", type=float, default=None,
+                   help="budget step while systems gain replicas (default: one replica slot's worth per model)")
+    p.add_argument("--coarse-step-gb", type=float, default=10.0, help="budget step beyond that, up to --max-gb")
+    p.add_argument("--mem-gb", nargs="+", type=float, default=None, help="these budgets instead of the grid")
+    p.add_argument("--systems", nargs="+", type=system_arg, default=SYSTEMS, help=system_names_help())
+    p.add_argument("--layers", type=int, default=4, help="simulated MoE layers per cell (their mean stands for all)")
+    p.add_argument("--steps", type=int, default=3, help="iterations per cell (the first is warm-up)")
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--no-band", action="store_true", help="skip the sensitivity corners")
+    p.add_argument("--seed", type=int, default=0)
+    add_tracking_args(p, "outputs/memory_sweep.jsonl")
+    args = p.parse_args(argv)
+    args.skews = args.skews or [ablate.skew_arg(s) for s in (["zipf:0.8"] if args.quick else SKEWS)]
+    if args.quick:
+        args.models = ["qwen3-30b-a3b"] if args.models == ablate.MODELS else args.models
+        args.layers, args.steps, args.no_band = min(args.layers, 2), 2, True
+    for name in ("nodes", "layers", "micro_batches"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.steps < 2:
+        raise ValueError(f"--steps must be at least 2 (the first is warm-up), got {args.steps}")
+    if not args.max_gb > 0:
+        raise ValueError(f"--max-gb must be positive, got {args.max_gb}")
+    return args
+
+
+def budgets(args, model_name: str) -> list[float]:
+    """The budgets of one model: ``--mem-gb``, quick mode's three, or the grid."""
+    model, cluster = model_preset(model_name), cluster_preset(args.cluster).with_nodes(args.nodes)
+    tokens = ablate.TOKENS.get(model_name, 2048)
+    if args.mem_gb:
+        return sorted(args.mem_gb)
+    if args.quick:
+        return [round(fit_gb(model, cluster, tokens, spare, 1.2) + 0.005, 2) for spare in QUICK_SPARE]
+    return budget_grid(model, cluster, tokens, max_gb=args.max_gb, fine_step_gb=args.step_gb,
+                       coarse_step_gb=args.coarse_step_gb)
+
+
+def ablate_args(args, model: str, skew, mem_gb: float) -> argparse.Namespace:
+    """The ablation's arguments for one cell: its defaults (memory model, headroom rule, overheads), this cell,
+    the sensitivity band priced at this budget."""
+    argv = ["--models", model, "--cluster", args.cluster, "--ranks", str(args.nodes * 8), "--skews",
+            ablate.skew_label(skew), "--mem-gb", f"{mem_gb:g}", "--steps", str(args.steps), "--layers",
+            str(args.layers), "--micro-batches", str(args.micro_batches), "--systems", *args.systems,
+            "--headline-mem-gb", f"{mem_gb:g}", "--seed", str(args.seed), "--no-wandb"]
+    return ablate.parse_args(argv + (["--no-band"] if args.no_band else []))
+
+
+class CellLog:
+    """What :func:`ablate.run_cells` logs to: each record tagged with its cell and numbered after the last."""
+
+    def __init__(self, run: Tracker, cell: int, step: int):
+        self.run, self.cell, self.step = run, cell, step
+
+    def log(self, record: dict) -> None:
+        self.run.log({**record, "cell": self.cell}, step=self.step)
+        self.step += 1
+
+
+def finished(path, cells: int) -> tuple[int, int | None]:
+    """(cells already finished, the last step of the last finished one) in a results file to resume."""
+    done, last = 0, None
+    try:
+        records = [r for r in read_results(path) if "cell" in r]
+    except FileNotFoundError:
+        return 0, None
+    ends = [r for r in records if r.get("cell_done")]
+    for r in ends:
+        if r["cell"] == done and done < cells:
+            done, last = done + 1, r["step"]
+    return done, last
+
+
+def plot(table: pd.DataFrame, run: Tracker) -> list:
+    """Time per iteration against the budget per system (a band where the sensitivity corners were priced; a
+    system is drawn only where it fits), and slots per rank against the budget, one column per model and skew."""
+    ok = table[table["fits"].astype(bool) & table["iter_s"].notna()] if "iter_s" in table else table.iloc[0:0]
+    panels = sorted(ok.groupby(["model", "skew_label"]).groups) if len(ok) else []
+    if not panels:
+        return []
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 6.4), squeeze=False)
+    colors = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(table["system"]))}
+    for col, (model, skew) in enumerate(panels):
+        cell = ok[(ok.model == model) & (ok.skew_label == skew)]
+        for name, df in cell.groupby("system", sort=False):
+            df = df.sort_values("mem_gb")
+            axes[0, col].plot(df.mem_gb, df.iter_s, marker=".", color=colors[name], label=name)
+            if "iter_s_corners" in df and df["iter_s_corners"].notna().all():
+                lo = [min(c.values()) for c in df.iter_s_corners]
+                hi = [max(c.values()) for c in df.iter_s_corners]
+                axes[0, col].fill_between(df.mem_gb, lo, hi, color=colors[name], alpha=0.12, lw=0)
+            axes[1, col].step(df.mem_gb, df.slots_per_rank, where="post", color=colors[name], label=name)
+        axes[0, col].set(title=f"{model}, {skew}", ylabel="s per iteration (MoE layers)", yscale="log")
+        axes[1, col].set(xlabel="per-rank MoE budget (GB)", ylabel="slots per rank")
+    axes[0, -1].legend(fontsize=7, loc="upper right")
+    fig.suptitle("Memory pressure (simulated, 2 nodes): a system appears from the budget at which it fits; "
+                 "bands: the sensitivity corners", fontsize=9)
+    fig.tight_layout()
+    paths = run.log_figure("time_vs_memory", fig)
+    plt.close(fig)
+    return paths
+
+
+def fmt(value) -> str:
+    return "—" if value is None or (isinstance(value, float) and pd.isna(value)) else (
+        f"{value:.3g}" if isinstance(value, float) else str(value))
+
+
+def report(records: list[dict], run: Tracker) -> str:
+    """The Markdown tables: where memory binds (and each system's out-of-memory line), then each placement with
+    and without rho as time / SYMI-dropless per budget, fastest named."""
+    bind = binding_range(records)
+    lines = ["## Where memory binds\n", "| model | ranks | skew | budgets | binds from GB | to GB | "
+             "fits from GB (per system) |", "|---|---|---|---|---|---|---|"]
+    for r in bind:
+        oom = "; ".join(f"{k.split(':')[0]} {fmt(v)}" for k, v in r.items() if k.endswith(":fits_from_gb"))
+        lines.append(f"| {r['model']} | {r['ranks']} | {r['skew']} | {r['budgets']} | {fmt(r['binds_from_gb'])} | "
+                     f"{fmt(r['binds_to_gb'])} | {oom} |")
+    rows = placement_table(records)
+    labels = [f"{p}{s}" for p in PLACEMENTS for s in ("", " + ρ")]
+    labels += [EARLY[0]] if any(EARLY[0] in r for r in rows) else []
+    lines += ["", "## Which placement wins: time / SYMI-dropless (slots per rank; where SYMI-dropless does not fit, "
+              "seconds per iteration)\n",
+              "| model | skew | GB | " + " | ".join(labels) + " | fastest |",
+              "|---|---|---|" + "---|" * (len(labels) + 1)]
+    for r in rows:
+        cells = [f"{fmt(r[k])} ({fmt(r[k + ' slots'])})" if r.get(k) is not None else
+                 f"{fmt(r[k + ' s'])} s ({fmt(r[k + ' slots'])})" if r.get(k + " s") is not None else "does not fit"
+                 for k in labels]
+        lines.append(f"| {r['model']} | {r['skew']} | {r['mem_gb']:g} | " + " | ".join(cells)
+                     + f" | {fmt(r['fastest'])} |")
+    run.log_summary({"binding": bind})
+    return "\n".join(lines)
+
+
+def main(argv=None) -> pd.DataFrame:
+    args = parse_args(argv)
+    cells = [(m, skew, b) for m in args.models for skew in args.skews for b in budgets(args, m)]
+    for m in args.models:  # every system buildable in the model's largest cell, before anything runs
+        ablate.check_args(ablate_args(args, m, args.skews[0], max(budgets(args, m))))
+    done, last = finished(args.out, len(cells)) if args.resume else (0, None)
+    config = {**vars(args), "skews": [ablate.skew_label(s) for s in args.skews], "cells": len(cells)}
+    with Tracker("memory_sweep", config, results=args.out, seed=args.seed, overwrite=args.overwrite,
+                 resume=args.resume, resume_step=last, wandb=not args.no_wandb) as run:
+        step = 0 if last is None else last + 1
+        errors = []
+        for i, (model, skew, mem_gb) in enumerate(tqdm(cells, desc="cells", disable=None, initial=done)):
+            if i < done:
+                continue
+            log = CellLog(run, i, step)
+            table = ablate.run_cells(ablate_args(args, model, skew, mem_gb), log)
+            errors += table.attrs.get("errors", [])
+            run.log({"cell": i, "cell_done": True, "model": model, "skew_label": ablate.skew_label(skew),
+                     "mem_gb": mem_gb}, step=log.step)
+            step = log.step + 1
+        records = [r for r in read_results(args.out) if "system" in r and "cell" in r]
+        text = report(records, run)
+        print(text)
+        figs = plot(pd.DataFrame(records), run)
+        print(f"\nresults: {args.out}" + (f"; figure: {figs[0]}" if figs else ""))
+    out = pd.DataFrame(records)
+    out.attrs["errors"] = errors
+    return out
+
+
+if __name__ == "__main__":
+    failed = main().attrs.get("errors")
+    if failed:
+        sys.exit(f"error: {len(failed)} simulation(s) failed (their records say why); first: {failed[0]}")
