@@ -38,6 +38,8 @@ class BackwardConfig:
     early: bool = False
 
     def __post_init__(self) -> None:
+        if self.early and not self.compact:
+            raise ValueError("BackwardConfig.early needs compact=True: the padded layout sends every forward row")
         if self.early and self.metric not in FORWARD_METRICS:
             raise ValueError(f"BackwardConfig.early selects in the forward, which knows only the metrics "
                              f"{FORWARD_METRICS}, not {self.metric!r}")
