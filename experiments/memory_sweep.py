@@ -31,8 +31,9 @@ from tqdm import tqdm
 
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.experiments import ablate
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, read_results
-from lrmoe.sim.memory_sweep import EARLY, PLACEMENTS, binding_range, budget_grid, fit_gb, placement_table
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, atomic_write_text, read_results
+from lrmoe.sim.memory_sweep import (EARLY, PLACEMENTS, binding_range, budget_grid, early_selection_gain, fit_gb,
+                                    placement_table)
 from lrmoe.systems import system_arg, system_names_help
 
 SYSTEMS = ["static-ep", "symi-cf1", "symi-dropless", "symi-dropless-rho0.75", "lrmoe", "lrmoe-rho0.75",
@@ -136,16 +137,17 @@ def plot(table: pd.DataFrame, run: Tracker) -> list:
         for name, df in cell.groupby("system", sort=False):
             df = df.sort_values("mem_gb")
             axes[0, col].plot(df.mem_gb, df.iter_s, marker=".", color=colors[name], label=name)
-            if "iter_s_corners" in df and df["iter_s_corners"].notna().all():
-                lo = [min(c.values()) for c in df.iter_s_corners]
-                hi = [max(c.values()) for c in df.iter_s_corners]
+            if "iter_s_corners" in df and df["iter_s_corners"].notna().all():  # the constants' corners, this run's
+                mb = [{k: v for k, v in c.items() if k.endswith(f"|mb={m}")} for c, m in  # micro-batches
+                      zip(df.iter_s_corners, df.micro_batches)]
+                lo, hi = [min(c.values()) for c in mb], [max(c.values()) for c in mb]
                 axes[0, col].fill_between(df.mem_gb, lo, hi, color=colors[name], alpha=0.12, lw=0)
             axes[1, col].step(df.mem_gb, df.slots_per_rank, where="post", color=colors[name], label=name)
         axes[0, col].set(title=f"{model}, {skew}", ylabel="s per iteration (MoE layers)", yscale="log")
-        axes[1, col].set(xlabel="per-rank MoE budget (GB)", ylabel="slots per rank")
+        axes[1, col].set(xlabel="per-rank MoE budget (GB)", ylabel="filled slots per rank")
     axes[0, -1].legend(fontsize=7, loc="upper right")
-    fig.suptitle("Memory pressure (simulated, 2 nodes): a system appears from the budget at which it fits; "
-                 "bands: the sensitivity corners", fontsize=9)
+    fig.suptitle("Memory pressure (simulated): a system appears from the budget at which it fits; bands: GEMM "
+                 "efficiency, half-efficiency rows and link bandwidth at their corners", fontsize=9)
     fig.tight_layout()
     paths = run.log_figure("time_vs_memory", fig)
     plt.close(fig)
@@ -157,9 +159,27 @@ def fmt(value) -> str:
         f"{value:.3g}" if isinstance(value, float) else str(value))
 
 
-def report(records: list[dict], run: Tracker) -> str:
-    """The Markdown tables: where memory binds (and each system's out-of-memory line), then each placement with
-    and without rho as time / SYMI-dropless per budget, fastest named."""
+HEADLINE_GB = 40.0  # the ablation's headline budget (an A100-40GB's memory)
+
+
+def early_table(args) -> list[str]:
+    """Markdown: what early selection at rho = 0.75 frees per layer and the spare slots it buys (uncapped), at the
+    headline budget and at each model's smallest budget."""
+    lines = ["## Early selection (ρ = 0.75, buffers planned for 1.1 x the mean load)\n",
+             "| model | GB | freed MB per layer | freed GB, all layers | one slot, GB | spare slots without / with |",
+             "|---|---|---|---|---|---|"]
+    cluster = cluster_preset(args.cluster).with_nodes(args.nodes)
+    for name in args.models:
+        for gb in sorted({budgets(args, name)[0], HEADLINE_GB}):
+            g = early_selection_gain(model_preset(name), cluster, ablate.TOKENS.get(name, 2048), gb)
+            lines.append(f"| {name} | {gb:g} | {g['freed_mb_per_layer']:.1f} | {g['freed_gb_all_layers']:.2f} | "
+                         f"{g['slot_gb']:.2f} | {fmt(g['spare_without'])} / {fmt(g['spare_with'])} |")
+    return lines
+
+
+def report(records: list[dict], run: Tracker, args) -> str:
+    """The Markdown tables: where memory binds (and each system's out-of-memory line), each placement with and
+    without rho as time / SYMI-dropless per budget, fastest named, and what early selection frees."""
     bind = binding_range(records)
     lines = ["## Where memory binds\n", "| model | ranks | skew | budgets | binds from GB | to GB | "
              "fits from GB (per system) |", "|---|---|---|---|---|---|---|"]
@@ -180,6 +200,7 @@ def report(records: list[dict], run: Tracker) -> str:
                  for k in labels]
         lines.append(f"| {r['model']} | {r['skew']} | {r['mem_gb']:g} | " + " | ".join(cells)
                      + f" | {fmt(r['fastest'])} |")
+    lines += [""] + early_table(args)
     run.log_summary({"binding": bind})
     return "\n".join(lines)
 
@@ -205,8 +226,9 @@ def main(argv=None) -> pd.DataFrame:
                      "mem_gb": mem_gb}, step=log.step)
             step = log.step + 1
         records = [r for r in read_results(args.out) if "system" in r and "cell" in r]
-        text = report(records, run)
+        text = report(records, run, args)
         print(text)
+        atomic_write_text(run.results.with_suffix(".md"), text + "\n")
         figs = plot(pd.DataFrame(records), run)
         print(f"\nresults: {args.out}" + (f"; figure: {figs[0]}" if figs else ""))
     out = pd.DataFrame(records)

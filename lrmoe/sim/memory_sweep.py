@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import replace
 
 from lrmoe.config import ClusterConfig, MoEConfig
 from lrmoe.sim.cost import CostModel
@@ -149,3 +150,28 @@ def placement_table(records: Iterable[dict], reference: str = "symi-dropless") -
             row["fastest"] = best
             rows.append(row)
     return rows
+
+
+def early_selection_gain(model: MoEConfig, cluster: ClusterConfig, tokens_per_rank: int, mem_gb: float,
+                         rho: float = 0.75, load: float = 1.1) -> dict:
+    """What early selection at ``rho`` frees on a rank planned for ``load`` times the mean load, at a per-rank
+    budget of ``mem_gb``: the saved activations it no longer keeps per layer (MB), and the spare slots that fit
+    beside the buffers without and with it (uncapped: how many replicas the saving buys, before any system's
+    cap on spare slots)."""
+    cm = CostModel(model, cluster, mem_budget_bytes=mem_gb * GB / model.num_moe_layers)
+    late = cm.memory_model()
+    early = replace(late, early_rho=rho)
+    pairs = tokens_per_rank * model.top_k
+    planned = math.ceil(load * pairs - 1e-9)
+    base = model.num_experts // cluster.num_ranks
+    freed = (planned - math.ceil(rho * pairs - 1e-9)) * cm.footprint.expert_pair
+
+    def spare(mm) -> int | None:
+        try:
+            return mm.extra_slots(planned, base, 10 * model.num_experts, pairs)
+        except ValueError:
+            return None
+
+    return {"model": model.name, "mem_gb": mem_gb, "rho": rho, "load": load,
+            "freed_mb_per_layer": freed / 1e6, "freed_gb_all_layers": freed * model.num_moe_layers / GB,
+            "slot_gb": slot_gb(model, cluster), "spare_without": spare(late), "spare_with": spare(early)}
