@@ -7,20 +7,23 @@ and with the retention budget rho side by side.
 
     python experiments/memory_sweep.py                 # both models on two 8-GPU nodes, low and high skew
     python experiments/memory_sweep.py --quick         # the main job's: Qwen3, high skew, three budgets
-    python experiments/memory_sweep.py --resume        # continue a killed sweep from its last finished cell
+    python experiments/memory_sweep.py --resume        # continue a killed sweep from its last finished group
 
 Skews (``--skews``; ours, until the frontier's regimes fix matched values): Zipf 0.2 stands for production-like
 auxiliary-loss balancing (low skew: Gini 0.10, hottest expert 2.1x the mean) and Zipf 0.8 for weakly balanced
-routing (high skew: Gini 0.50, 14.6x; DESIGN.md §5.7). Each cell is one run of the ablation's simulator
-(lrmoe.experiments.ablate: the same systems, memory model, headroom rule, overheads and sensitivity corners), on
-fewer layers (``--layers``: their mean stands for the rest) and iterations than the ablation to afford the grid.
-Traces are synthetic.
+routing (high skew: Gini 0.50, 14.6x; DESIGN.md §5.7). Each (model, skew) is one run of experiments/ablate.py
+through its command line, over every budget of the grid (the same systems, memory model, headroom rule, overheads
+and sensitivity corners, priced at every budget), on fewer layers (``--layers``: their mean stands for the rest) and
+iterations than the ablation to afford the grid; its results file goes to ``--work-dir``, and with ``--resume`` a
+finished one is read, not run again. Traces are synthetic.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+from pathlib import Path
 
 import matplotlib
 
@@ -30,25 +33,28 @@ import pandas as pd
 from tqdm import tqdm
 
 from lrmoe.config import cluster_preset, model_preset
-from lrmoe.experiments import ablate
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, atomic_write_text, read_results
+from lrmoe.sim.cells import TOKENS
 from lrmoe.sim.memory_sweep import (EARLY, PLACEMENTS, binding_range, budget_grid, early_selection_gain, fit_gb,
                                     placement_table)
 from lrmoe.systems import system_arg, system_names_help
 
 SYSTEMS = ["static-ep", "symi-cf1", "symi-dropless", "symi-dropless-rho0.75", "lrmoe", "lrmoe-rho0.75",
            "lrmoe-rho0.75-early", "online", "online-rho0.75", "online-greedy"]
+MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
 SKEWS = ["zipf:0.2", "zipf:0.8"]  # low (production-like aux-loss balancing) and high (weakly balanced) skew
+ABLATE = Path(__file__).resolve().parent / "ablate.py"
 QUICK_SPARE = (1, 3, 6)  # quick mode: the budgets that hold the home slots and this many spare slots at the mean load
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small sweep for the main job (Qwen3, Zipf 0.8, 3 budgets)")
-    p.add_argument("--models", nargs="+", default=ablate.MODELS)
+    p.add_argument("--models", nargs="+", default=MODELS)
     p.add_argument("--cluster", default="a100-40gb-x8", help="cluster preset (its node is replicated)")
     p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--skews", nargs="+", type=ablate.skew_arg, default=None, help=f"default {' '.join(SKEWS)}")
+    p.add_argument("--skews", nargs="+", default=None,
+                   help=f"routing skews, family:param as experiments/ablate.py takes them; default {' '.join(SKEWS)}")
     p.add_argument("--max-gb", type=float, default=80.0, help="largest per-rank MoE budget")
     p.add_argument("--step-gb", type=float, default=None,
                    help="budget step while systems gain replicas (default: one replica slot's worth per model)")
@@ -60,11 +66,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--no-band", action="store_true", help="skip the sensitivity corners")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", default="outputs/memory_sweep",
+                   help="experiments/ablate.py's results file of each (model, skew) goes here")
     add_tracking_args(p, "outputs/memory_sweep.jsonl")
     args = p.parse_args(argv)
-    args.skews = args.skews or [ablate.skew_arg(s) for s in (["zipf:0.8"] if args.quick else SKEWS)]
+    args.skews = args.skews or (["zipf:0.8"] if args.quick else SKEWS)
     if args.quick:
-        args.models = ["qwen3-30b-a3b"] if args.models == ablate.MODELS else args.models
+        args.models = ["qwen3-30b-a3b"] if args.models == MODELS else args.models
         args.layers, args.steps, args.no_band = min(args.layers, 2), 2, True
     for name in ("nodes", "layers", "micro_batches"):
         if getattr(args, name) < 1:
@@ -79,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def budgets(args, model_name: str) -> list[float]:
     """The budgets of one model: ``--mem-gb``, quick mode's three, or the grid."""
     model, cluster = model_preset(model_name), cluster_preset(args.cluster).with_nodes(args.nodes)
-    tokens = ablate.TOKENS.get(model_name, 2048)
+    tokens = TOKENS.get(model_name, 2048)
     if args.mem_gb:
         return sorted(args.mem_gb)
     if args.quick:
@@ -88,39 +96,38 @@ def budgets(args, model_name: str) -> list[float]:
                        coarse_step_gb=args.coarse_step_gb)
 
 
-def ablate_args(args, model: str, skew, mem_gb: float) -> argparse.Namespace:
-    """The ablation's arguments for one cell: its defaults (memory model, headroom rule, overheads), this cell,
-    the sensitivity band priced at this budget."""
-    argv = ["--models", model, "--cluster", args.cluster, "--ranks", str(args.nodes * 8), "--skews",
-            ablate.skew_label(skew), "--mem-gb", f"{mem_gb:g}", "--steps", str(args.steps), "--layers",
-            str(args.layers), "--micro-batches", str(args.micro_batches), "--systems", *args.systems,
-            "--headline-mem-gb", f"{mem_gb:g}", "--seed", str(args.seed), "--no-wandb"]
-    return ablate.parse_args(argv + (["--no-band"] if args.no_band else []))
+def ablate_argv(args, model: str, skew: str, mem_gb: list[float], out: Path) -> list[str]:
+    """experiments/ablate.py's arguments for one (model, skew) over its budgets: its defaults (memory model, headroom
+    rule, overheads), the sensitivity corners priced at every budget."""
+    return ["--models", model, "--cluster", args.cluster, "--ranks", str(args.nodes * 8), "--skews", skew,
+            "--mem-gb", *[f"{b:g}" for b in mem_gb], "--steps", str(args.steps), "--layers", str(args.layers),
+            "--micro-batches", str(args.micro_batches), "--systems", *args.systems, "--band-every-budget",
+            "--seed", str(args.seed), "--no-wandb", "--out", str(out), *(["--no-band"] if args.no_band else []),
+            *(["--resume"] if out.exists() else [])]
 
 
-class CellLog:
-    """What :func:`ablate.run_cells` logs to: each record tagged with its cell and numbered after the last."""
-
-    def __init__(self, run: Tracker, cell: int, step: int):
-        self.run, self.cell, self.step = run, cell, step
-
-    def log(self, record: dict) -> None:
-        self.run.log({**record, "cell": self.cell}, step=self.step)
-        self.step += 1
-
-
-def finished(path, cells: int) -> tuple[int, int | None]:
-    """(cells already finished, the last step of the last finished one) in a results file to resume."""
-    done, last = 0, None
+def finished(path: Path) -> bool:
+    """Whether an ablation results file holds a finished run (its summary, written last)."""
     try:
-        records = [r for r in read_results(path) if "cell" in r]
+        return bool(read_results(path, "summary"))
     except FileNotFoundError:
-        return 0, None
-    ends = [r for r in records if r.get("cell_done")]
-    for r in ends:
-        if r["cell"] == done and done < cells:
-            done, last = done + 1, r["step"]
-    return done, last
+        return False
+
+
+def simulate_group(args, model: str, skew: str, out: Path) -> list[dict]:
+    """One (model, skew) over its budgets: experiments/ablate.py in a process of its own, unless its results file
+    is finished; its records."""
+    if out.exists() and not (args.resume or args.overwrite):
+        raise SystemExit(f"memory_sweep.py: error: {out} exists; pass --resume to reuse or continue it, or "
+                         f"--overwrite to redo it")
+    if args.overwrite or not finished(out):
+        if args.overwrite:
+            out.unlink(missing_ok=True)
+        argv = ablate_argv(args, model, skew, budgets(args, model), out)
+        code = subprocess.run([sys.executable, str(ABLATE), *argv]).returncode
+        if code:
+            raise SystemExit(f"memory_sweep.py: error: ablate.py {' '.join(argv)} exited with {code}")
+    return [r for r in read_results(out) if "system" in r]
 
 
 def plot(table: pd.DataFrame, run: Tracker) -> list:
@@ -171,7 +178,7 @@ def early_table(args) -> list[str]:
     cluster = cluster_preset(args.cluster).with_nodes(args.nodes)
     for name in args.models:
         for gb in sorted({budgets(args, name)[0], HEADLINE_GB}):
-            g = early_selection_gain(model_preset(name), cluster, ablate.TOKENS.get(name, 2048), gb)
+            g = early_selection_gain(model_preset(name), cluster, TOKENS.get(name, 2048), gb)
             lines.append(f"| {name} | {gb:g} | {g['freed_mb_per_layer']:.1f} | {g['freed_gb_all_layers']:.2f} | "
                          f"{g['slot_gb']:.2f} | {fmt(g['spare_without'])} / {fmt(g['spare_with'])} |")
     return lines
@@ -207,36 +214,26 @@ def report(records: list[dict], run: Tracker, args) -> str:
 
 def main(argv=None) -> pd.DataFrame:
     args = parse_args(argv)
-    cells = [(m, skew, b) for m in args.models for skew in args.skews for b in budgets(args, m)]
-    for m in args.models:  # every system buildable in the model's largest cell, before anything runs
-        ablate.check_args(ablate_args(args, m, args.skews[0], max(budgets(args, m))))
-    done, last = finished(args.out, len(cells)) if args.resume else (0, None)
-    config = {**vars(args), "skews": [ablate.skew_label(s) for s in args.skews], "cells": len(cells)}
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    groups = [(m, skew) for m in args.models for skew in args.skews]
+    config = {**vars(args), "budgets": {m: budgets(args, m) for m in args.models}}
     with Tracker("memory_sweep", config, results=args.out, seed=args.seed, overwrite=args.overwrite,
-                 resume=args.resume, resume_step=last, wandb=not args.no_wandb) as run:
-        step = 0 if last is None else last + 1
-        errors = []
-        for i, (model, skew, mem_gb) in enumerate(tqdm(cells, desc="cells", disable=None, initial=done)):
-            if i < done:
-                continue
-            log = CellLog(run, i, step)
-            table = ablate.run_cells(ablate_args(args, model, skew, mem_gb), log)
-            errors += table.attrs.get("errors", [])
-            run.log({"cell": i, "cell_done": True, "model": model, "skew_label": ablate.skew_label(skew),
-                     "mem_gb": mem_gb}, step=log.step)
-            step = log.step + 1
-        records = [r for r in read_results(args.out) if "system" in r and "cell" in r]
+                 resume=args.resume, wandb=not args.no_wandb) as run:
+        records = []
+        for model, skew in tqdm(groups, desc="model x skew", disable=None):
+            out = work / f"{Path(args.out).stem}_{model}_{skew.replace(':', '')}.jsonl"
+            for rec in simulate_group(args, model, skew, out):
+                rec = {k: v for k, v in rec.items() if k not in ("kind", "run_id", "step")}
+                run.log(rec)
+                records.append(rec)
         text = report(records, run, args)
         print(text)
         atomic_write_text(run.results.with_suffix(".md"), text + "\n")
         figs = plot(pd.DataFrame(records), run)
         print(f"\nresults: {args.out}" + (f"; figure: {figs[0]}" if figs else ""))
-    out = pd.DataFrame(records)
-    out.attrs["errors"] = errors
-    return out
+    return pd.DataFrame(records)
 
 
 if __name__ == "__main__":
-    failed = main().attrs.get("errors")
-    if failed:
-        sys.exit(f"error: {len(failed)} simulation(s) failed (their records say why); first: {failed[0]}")
+    main()

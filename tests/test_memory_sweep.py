@@ -60,21 +60,18 @@ def test_placement_table_side_by_side():
     assert rows[40.0]["fastest"] == "online" and rows[40.0]["online"] == pytest.approx(0.75)
 
 
-def test_resume_point_is_the_last_finished_cell(tmp_path):
-    """A killed sweep resumes after its last finished cell: the records of a half-done cell are redone."""
+def test_a_group_is_finished_when_its_ablation_run_wrote_its_summary(tmp_path):
+    """The sweep reads a (model, skew) group's ablation results again only once that run finished (its summary is
+    written last); a killed one is run again."""
     from lrmoe.experiments.memory_sweep import finished
     from lrmoe.integrations.tracking import Tracker
 
-    path = tmp_path / "sweep.jsonl"
-    assert finished(path, 3) == (0, None)
-    with Tracker("memory_sweep", {}, results=path, wandb=False, quiet=True) as run:
-        step = 0
-        for cell, systems in ((0, 2), (1, 2), (2, 1)):  # cell 2 was killed after one system
-            for _ in range(systems):
-                run.log({"cell": cell, "system": "x"}, step=step)
-                step += 1
-            if cell < 2:
-                run.log({"cell": cell, "cell_done": True}, step=step)
-                step += 1
-    assert finished(path, 3) == (2, 5)
-    assert finished(path, 1) == (1, 2)
+    path = tmp_path / "group.jsonl"
+    assert not finished(path)
+    with Tracker("ablate", {}, results=path, wandb=False, quiet=True) as run:
+        run.log({"system": "x"})
+    assert not finished(path)
+    with Tracker("ablate", {}, results=path, wandb=False, quiet=True, resume=True) as run:
+        run.log({"system": "x"})
+        run.log_summary({"headline": ""})
+    assert finished(path)
