@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from lrmoe.config import MoEConfig, cluster_preset, model_preset
 from lrmoe.integrations.data import get_batch, load_corpus
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups
-from lrmoe.runtime.layer import EPMoELayer, initial_placement
+from lrmoe.runtime.layer import EPMoELayer, grad_flags, initial_placement, raise_on_grad_flags
 from lrmoe.integrations.load_stats import flat_log, load_stats
 from lrmoe.integrations.model import MoETransformer
 from lrmoe.planner.plan import LayerPlan
@@ -53,7 +53,8 @@ from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.runtime.routing import update_expert_bias
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
-from lrmoe.integrations.tracking import add_tracking_args
+from lrmoe.checks import non_negative_int_arg
+from lrmoe.integrations.tracking import add_tracking_args, atomic_write, check_tracking_args, output_problem
 from lrmoe.integrations.traces import Trace
 
 DEFAULT_PRESET = "qwen3-30b-a3b-debug"
@@ -92,12 +93,16 @@ def set_lr(optimizer: torch.optim.Optimizer, layers: list[EPMoELayer], lr: float
         layer.store.adam = dataclasses.replace(layer.store.adam, lr=lr)
 
 
-def all_reduce_mean_(tensors: list[torch.Tensor], world: int) -> None:
-    """Average gradients over the data-parallel ranks in one flat all-reduce."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+def all_reduce_mean_(tensors: list[torch.Tensor], world: int, layers: list[EPMoELayer]) -> None:
+    """Average gradients over the data-parallel ranks in one flat all-reduce, which carries the layers' gradient
+    check: a NaN or inf on any rank raises on every rank, before any weight is updated."""
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+    flags = grad_flags(layers, dist.get_rank(), world, finite).to(tensors[0])
+    flat = torch.cat([*(t.reshape(-1) for t in tensors), flags])
     if world > 1:
         dist.all_reduce(flat)
-    flat /= world
+    raise_on_grad_flags(flat[-world:], layers, dist.get_rank())
+    flat = flat[:-world] / world
     offset = 0
     for t in tensors:
         t.copy_(flat[offset: offset + t.numel()].view_as(t))
@@ -128,6 +133,7 @@ class NativeModel:
                                routed_scaling=cfg.routed_scaling, adam=AdamConfig(lr=args.lr, weight_decay=0.0),
                                device=device, backward=system.layer_backward(args.seed * 1000 + i),
                                replica_grad=args.replica_grad)
+            layer.name = f"MoE layer {i}"
             self.layers.append(layer)
             return layer
 
@@ -142,7 +148,8 @@ class NativeModel:
         for layer in self.layers:
             layer.store.slots_SW.grad = None
         total.backward()
-        all_reduce_mean_([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense], self.world)
+        all_reduce_mean_([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense], self.world,
+                         self.layers)
         self.opt.step()
         for layer in self.layers:
             layer.expert_step(grad_scale=1.0 / self.world)
@@ -274,35 +281,133 @@ def step_record(args, step: int, loss_sum: float, plans: list[LayerPlan], counts
     return record
 
 
+# The arguments that define a run: a checkpoint written under other values belongs to another run, and --resume
+# refuses it. Add an argument here when it changes what a run computes.
+RUN_ARGS = ("preset", "hf_config", "policy", "ranks", "seed", "batch", "seq_len", "steps", "lr", "lr_schedule",
+            "warmup", "min_lr_frac", "aux_coef", "bias_rate", "extra_slots", "eps", "gamma", "replica_grad", "data",
+            "max_bytes")
+
+
+def run_identity(args, world: int) -> dict:
+    """Whose checkpoint this is: the script, the run id, the results file and the defining arguments."""
+    return {"script": "train", "run_id": args.run_id, "results": str(args.out),
+            "args": {**{name: getattr(args, name) for name in RUN_ARGS}, "ranks": world}}
+
+
 def checkpoint_path(args, step: int, rank: int) -> Path:
     return Path(args.ckpt_dir) / f"step{step:06d}" / f"rank{rank}.pt"
 
 
-def save_checkpoint(args, step, rank, run, gen, counts, history) -> None:
-    """This rank's checkpoint (every rank calls it: the HF model's state dict is collective)."""
+def save_checkpoint(args, step, rank, run, gen, counts, history, world: int) -> None:
+    """This rank's checkpoint (every rank calls it: the HF model's state dict is collective), written atomically
+    and fsynced (lrmoe.integrations.tracking.atomic_write): a crash mid-save leaves the previous one intact."""
     path = checkpoint_path(args, step, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"step": step, "architecture": run.architecture, **run.state_dict(), "gen": gen.get_state(),
-             "counts": counts, "history": history, "args": vars(args)}
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)  # atomic: a crash mid-save leaves the previous checkpoint intact
+             "counts": counts, "history": history, "run": run_identity(args, world)}
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def checkpoint_steps(args) -> list[int]:
+    """The steps with a checkpoint folder in --ckpt-dir, newest first."""
+    root = Path(args.ckpt_dir)
+    found = root.glob("step[0-9][0-9][0-9][0-9][0-9][0-9]") if root.is_dir() else []
+    return sorted((int(p.name[4:]) for p in found), reverse=True)
+
+
+def read_checkpoint(path: Path, mmap: bool = False) -> dict:
+    """A checkpoint's state, read as data only (``weights_only``: a crafted file cannot run code)."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def identity_mismatch(path: Path, saved: dict, here: dict) -> str | None:
+    """Why the checkpoint at ``path`` (``saved``: its identity) is not this run's (``here``), naming both sides."""
+    if saved.get("script") != here["script"]:
+        return f"checkpoint {path} was written by {saved.get('script')!r}, not by {here['script']!r}"
+    diffs = [f"--{k.replace('_', '-')} {saved['args'].get(k)!r} there, {v!r} here" for k, v in here["args"].items()
+             if saved["args"].get(k) != v]
+    if diffs:
+        return (f"checkpoint {path} belongs to another run (results file {saved['results']}): " + "; ".join(diffs))
+    if saved.get("run_id") != here["run_id"]:
+        return (f"checkpoint {path} belongs to run {saved.get('run_id')} (results file {saved['results']}), but the "
+                f"results file {here['results']} holds run {here['run_id']}")
+    return None
 
 
 def latest_checkpoint(args, world: int) -> int | None:
+    """The newest step whose every rank's checkpoint reads and is this run's (``args.run_id``); an unreadable one
+    is named and an earlier one used. ValueError when a checkpoint belongs to another run, or every complete one is
+    unreadable."""
+    here = run_identity(args, world)
+    unreadable = []
+    for step in checkpoint_steps(args):
+        paths = sorted(checkpoint_path(args, step, 0).parent.glob("rank*.pt"))  # another world's too: refused
+        for path in paths:
+            try:
+                saved = read_checkpoint(path, mmap=True).get("run")
+            except Exception as exc:  # noqa: BLE001 - whatever a truncated or foreign file raises
+                unreadable.append(f"{path} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+                print(f"warning: checkpoint {path} is unreadable; trying an earlier one", flush=True)
+                break
+            if saved is None:
+                raise ValueError(f"checkpoint {path} records no run identity (written by an older version)")
+            if why := identity_mismatch(path, saved, here):
+                raise ValueError(f"--resume: {why}")
+        else:
+            if all(checkpoint_path(args, step, rank).is_file() for rank in range(world)):
+                return step  # (else a save killed part-way: not a checkpoint)
+    if unreadable:
+        raise ValueError(f"--resume: no readable checkpoint in {args.ckpt_dir}: {'; '.join(unreadable)}")
+    return None
+
+
+def remove_checkpoints(args) -> None:
+    """--overwrite: remove the checkpoints this script wrote in --ckpt-dir (its step folders' rank files), nothing
+    else; folders left empty go too."""
     root = Path(args.ckpt_dir)
-    steps = sorted(int(p.name[4:]) for p in root.glob("step*") if
-                   all((p / f"rank{r}.pt").exists() for r in range(world))) if root.exists() else []
-    return steps[-1] if steps else None
+    for step in checkpoint_steps(args):
+        folder = root / f"step{step:06d}"
+        for path in folder.glob("rank*.pt"):
+            path.unlink()
+        if not any(folder.iterdir()):
+            folder.rmdir()
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()
+
+
+def plan_resume(args, world: int) -> None:
+    """Decide, before any rank starts, which run this is and where it starts: sets ``args.run_id`` and
+    ``args.start_step`` (0, or the step of the checkpoint --resume continues from). ValueError when --resume would
+    mix runs (a checkpoint of another run; checkpoints whose results file is missing) or when a fresh run would
+    start over an earlier run's checkpoints without --overwrite."""
+    from lrmoe.integrations.tracking import new_run_id, read_results
+
+    args.start_step = 0
+    steps = checkpoint_steps(args)
+    if not args.resume:
+        if steps and not args.overwrite:
+            raise ValueError(f"--ckpt-dir {args.ckpt_dir} holds an earlier run's checkpoints; pass --overwrite to "
+                             f"replace them or --resume to continue that run")
+        args.run_id = new_run_id("train")
+        return
+    out = Path(args.out) if args.out else None
+    headers = read_results(out, "run") if out is not None and out.is_file() else []
+    if not steps:  # nothing to continue from: the run starts again (its records are superseded)
+        args.run_id = headers[-1]["run_id"] if headers else new_run_id("train")
+        return
+    if not headers:
+        raise ValueError(f"--resume: {args.ckpt_dir} holds checkpoints but their results file {out} is missing; "
+                         f"restore it, or pass --overwrite to start a new run")
+    args.run_id = headers[-1]["run_id"]
+    found = latest_checkpoint(args, world)
+    args.start_step = found or 0
 
 
 def load_checkpoint(args, step, rank, run, gen):
     path = checkpoint_path(args, step, rank)
-    state = torch.load(path, weights_only=False)
-    saved = state.get("architecture", "lrmoe")
-    if saved != run.architecture:
-        raise ValueError(f"{path} holds a {saved} model; this run trains a {run.architecture} model (a different "
-                         f"--hf-config?): use another --ckpt-dir")
+    state = read_checkpoint(path)
+    if state["architecture"] != run.architecture:  # defining arguments checked equal: a second safeguard
+        raise ValueError(f"{path} holds a {state['architecture']} model; this run trains a {run.architecture} model")
     run.load_state_dict(state)
     gen.set_state(state["gen"])
     return state["counts"], state["history"]
@@ -318,19 +423,16 @@ def worker(rank: int, args) -> list[dict]:
     gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
     counts: list[torch.Tensor] = []  # per step: [layers, N, E] routed pairs (the recorded trace)
     history: list[dict] = []
-    start = 0
-    if args.resume:
-        found = latest_checkpoint(args, world)
-        if found is not None:
-            counts, history = load_checkpoint(args, found, rank, run, gen)
-            start = found
+    start = args.start_step  # plan_resume's choice, made before the ranks started
+    if start:
+        counts, history = load_checkpoint(args, start, rank, run, gen)
     tracker = None
     if rank == 0 and args.out:
         from lrmoe.integrations.tracking import Tracker
 
         tracker = Tracker("train", vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
                           resume=args.resume, resume_step=start,  # records past the checkpoint are redone
-                          wandb=not args.no_wandb, group=args.preset, quiet=args.quiet)
+                          wandb=not args.no_wandb, group=args.preset, quiet=args.quiet, run_id=args.run_id)
     progress = None
     if rank == 0 and not args.quiet:
         from tqdm import tqdm
@@ -359,7 +461,7 @@ def worker(rank: int, args) -> list[dict]:
                 progress.update(1)
                 progress.set_postfix(loss=f"{record['loss']:.3f}")
             if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
-                save_checkpoint(args, step + 1, rank, run, gen, counts, history)
+                save_checkpoint(args, step + 1, rank, run, gen, counts, history, world)
             if args.stop_after and step + 1 >= args.stop_after:  # simulate an interruption (tests)
                 break
         if rank == 0 and args.trace_out:
@@ -376,7 +478,7 @@ def worker(rank: int, args) -> list[dict]:
     return history
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default=None, help=f"model preset (default {DEFAULT_PRESET})")
     parser.add_argument("--hf-config", default=None, metavar="FAMILY",
@@ -412,13 +514,19 @@ def parse_args(argv=None):
     parser.add_argument("--data", default=None, help="folder or glob of text files (default: Python's stdlib)")
     parser.add_argument("--max-bytes", type=int, default=4_000_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ckpt-dir", default="outputs/checkpoints/train")
-    parser.add_argument("--ckpt-every", type=int, default=50)
+    parser.add_argument("--ckpt-dir", default=None,
+                        help="checkpoints of this run (default: beside the results file, --out's name + .ckpt)")
+    parser.add_argument("--ckpt-every", type=non_negative_int_arg, default=50, help="0: no checkpoints")
     parser.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--trace-out", default=None, help="save the routing counts as a recorded trace (.npz)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="fork launcher timeout, seconds")
     parser.add_argument("--quiet", action="store_true")
     add_tracking_args(parser, "outputs/train.jsonl")  # --resume also continues from the latest checkpoint
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.hf_config:
         preset = HF_CONFIGS.get(args.hf_config, args.hf_config)
@@ -434,13 +542,25 @@ def parse_args(argv=None):
         parser.error(f"--warmup must be in [0, --steps), got {args.warmup}")
     if not 0 < args.min_lr_frac <= 1:
         parser.error(f"--min-lr-frac must be in (0, 1], got {args.min_lr_frac}")
+    if args.ckpt_dir is None:
+        if args.ckpt_every and not args.out:
+            parser.error("--out '' writes no results file: name a --ckpt-dir, or --ckpt-every 0")
+        args.ckpt_dir = str(Path(args.out).with_suffix(".ckpt")) if args.out else None
+    if args.resume and not args.out:
+        parser.error("--resume continues the run of a results file: name it with --out")
     return args
 
 
 def check_args(args) -> None:
-    """Everything a rank would otherwise find out on its own, checked once before any rank starts: the presets,
-    the world size against the experts, the system in that world, the text files. SystemExit with one message."""
+    """Everything a rank would otherwise find out on its own, checked once before any rank starts or any record is
+    written: the output paths (lrmoe.integrations.tracking.check_tracking_args), the presets, the world size against
+    the experts, the system in that world, the text files and their validation split, and which run --resume
+    continues (:func:`plan_resume`: sets ``args.run_id`` and ``args.start_step``). SystemExit with one message."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if args.torchrun else args.ranks
+    parser = build_parser()
+    check_tracking_args(parser, args, "train", {"--trace-out": args.trace_out})
+    if args.ckpt_dir and (problem := output_problem("--ckpt-dir", Path(args.ckpt_dir) / "step", replace=True)):
+        parser.error(problem)
     try:
         cfg = model_preset(args.preset)
         if args.cost_model:
@@ -451,12 +571,16 @@ def check_args(args) -> None:
             from lrmoe.integrations.hf import hf_config  # imports transformers here, once, before the ranks fork
 
             hf_config(cfg)  # raises when the preset has no HF counterpart
-        if args.data is not None:
-            load_corpus(args.data, max_bytes=args.max_bytes)  # raises when it holds no file or is too small
+        corpus = load_corpus(args.data, max_bytes=args.max_bytes)  # raises when it holds no file or is too small
+        for split in ("train", "val"):
+            if getattr(corpus, split).numel() <= args.seq_len + 1:
+                raise ValueError(f"the {split} split of the corpus holds {getattr(corpus, split).numel()} tokens, "
+                                 f"too few for one window of --seq-len {args.seq_len}")
+        plan_resume(args, world)
     except ImportError as exc:
         raise SystemExit(f"train.py: error: --hf-config needs transformers (pip install 'lrmoe[hf]'): {exc}") from None
     except (ValueError, OSError) as exc:
-        raise SystemExit(f"train.py: error: {exc}") from None
+        parser.error(str(exc))
 
 
 def main(argv=None) -> list[dict]:
@@ -466,11 +590,19 @@ def main(argv=None) -> list[dict]:
         from lrmoe.runtime.distributed.comm import init_process_group_from_env
 
         info = init_process_group_from_env()
+        chosen = [args.run_id]
+        dist.broadcast_object_list(chosen, src=0)  # a new run's id: rank 0's
+        args.run_id = chosen[0]
+        if args.overwrite and info.rank == 0:
+            remove_checkpoints(args)
+        dist.barrier()
         history = worker(info.rank, args)
         dist.destroy_process_group()
         return history
     from lrmoe.runtime.distributed.launch import launch
 
+    if args.overwrite:
+        remove_checkpoints(args)
     # Read the corpus and import what the ranks' optimizers import, once, here: the forked ranks inherit both (a
     # process reads a corpus once) instead of spending seconds on each.
     load_corpus(args.data, max_bytes=args.max_bytes)

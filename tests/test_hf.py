@@ -247,3 +247,23 @@ def _resume(rank: int, family: str, system: str) -> None:
 @pytest.mark.parametrize("family,system", [("glm", "lrmoe")])
 def test_resuming_from_the_state_dicts_continues_exactly(family, system):
     launch(_resume, RANKS, family, system, timeout_s=120)
+
+
+def _nan_input(rank: int) -> str:
+    model = tiny_model("qwen")
+    swap_moe_blocks(model, "lrmoe")
+    ids = batches()[rank]
+    if rank == 1:  # one token's embedding turns NaN on rank 1 only
+        with torch.no_grad():
+            model.model.embed_tokens.weight[ids[0, 0]] = float("nan")
+    try:
+        model(ids, labels=ids).loss.backward()
+    except Exception as exc:  # noqa: BLE001 - the message is what the test reads
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_nan_through_the_drop_in_names_the_block_and_the_rank_not_an_internal_tensor():
+    for rank, message in enumerate(launch(_nan_input, RANKS)):
+        assert message.startswith("NonFiniteError: model.layers.0.mlp") and "rank 1" in message, message
+        assert f"this is rank {rank}" in message and "_P" not in message

@@ -44,7 +44,7 @@ from torch import nn
 
 from lrmoe.config import MoEConfig
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
-from lrmoe.runtime.layer import EPMoELayer
+from lrmoe.runtime.layer import EPMoELayer, grad_flags, raise_on_grad_flags
 from lrmoe.integrations.load_stats import load_stats
 from lrmoe.planner.plan import LayerPlan, Policy
 from lrmoe.planner.policies import initial_placement
@@ -306,6 +306,7 @@ def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: System
                            dtype=dtype, device=device, adam=adam or AdamConfig(), accountant=accountant,
                            kernel_backend=kernel_backend, backward=layer_backward, replica_grad=replica_grad)
         layer.w_router_ED.requires_grad_(False)  # HF's gate routes; the layer's copy never enters the loss
+        layer.name = block_name  # errors name the block (e.g. a non-finite input)
         block.experts = EPExperts(layer)  # HF's full expert tensors are released here
         swapped.append(block_name)
     return HFExpertParallel(model, swapped, [b for _, b in blocks], family, name)
@@ -354,11 +355,15 @@ class HFExpertParallel:
         by_dtype: dict[tuple, list[nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+        N, layers = self.num_ranks, self.layers
         for group in by_dtype.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in group])
-            if self.num_ranks > 1:
+            finite = torch.stack([torch.isfinite(p.grad).all() for p in group]).all()
+            flags = grad_flags(layers, self.rank, N, finite).to(group[0].grad)  # the gradient check (runtime.layer)
+            flat = torch.cat([*(p.grad.reshape(-1) for p in group), flags])
+            if N > 1:
                 dist.all_reduce(flat)
-            flat.mul_(grad_scale)
+            raise_on_grad_flags(flat[-N:], layers, self.rank)
+            flat = flat[:-N].mul_(grad_scale)
             offset = 0
             for p in group:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))

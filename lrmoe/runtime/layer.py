@@ -21,6 +21,11 @@ plan: with ``backward=None`` it is the plain backward (plans that trim or move b
 :class:`~lrmoe.runtime.backward.BackwardConfig` the recalibrated one (metric and selection at home, compacted packets).
 The per-pair expert outputs come home as one tensor ``o_MD`` before the weighted un-permute
 ``y_t = Σ_j g_tj · o_tj``, so the router gradient (through g) is exact for every pair.
+
+Non-finite values fail loudly, on every rank, before any weight moves: each rank's "my input holds a NaN or inf"
+rides as one extra entry in the counts all-gather the plan needs anyway, and each rank's "a gradient into my layer
+(or my dense gradients) holds one" as one entry per rank in the dense-gradient all-reduce (:func:`grad_flags`,
+:func:`raise_on_grad_flags`). Either raises :class:`NonFiniteError` naming the layer and the rank.
 """
 
 from __future__ import annotations
@@ -44,10 +49,40 @@ from lrmoe.planner.policies import initial_placement
 from lrmoe.runtime.reference import EXPERT_WEIGHTS, SHARED_WEIGHTS, swiglu
 from lrmoe.runtime.routing import RouterOutput, route
 
-__all__ = ["EPMoELayer", "EPMoEInfo", "RecalibratedPlanError", "check_layer_plan", "initial_placement", "Dispatch",
-           "assign_pairs", "source_to_slot_major"]
+__all__ = ["EPMoELayer", "EPMoEInfo", "RecalibratedPlanError", "NonFiniteError", "grad_flags",
+           "raise_on_grad_flags", "check_layer_plan", "initial_placement", "Dispatch", "assign_pairs",
+           "source_to_slot_major"]
 
 PLAIN_BACKWARD = BackwardConfig()  # what a layer built with backward=None runs: plans that select are refused
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or inf in a layer's input or in a gradient, raised on every rank (the message names the layer and the
+    ranks where it arose)."""
+
+
+def grad_flags(layers, rank: int, num_ranks: int, dense_finite: torch.Tensor) -> torch.Tensor:
+    """This rank's entries of the gradient check, to ride in the dense-gradient all-reduce: [num_ranks] zeros but
+    at ``rank``: 1 + the index of the first of ``layers`` whose output gradient held a NaN or inf, else
+    len(layers) + 1 when only this rank's dense gradients did (``dense_finite`` False), else 0. No host sync."""
+    device = dense_finite.device
+    codes = [torch.where(layer.grad_finite, 0.0, float(i + 1)).to(device) for i, layer in enumerate(layers)
+             if layer.grad_finite is not None]
+    codes.append(torch.where(dense_finite, 0.0, float(len(layers) + 1)))
+    codes_C = torch.stack(codes)
+    code = codes_C[(codes_C > 0).float().argmax()]  # the first non-zero (0 when none)
+    return torch.zeros(num_ranks, device=device).index_put_((torch.tensor([rank], device=device),), code.view(1))
+
+
+def raise_on_grad_flags(flags_N: torch.Tensor, layers, rank: int) -> None:
+    """After the all-reduce: raise :class:`NonFiniteError` (on every rank alike) when any rank flagged a gradient."""
+    flags = flags_N.cpu().round().long()
+    if not bool(flags.any()):
+        return
+    where = [f"rank {r} (gradient into {layers[c - 1].name if c <= len(layers) else 'the dense parameters'})"
+             for r, c in enumerate(flags.tolist()) if c]
+    raise NonFiniteError(f"non-finite gradient (NaN or inf) on {', '.join(where)}; stopped on every rank before any "
+                         f"weight was updated (this is rank {rank})")
 
 
 class RecalibratedPlanError(ValueError):
@@ -129,6 +164,8 @@ class EPMoELayer(nn.Module):
         self.backward_config = backward
         self.bwd_generator = backward.generator(self.rank) if backward is not None else None
         self.prev_counts_E: torch.Tensor | None = None
+        self.name = "EPMoELayer"  # how errors name this layer (a model sets e.g. "layer 3")
+        self.grad_finite: torch.Tensor | None = None  # whether the last backward's output gradient was finite
         self.last_plan: LayerPlan | None = None
         self.last_dispatch: Dispatch | None = None
 
@@ -191,7 +228,14 @@ class EPMoELayer(nn.Module):
             gate_TK = routed.weight_TK.to(x_TD.dtype)
 
         with comm.phase("plan"):
-            counts_NE = comm.all_gather_counts(torch.bincount(routed.idx_TK.reshape(-1), minlength=self.num_experts))
+            bad = (~torch.isfinite(x_TD).all()).long().view(1)  # rides in the counts' all-gather: no new collective
+            gathered_NE = comm.all_gather_counts(torch.cat([torch.bincount(routed.idx_TK.reshape(-1),
+                                                                           minlength=self.num_experts), bad]))
+            if gathered_NE[:, -1].any():
+                ranks = ", ".join(f"rank {r}" for r in gathered_NE[:, -1].nonzero().flatten().tolist())
+                raise NonFiniteError(f"{self.name}: non-finite input (NaN or inf) on {ranks}; stopped on every rank "
+                                     f"before any weight was updated (this is rank {self.rank})")
+            counts_NE = gathered_NE[:, :-1]
             plan = policy.plan(counts_NE, self.prev_counts_E)
             check_layer_plan(plan, counts_NE, self.placement_NS, recalibrated=self.backward_config is not None)
         if plan.push_src_G is not None:  # online replication: weights into the spare slots before the compute
@@ -207,6 +251,9 @@ class EPMoELayer(nn.Module):
         if self.shared:
             with comm.phase("shared_fwd"):
                 y_TD = y_TD + swiglu(x_TD, self.w_shared_gate_DF, self.w_shared_up_DF, self.w_shared_down_FD)[0]
+        if y_TD.requires_grad:  # the gradient check's local half (read by grad_flags; no host sync)
+            self.grad_finite = None
+            y_TD.register_hook(self._note_grad)
 
         R = int(dispatch.recv_counts_NS.sum())
         comm.count("pairs_fwd", R)
@@ -218,15 +265,27 @@ class EPMoELayer(nn.Module):
         return y_TD, EPMoEInfo(scores_TE=routed.scores_TE, counts_E=self.prev_counts_E, gate_TK=gate_TK,
                                dispatch=dispatch, record=record if self.backward_config is not None else None)
 
+    def _note_grad(self, grad_TD: torch.Tensor) -> None:
+        self.grad_finite = torch.isfinite(grad_TD).all()
+
     # -- after the backward --------------------------------------------------------------------------------------
     def sync_dense_grads(self, grad_scale: float = 1.0) -> None:
-        """All-reduce (sum) the router's and shared expert's gradients over all ranks, times ``grad_scale``."""
-        for p in self.dense_parameters():
+        """All-reduce (sum) the router's and shared expert's gradients over all ranks, times ``grad_scale``, in
+        one flat all-reduce that carries the gradient check (NonFiniteError on every rank)."""
+        params = self.dense_parameters()
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if self.num_ranks > 1:
-                dist.all_reduce(p.grad)
-            p.grad.mul_(grad_scale)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flags = grad_flags([self], self.rank, self.num_ranks, torch.isfinite(flat).all()).to(flat)
+        flat = torch.cat([flat, flags])
+        if self.num_ranks > 1:
+            dist.all_reduce(flat)
+        raise_on_grad_flags(flat[-self.num_ranks:], [self], self.rank)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad)).mul_(grad_scale)
+            offset += p.numel()
 
     def next_placement(self) -> torch.Tensor:
         """The placement the layer's policy planned for the next iteration, in this iteration's plan."""
