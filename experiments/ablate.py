@@ -73,7 +73,8 @@ SYSTEMS = ["static-ep", "capacity-cf1", "capacity-cf1.25", "symi-cf1", "symi-dro
            "lrmoe-host-groups", "lrmoe-no-memplace", "lrmoe-no-bwd-routing", "lrmoe-even-fwd",
            "lrmoe-even-fwd-no-bwd-routing", "lrmoe-no-quotas", "lrmoe-padded",
            "lrmoe-random", "lrmoe-gate", "lrmoe-m2-unbiased",
-           "online", "online-rho0.75"]  # online replication (lrmoe.planner.online) and LRMoE's budget on top of it
+           "online", "online-rho0.75",  # online replication (lrmoe.planner.online) and LRMoE's budget on top of it
+           "online-greedy"]  # its first rule: every copy that relieves the busiest rank, whatever the push costs
 # Quick mode simulates every MoE layer (fewer iterations instead), so it runs the headline systems and the
 # components of LRMoE the figures take apart, and the metric variant lrmoe-random (its selection's price).
 QUICK_SYSTEMS = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "symi-dropless-lrmoe-slots", "lrmoe",
@@ -83,7 +84,8 @@ CATS = ["forward", "backward", "communication", "sync", "overhead"]
 PLOTTED = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless-lrmoe-slots", "lrmoe", "lrmoe-host-groups",
            "lrmoe-no-memplace", "lrmoe-no-quotas", "lrmoe-padded"]
 # The headline's systems, priced again at every corner of the uncertain constants (the sensitivity band).
-BANDED = ["lrmoe", "symi-dropless", "symi-cf1", "symi-dropless-lrmoe-slots", "online", "online-rho0.75"]
+BANDED = ["lrmoe", "symi-dropless", "symi-cf1", "symi-dropless-lrmoe-slots", "online", "online-rho0.75",
+          "online-greedy", "lrmoe-rho0.75", "lrmoe-rho0.75-early", "symi-dropless-rho0.75"]
 # The uncertain constants and their ranges (DESIGN.md §5.4; issue 15): GEMM efficiency 0.5-0.9 of peak,
 # half-efficiency rows 32-512, links at 70-100 % of the datasheet, 1-32 micro-batches per iteration.
 SENSITIVITY = {"eff_max": (0.5, 0.9), "m_half": (32.0, 512.0), "bw_scale": (0.7, 1.0)}
@@ -182,6 +184,8 @@ def parse_args(argv=None):
                              "reported in its faster mode (iter_s_range, iter_s_shard and replica_grad say which)")
     parser.add_argument("--headline-mem-gb", type=positive_float_arg, default=None,
                         help="budget of the headline (default 1x)")
+    parser.add_argument("--band-every-budget", action="store_true",
+                        help="price the sensitivity corners at every budget, not the headline's alone")
     parser.add_argument("--seed", type=int, default=0)
     add_tracking_args(parser, "outputs/ablate.jsonl")
     args = parser.parse_args(argv)
@@ -339,7 +343,7 @@ def run_cells(args, run) -> pd.DataFrame:
                     rec = {**common, "system": name, "fits": False, "note": skipped[name]}
                     bar.update(args.steps * layers)
                 else:
-                    banded = name in BANDED and cell.mem_gb == args.headline_mem_gb
+                    banded = name in BANDED and (args.band_every_budget or cell.mem_gb == args.headline_mem_gb)
                     try:
                         res = simulate(counts_ILNE[1:], systems[name], m, c,
                                        cost_kwargs=cost_kwargs(name, cell, args), micro_batches=args.micro_batches,

@@ -90,6 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "host's sum straight to the optimizer-shard owners), for every system; both: every policy "
                         "runs in each mode side by side, labelled 'policy (mode)'")
     p.add_argument("--gamma", type=fraction_arg, default=0.1, help="LRMoE's per-expert floor")
+    # ours: the CPU calibration of lrmoe.harness.calibrate_cpu (4 gloo ranks, fp32) prices one expert's push at
+    # 27 (D=512, F=256) to 60 (D=256, F=128) pairs of the busiest rank's work (lrmoe.sim.cost.CostModel.push_cost_rows)
+    p.add_argument("--push-cost-rows", type=non_negative_float_arg, default=32.0,
+                   help="cost-aware online replication pushes a copy only when it relieves the busiest rank by more "
+                        "than this many pairs (online-greedy: any relief)")
     p.add_argument("--buffer-load", type=positive_float_arg, default=None,
                    help="the memory budget's token buffers hold this many times the mean load (default 1 + eps); "
                         "below that LRMoE's memory cap trims the backward, and may leave no room for a replica")
@@ -137,7 +142,7 @@ class FullGradient:
         plan = self.policy.plan(counts_NE, prev_counts_E)
         fwd_NG = plan.fwd_NG if not bool(plan.dropped_NE.any()) else route_forward(counts_NE, plan.placement_NS)
         return LayerPlan.dropless(plan.placement_NS, fwd_NG, counts_NE.shape[1], policy=self.name,
-                                  next_placement_NS=plan.next_placement_NS)
+                                  next_placement_NS=plan.next_placement_NS, push_src_G=plan.push_src_G)
 
 
 def _reduce_sum(values: list[float]) -> list[float]:
@@ -148,8 +153,10 @@ def _reduce_sum(values: list[float]) -> list[float]:
 
 
 def full_gradient(layer: EPMoELayer, policy, routing, x_TD, dy_TD, grad_scale: float):
-    """Expert-gradient shards and dx of the full gradient, with no side effect on the layer (untimed)."""
+    """Expert-gradient shards and dx of the full gradient, with no side effect on the layer (untimed). A plan that
+    pushes weights (online replication) pushes them here too; the slots get their placement and weights back."""
     saved = layer.accountant, layer.store.accountant, layer.planning_state()
+    slots_SW = layer.store.slots_SW.detach().clone()
     layer.accountant = layer.store.accountant = None
     try:
         x = x_TD.clone().requires_grad_(True)
@@ -159,7 +166,9 @@ def full_gradient(layer: EPMoELayer, policy, routing, x_TD, dy_TD, grad_scale: f
         shards = layer.store.collect_grad_shards(grad_scale).clone()
     finally:
         layer.accountant, layer.store.accountant = saved[:2]
-        layer.restore_planning_state(saved[2])
+        layer.restore_planning_state(saved[2])  # empties what the pass pushed: the slots hold their placement again
+        with torch.no_grad():
+            layer.store.slots_SW.copy_(slots_SW)
         layer.store.slots_SW.grad = None
         for p in layer.dense_parameters():
             p.grad = None

@@ -61,6 +61,8 @@ STAGES = [
           quick=["--steps", "10", "--layers", "4"], full=["--steps", "100", "--layers", "48"]),
     # the paper-scale simulator (one thread, deterministic): beside metric fidelity, convergence and the frontier
     Stage("ablate", "experiments/ablate.py", quick=["--quick"], full=[], background=True),
+    # the simulator again, at per-rank budgets from where the home slots just fit: where memory binds
+    Stage("memory_sweep", "experiments/memory_sweep.py", quick=["--quick"], full=[], table=1),
     Stage("metric_fidelity", "experiments/metric_fidelity.py", quick=[], full=["--draws", "16", "--tokens", "2048"],
           table=-2),
     Stage("convergence", "experiments/convergence.py", quick=["--quick"],

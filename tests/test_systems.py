@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # Two worlds: no memory model (train.py, bench_planner.py) and a per-layer budget with SYMI sized from it
 # (ablate.py): slots of 1e5 bytes, 1e3 bytes per pair, 64 pairs per rank; the budget holds the 4 home slots and
 # 1.7 slots' worth of bytes more.
-PLAIN = SystemContext(num_experts=16, num_ranks=4, spare_slots=1, pairs_per_rank=64)
+PLAIN = SystemContext(num_experts=16, num_ranks=4, spare_slots=1, pairs_per_rank=64, push_cost_rows=2.0)
 MEMORY = SystemContext(num_experts=16, num_ranks=4, spare_slots=2, memory=MemoryModel(5.7e5, 1e5, 1e3),
-                       pairs_per_rank=64, symi_headroom=1.5)
+                       pairs_per_rank=64, symi_headroom=1.5, push_cost_rows=2.0)
 
 
 @pytest.mark.parametrize("ctx", [PLAIN, MEMORY], ids=["plain", "memory"])
