@@ -61,7 +61,7 @@ from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.runtime.routing import update_expert_bias
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
-from lrmoe.checks import non_negative_int_arg
+from lrmoe.checks import non_negative_float_arg, non_negative_int_arg
 from lrmoe.integrations.tracking import add_tracking_args, atomic_write, check_tracking_args, output_problem
 from lrmoe.integrations.traces import Trace
 
@@ -73,7 +73,8 @@ def system_context(args, cfg, world: int) -> SystemContext:
     """The facts the system's policy is built from: SYMI and LRMoE get the same memory, E/N home slots plus
     ``--extra-slots`` per rank."""
     return SystemContext(num_experts=cfg.num_experts, num_ranks=world, spare_slots=args.extra_slots, eps=args.eps,
-                         gamma=args.gamma, pairs_per_rank=args.batch * args.seq_len * cfg.top_k)
+                         gamma=args.gamma, pairs_per_rank=args.batch * args.seq_len * cfg.top_k,
+                         push_cost_rows=args.push_cost_rows)
 
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -316,8 +317,8 @@ def step_record(args, step: int, loss_sum: float, plans_M: list[list[LayerPlan]]
 # The arguments that define a run: a checkpoint written under other values belongs to another run, and --resume
 # refuses it. Add an argument here when it changes what a run computes.
 RUN_ARGS = ("preset", "hf_config", "policy", "ranks", "seed", "batch", "seq_len", "steps", "lr", "lr_schedule",
-            "warmup", "min_lr_frac", "aux_coef", "bias_rate", "extra_slots", "eps", "gamma", "replica_grad", "data",
-            "max_bytes")
+            "warmup", "min_lr_frac", "aux_coef", "bias_rate", "extra_slots", "eps", "gamma", "push_cost_rows",
+            "replica_grad", "micro_batches", "data", "max_bytes")
 
 
 def run_identity(args, world: int) -> dict:
@@ -554,6 +555,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replica gradients: 'range' (SYMI's range all-reduce, then collection) or 'shard' "
                              "(each host's sum straight to the optimizer-shard owners), for every system")
     parser.add_argument("--gamma", type=float, default=0.1, help="LRMoE per-expert floor")
+    # the CPU ranks' figure, as layer_bench.py's (lrmoe.sim.cost.CostModel.push_cost_rows on the CPU calibration)
+    parser.add_argument("--push-cost-rows", type=non_negative_float_arg, default=32.0,
+                        help="cost-aware online replication pushes a copy only when it relieves the busiest rank by "
+                             "more than this many pairs (online-greedy: any relief)")
     parser.add_argument("--cost-model", default="h200x8",
                         help="cluster preset pricing each step's plans as full-size pairs ('' to skip)")
     parser.add_argument("--eval-every", type=int, default=25)

@@ -68,7 +68,9 @@ def run_iteration(rank: int, groups, name: str, ckpt: bool):
     gradient the layer produced and what the step did."""
     world = dist.get_world_size()
     spec = get_system(name)
-    ctx = SystemContext(num_experts=E, num_ranks=world, spare_slots=1, pairs_per_rank=T * K)
+    # push_cost_rows=0: online pushes every copy that relieves the busiest rank, so pushes happen in every
+    # micro-batch (the cost-aware threshold itself is tested in test_online.py)
+    ctx = SystemContext(num_experts=E, num_ranks=world, spare_slots=1, pairs_per_rank=T * K, push_cost_rows=0.0)
     policy = Counting(spec.make_policy(ctx))
     ref = skewed_reference()
     prev_E = torch.tensor([40, 30, 10, 6, 4, 2][:E], dtype=torch.long) * world  # last iteration: skewed
