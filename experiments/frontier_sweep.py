@@ -1,0 +1,104 @@
+"""The frontier protocol's training runs (DESIGN.md §10): the variance pilot, then the sweep, resumable.
+
+Runs experiments/train.py once per (seed, regime, arm) with the protocol's settings (lrmoe.analysis.protocol:
+the convergence sweep's arguments plus the larger evaluation sample), seed-major, so that whatever has finished
+when a sitting stops is whole seeds, paired across arms. A run that finished is skipped; one that was interrupted
+resumes from its last checkpoint (train.py --resume). Per-run files, checkpoints and traces go to --work;
+``--collect`` appends each finished run's endpoint and curve to the results file, one line per run, never
+rewriting a line already there.
+
+    python experiments/frontier_sweep.py --stage pilot                     # PILOT_SEEDS x PILOT_ARMS, both regimes
+    python experiments/frontier_sweep.py --stage sweep --seeds-count 12    # seeds 1000..1011 x ARMS, both regimes
+    python experiments/frontier_sweep.py --stage sweep --seeds-count 12 --collect-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from lrmoe.analysis import protocol
+from lrmoe.experiments import convergence, train
+from lrmoe.integrations.tracking import read_results
+from lrmoe.systems import system_arg
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", choices=("pilot", "sweep"), required=True)
+    parser.add_argument("--regimes", nargs="+", default=list(protocol.REGIMES), choices=list(protocol.REGIMES))
+    parser.add_argument("--seeds-count", type=int, default=None,
+                        help="the sweep's seeds: 1000 .. 1000 + count - 1 (the power calculation's number)")
+    parser.add_argument("--arms", nargs="+", type=system_arg, default=None,
+                        help="default: the protocol's (the pilot's or the sweep's)")
+    parser.add_argument("--work", default="outputs/frontier_protocol", help="per-run files, checkpoints, traces")
+    parser.add_argument("--out", default=None,
+                        help="results file the finished runs are appended to (default "
+                             "paper_figures/results/frontier_protocol_<stage>.jsonl)")
+    parser.add_argument("--collect-only", action="store_true", help="train nothing; append finished runs")
+    args = parser.parse_args(argv)
+    if args.stage == "pilot":
+        args.seeds = list(protocol.PILOT_SEEDS)
+    else:
+        if args.seeds_count is None:
+            parser.error("--stage sweep needs --seeds-count (from the power calculation on the pilot)")
+        try:
+            args.seeds = protocol.sweep_seeds(args.seeds_count)
+        except ValueError as exc:
+            parser.error(str(exc))
+    args.arms = args.arms or list(protocol.PILOT_ARMS if args.stage == "pilot" else protocol.ARMS)
+    args.out = Path(args.out or f"paper_figures/results/frontier_protocol_{args.stage}.jsonl")
+    return args
+
+
+def run_plan(args) -> list[tuple[int, str, str, Path, list[str]]]:
+    """(seed, regime, arm, per-run results file, train.py arguments), seed-major; every run's arguments checked
+    before the first one trains."""
+    plan = []
+    for seed in args.seeds:
+        for name in args.regimes:
+            regime = protocol.get_regime(name)
+            work = Path(args.work) / name
+            conv = convergence.parse_args(regime.convergence_argv(args.arms, [seed], str(work / "unused.jsonl")))
+            for arm in args.arms:
+                results = work / f"seed{seed}" / f"{arm}.jsonl"
+                argv = [*convergence.train_argv(conv, arm, seed, results),
+                        "--eval-batches", str(protocol.EVAL_BATCHES)]
+                plan.append((seed, name, arm, results, argv))
+    for *_, argv in plan:
+        train.check_args(train.parse_args(argv))
+    return plan
+
+
+def finished(results: Path) -> bool:
+    return results.exists() and any(r.get("step") == protocol.STEPS for r in read_results(results))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    plan = run_plan(args)
+    done = protocol.collected_keys(args.out)
+    todo = [p for p in plan if not finished(p[3])]
+    print(f"{args.stage}: {len(plan)} runs, {len(plan) - len(todo)} finished, {len(done)} collected in {args.out}")
+    with tqdm(total=len(plan), initial=len(plan) - len(todo), desc="runs", disable=None) as bar:
+        for seed, regime, arm, results, run_argv in plan:
+            if not finished(results):
+                if args.collect_only:
+                    continue
+                train.main(run_argv)
+                bar.update(1)
+            key = (regime, seed, arm)
+            if key not in done:  # append as each run finishes: a stopped sitting keeps what it has
+                row = protocol.collect_run(results, regime=regime, seed=seed, arm=arm, stage=args.stage)
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                done.add(key)
+    print(f"{len(done)} runs in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
