@@ -10,6 +10,11 @@ rewriting a line already there.
     python experiments/frontier_sweep.py --stage pilot                     # PILOT_SEEDS x PILOT_ARMS, both regimes
     python experiments/frontier_sweep.py --stage sweep --seeds-count 12    # seeds 1000..1011 x ARMS, both regimes
     python experiments/frontier_sweep.py --stage sweep --seeds-count 12 --collect-only
+    python experiments/frontier_sweep.py --stage pilot --report-only     # the pilot's variance and seed count
+
+Every invocation ends with the report of what has finished (per regime: both axes' routing imbalance, the claim
+table over whole seeds, interim until the planned seeds are in; the pilot's: the power calculation), printed and,
+with --report, written as Markdown (never over an existing file).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lrmoe.analysis import protocol
+from lrmoe.analysis.claims import claim_table, gap_table, seed_plan
+from lrmoe.analysis.skew import runs_imbalance
 from lrmoe.experiments import convergence, train
 from lrmoe.integrations.tracking import read_results
 from lrmoe.systems import system_arg
@@ -39,6 +46,8 @@ def parse_args(argv=None):
                         help="results file the finished runs are appended to (default "
                              "paper_figures/results/frontier_protocol_<stage>.jsonl)")
     parser.add_argument("--collect-only", action="store_true", help="train nothing; append finished runs")
+    parser.add_argument("--report-only", action="store_true", help="train and collect nothing; report")
+    parser.add_argument("--report", default=None, help="write the report to this Markdown file (must not exist)")
     args = parser.parse_args(argv)
     if args.stage == "pilot":
         args.seeds = list(protocol.PILOT_SEEDS)
@@ -77,8 +86,46 @@ def finished(results: Path) -> bool:
     return results.exists() and any(r.get("step") == protocol.STEPS for r in read_results(results))
 
 
+def report(args) -> str:
+    """What the finished runs can say, per regime (Markdown)."""
+    rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()] if args.out.exists() else []
+    lines = [f"# Frontier protocol ({args.stage}): {len(rows)} finished runs in {args.out.name}", ""]
+    for regime in args.regimes:
+        mine = [r for r in rows if r["regime"] == regime and r["arm"] in args.arms]
+        lines += [f"## Regime {regime}: {protocol.get_regime(regime).description}", ""]
+        try:
+            gaps = gap_table(mine, args.arms)
+        except ValueError as exc:
+            lines += [f"No table yet: {exc}.", ""]
+            continue
+        imb = runs_imbalance(mine)
+        lines += [f"Routing of the static-EP runs ({imb['runs']} runs): slowest rank ÷ mean "
+                  f"{imb['rank_max_over_mean']:.3f}, per-expert Gini {imb['gini']:.3f}, hottest expert ÷ mean "
+                  f"{imb['expert_max_over_mean']:.3f}.", "",
+                  f"Gaps to the reference (mean of static EP and SYMI-dropless), %, {len(gaps)} whole seeds:", "",
+                  gaps.round(3).to_markdown(), ""]
+        if args.stage == "pilot":
+            try:
+                lines += ["Power calculation (DESIGN.md §10.4):", "", seed_plan(gaps).to_markdown(index=False), ""]
+            except ValueError as exc:
+                lines += [f"No power calculation yet: {exc}.", ""]
+        else:
+            planned = len(args.seeds)
+            label = "final" if len(gaps) >= planned else f"interim, {len(gaps)} of {planned} seeds"
+            lines += [f"Claims ({label}):", "", claim_table(gaps).to_markdown(index=False, floatfmt=".3f"), ""]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.report and Path(args.report).exists():
+        raise SystemExit(f"frontier_sweep.py: error: {args.report} exists; give a new name")
+    if args.report_only:
+        text = report(args)
+        print(text)
+        if args.report:
+            Path(args.report).write_text(text + "\n")
+        return
     plan = run_plan(args)
     done = protocol.collected_keys(args.out)
     todo = [p for p in plan if not finished(p[3])]
@@ -98,6 +145,10 @@ def main(argv=None) -> None:
                     f.write(json.dumps(row) + "\n")
                 done.add(key)
     print(f"{len(done)} runs in {args.out}")
+    text = report(args)
+    print(text)
+    if args.report:
+        Path(args.report).write_text(text + "\n")
 
 
 if __name__ == "__main__":
