@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lrmoe.analysis.claims import claim_table, family, gap_table, seed_plan
+from lrmoe.analysis.claims import arm_gaps, claim_table, family, gap_table, seed_plan, time_claim, time_ratios
 from lrmoe.analysis.protocol import ARMS, endpoint
 from lrmoe.analysis.stats import holm
 
@@ -78,3 +78,23 @@ def test_endpoint_is_the_mean_of_the_last_three_evaluations_of_a_finished_run():
     assert endpoint([25, 250, 275, 300], [9.0, 2.0, 2.2, 2.4]) == pytest.approx(2.2)
     assert np.isnan(endpoint([25, 250, 275], [9.0, 2.0, 2.2]))  # unfinished: no endpoint
     assert isinstance(pd.DataFrame(runs([1])), pd.DataFrame)
+
+
+def test_frontier_axes_carry_intervals_and_the_time_claim_takes_the_deepest_rho_that_holds():
+    gaps = gap_table(runs(range(12)))
+    y = arm_gaps(gaps).set_index("arm")
+    assert y.loc["lrmoe-rho0.5-unbiased", "gap_ci_low"] < 3.0 < y.loc["lrmoe-rho0.5-unbiased", "gap_ci_high"]
+    assert (y.gap_n == 12).all()
+    # simulated times: SYMI-dropless 100 ms, LRMoE at rho 0.75 80 +- 2 ms, over 5 trace seeds
+    times = pd.DataFrame({"symi-dropless": [100.0, 100.0, 100.0, 100.0, 100.0],
+                          "lrmoe-rho0.9-unbiased": [90.0, 91.0, 89.0, 90.0, 90.0],
+                          "lrmoe-rho0.75-unbiased": [80.0, 82.0, 78.0, 81.0, 79.0],
+                          "lrmoe-rho0.5-unbiased": [60.0] * 5})
+    x = time_ratios(times).set_index("arm")
+    assert x.loc["lrmoe-rho0.75-unbiased", "time_mean"] == pytest.approx(0.8)
+    assert x.loc["lrmoe-rho0.75-unbiased", "time_ci_low"] < 0.8 < x.loc["lrmoe-rho0.75-unbiased", "time_ci_high"]
+    c5 = time_claim(claim_table(gaps), time_ratios(times))
+    # rho 0.9 and 0.75 hold, 0.5 fails: the time claim is at 0.75
+    assert [r["arm"] for r in c5] == ["lrmoe-rho0.75-unbiased"] and c5[0]["time_vs_dropless"] == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="reference"):
+        time_ratios(times.drop(columns="symi-dropless"))
