@@ -6,7 +6,8 @@ Systems: static EP (dropless), capacity cf 1.0 / 1.25, SYMI-cf1, SYMI-dropless (
 slot count), LRMoE, LRMoE with host-only replica-sync groups, and LRMoE minus each component: memory-aware
 placement, backward replica routing (with the balanced and with an even forward split), retention quotas, and
 compaction (padded packets). The recalibration metric (random / gate-only) and the selection mode (unbiased)
-keep the same counts, so their rows repeat LRMoE's time by construction: their effect is on the gradient
+keep the same counts as LRMoE; their rows differ from LRMoE's only by what scoring and selecting cost
+(lrmoe.sim.overheads, per metric and mode) and m2's extra combine column: their effect is on the gradient
 (experiments/metric_fidelity.py).
 Swept over model, routing skew (``--skews zipf:0.8 dirichlet:0.5``; every record and table carries the skew the
 trace measurably has: per-rank max/mean under static EP, hottest expert / mean, Gini), per-rank memory budget and
@@ -36,7 +37,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from dataclasses import dataclass
 
 import matplotlib
 
@@ -47,26 +47,24 @@ import seaborn as sns
 import torch
 from tqdm import tqdm
 
-from lrmoe.config import ClusterConfig, MoEConfig, cluster_preset, model_preset
+from lrmoe.config import MoEConfig, cluster_preset, model_preset
 from lrmoe.sim.cost import CostModel
 from lrmoe.sim.overheads import OVERHEADS
-from lrmoe.sim.simulator import System, simulate
+from lrmoe.sim.cells import TOKENS, Cell, build_systems, charged_overheads, cost_kwargs, system_context
+from lrmoe.sim.simulator import simulate
+from lrmoe.sim.systems import plan_twins
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
-from lrmoe.systems import SystemContext, check_systems, get_system, plan_twins, system_arg, system_names_help
+from lrmoe.systems import check_systems, system_arg, system_names_help
 from lrmoe.integrations.tracking import Tracker, add_tracking_args
 from lrmoe.integrations.traces import generate_trace, gini, max_over_mean
 
 MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
-# Tokens per rank per micro-batch (ours). Qwen3: one 4096-token sequence per GPU. GLM-4.5-Air: its expert
-# weights and gradients alone need 50 GB per GPU on one 8-GPU node, and 25 GB on two, which leaves 40 GB A100s
-# room for about 1024 tokens per GPU.
-TOKENS = {"qwen3-30b-a3b": 4096, "glm-4.5-air": 1024}
 SKEW_FAMILIES = ("zipf", "dirichlet")
 SKEWS = ["zipf:0.2", "zipf:0.4", "zipf:0.6", "zipf:0.8"]  # Gini 0.10-0.50 of the popularity (DESIGN.md §5.7)
 # The default systems (lrmoe.systems). The metric and selection-mode variants (lrmoe-random, lrmoe-gate,
 # lrmoe-m2-unbiased) have LRMoE's plan by construction: they choose *which* pairs fill the quotas, never how many,
-# so their counted work (and simulated time) is LRMoE's, and the simulator runs LRMoE once for them
-# (lrmoe.systems.plan_twins).
+# so they differ from LRMoE only in what their scoring and selection cost, and each is priced on its own (only
+# systems that run the same work share a simulation: lrmoe.sim.systems.plan_twins).
 SYSTEMS = ["static-ep", "capacity-cf1", "capacity-cf1.25", "symi-cf1", "symi-dropless",
            "symi-dropless-lrmoe-slots", "lrmoe",
            "lrmoe-host-groups", "lrmoe-no-memplace", "lrmoe-no-bwd-routing", "lrmoe-even-fwd",
@@ -74,7 +72,7 @@ SYSTEMS = ["static-ep", "capacity-cf1", "capacity-cf1.25", "symi-cf1", "symi-dro
            "lrmoe-random", "lrmoe-gate", "lrmoe-m2-unbiased",
            "online", "online-rho0.75"]  # online replication (lrmoe.planner.online) and LRMoE's budget on top of it
 # Quick mode simulates every MoE layer (fewer iterations instead), so it runs the headline systems and the
-# components of LRMoE the figures take apart; the metric variant lrmoe-random is LRMoE's plan twin (free).
+# components of LRMoE the figures take apart, and the metric variant lrmoe-random (its selection's price).
 QUICK_SYSTEMS = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "symi-dropless-lrmoe-slots", "lrmoe",
                  "lrmoe-host-groups", "lrmoe-no-memplace", "lrmoe-no-bwd-routing", "lrmoe-no-quotas", "lrmoe-padded",
                  "lrmoe-random", "online"]
@@ -108,22 +106,6 @@ def skew_label(skew: tuple[str, float]) -> str:
     return f"{skew[0]}:{skew[1]:g}"
 
 
-@dataclass(frozen=True)
-class Cell:
-    """One point of the sweep: everything but the system."""
-
-    model: MoEConfig
-    cluster: ClusterConfig
-    skew: tuple[str, float]  # (family, parameter)
-    mem_gb: float
-    tokens: int
-
-    @property
-    def layer_budget(self) -> float:
-        """One MoE layer's share of a rank's budget (the cost model's; the planner's MemoryModel is the whole)."""
-        return self.mem_gb * 1e9 / self.model.num_moe_layers
-
-
 def skew_stats(counts_ILNE: torch.Tensor, warmup: int = 1) -> dict[str, float]:
     """The skew a trace measurably has, means over its iterations after warm-up and its layers: the per-rank
     max / mean of the pairs static expert parallelism would compute (expert e on rank e // (E/N)), the hottest
@@ -135,83 +117,6 @@ def skew_stats(counts_ILNE: torch.Tensor, warmup: int = 1) -> dict[str, float]:
     return {"rank_max_over_mean": float(max_over_mean(rank_SLN).mean()),
             "expert_max_over_mean": float(max_over_mean(per_expert_ILE).mean()),
             "gini": float(gini(per_expert_ILE).mean())}
-
-
-def planned_headrooms(cell: Cell, cm: CostModel, reference: tuple[torch.Tensor, torch.Tensor],
-                      args) -> dict[str, float]:
-    """The headroom rule (DESIGN.md §5.4): each dropless system's planned peak load over the mean, from its own
-    plans (every layer) of a reference iteration, placed from the iteration before it as at run time
-    (``reference`` = (previous counts [L, N, E], counts [L, N, E])), with the most spare slots whose plans fit the
-    memory model, times 1 + ``--headroom-margin``. Keys "symi" (SYMI-dropless) and "lrmoe"."""
-    prev_LNE, ref_LNE = reference
-    m, c = cell.model, cell.cluster
-    base = m.num_experts // c.num_ranks
-    max_spare = base if args.max_extra is None else args.max_extra
-    mm = cm.memory_model()
-    out = {}
-    for key, name in (("symi", "symi-dropless"), ("lrmoe", "lrmoe")):
-        spec = get_system(name)
-
-        def plans(spare: int, spec=spec) -> list:
-            policy = spec.make_policy(SystemContext(m.num_experts, c.num_ranks, spare_slots=spare, eps=args.eps,
-                                                    gamma=args.gamma))
-            return [policy.plan(counts, prev.sum(0)) for prev, counts in zip(prev_LNE, ref_LNE)]
-
-        _, h = mm.spare_slots_for(plans, base, max_spare, load_margin=args.headroom_margin)
-        out[key] = h * (1.0 + args.headroom_margin)
-    # LRMoE's own memory rule plans its balanced forward at ceil((1 + eps) x the mean) every iteration
-    # (lrmoe.planner.policies.LRMoE), so that is its planned peak wherever its plans of the reference come out lower
-    out["lrmoe"] = max(out["lrmoe"], 1.0 + args.eps)
-    return out
-
-
-def system_context(cell: Cell, cm: CostModel, args, headrooms: dict[str, float] | None = None) -> SystemContext:
-    """What every system of a cell is built from: the memory model of the cost model's accounting (the whole
-    budget over every MoE layer), at most ``--max-extra`` spare slots (default E/N), LRMoE's eps and gamma, and the
-    headroom each system's buffers are sized for: with ``--headroom-rule planned`` (the default) each dropless
-    system's own planned peak (``headrooms``, :func:`planned_headrooms`); with ``fixed``, ``--symi-headroom`` x the
-    mean load for SYMI-dropless and LRMoE's own (1 + eps). SYMI-cf1 sizes for its capacity (1x; lrmoe.systems)."""
-    m, c = cell.model, cell.cluster
-    base = m.num_experts // c.num_ranks
-    planned = args.headroom_rule == "planned" and headrooms is not None
-    return SystemContext(num_experts=m.num_experts, num_ranks=c.num_ranks,
-                         spare_slots=base if args.max_extra is None else args.max_extra, eps=args.eps,
-                         gamma=args.gamma, memory=cm.memory_model(), pairs_per_rank=cell.tokens * m.top_k,
-                         symi_headroom=headrooms["symi"] if planned else args.symi_headroom,
-                         lrmoe_headroom=headrooms["lrmoe"] if planned else None, ranks_per_node=c.ranks_per_node)
-
-
-def build_systems(cell: Cell, names: list[str], args, reference: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> tuple[dict[str, System], dict[str, str], dict[str, str], dict[str, float]]:
-    """The systems of one cell (each name's first plan twin only), why those that cannot run there cannot, notes on
-    those that run (e.g. SYMI left without a spare slot), and the planned headrooms."""
-    m, c = cell.model, cell.cluster
-    cm = CostModel(m, c, mem_budget_bytes=cell.layer_budget)
-    base = m.num_experts // c.num_ranks
-    if cell.layer_budget < base * cm.slot_bytes:
-        why = (f"the {base} home slots ({base * cm.slot_bytes / 1e6:.0f} MB per layer) exceed the per-layer "
-               f"budget ({cell.layer_budget / 1e6:.0f} MB)")
-        return {}, {name: why for name in names}, {}, {}
-    headrooms = {}
-    if args.headroom_rule == "planned" and reference is not None:
-        headrooms = planned_headrooms(cell, cm, reference, args)
-    ctx = system_context(cell, cm, args, headrooms or None)
-    twins = plan_twins(names)
-    specs = {name: get_system(name) for name in names if name not in twins}
-    notes = {name: spec.note(ctx) for name, spec in specs.items()}
-    systems = {name: spec.simulator_system(ctx) for name, spec in specs.items()}
-    return systems, {}, {k: v for k, v in notes.items() if v}, headrooms
-
-
-def overheads(args) -> tuple[str, ...]:
-    off = set(OVERHEADS) if "all" in args.no_overheads else set(args.no_overheads)
-    return tuple(o for o in OVERHEADS if o not in off)
-
-
-def cost_kwargs(name: str, cell: Cell, args) -> dict:
-    mode = "range" if args.replica_grad == "best" else args.replica_grad  # best: range priced, shard a variant
-    return {"mem_budget_bytes": cell.layer_budget, "overheads": overheads(args), "replica_grad": mode,
-            **get_system(name).cost_options()}
 
 
 def mode_variants(args, corners_: dict[str, dict]) -> dict[str, dict]:
@@ -403,7 +308,7 @@ def run_cells(args, run) -> pd.DataFrame:
                       "trace_gini": measured["gini"], "trace_max_over_mean": measured["expert_max_over_mean"],
                       "trace_rank_max_over_mean": measured["rank_max_over_mean"],
                       "trace": f"synthetic {cell.skew[0]}", "headroom_rule": args.headroom_rule,
-                      "headroom_margin": args.headroom_margin, "overheads": list(overheads(args))}
+                      "headroom_margin": args.headroom_margin, "overheads": list(charged_overheads(args))}
             # every system sizes its slots from its plans of the simulation's warm-up iteration (which no summary
             # includes), placed from the iteration before it
             systems, skipped, notes, headrooms = build_systems(cell, args.systems, args,
@@ -534,7 +439,7 @@ def assumptions(args) -> str:
             f"MoE layer unless --layers); {args.micro_batches} micro-batches per iteration (sync phases once per "
             f"iteration); LRMoE eps={args.eps}, gamma={args.gamma}; headroom: {rule}; SYMI-cf1 sized for its "
             f"capacity; replica gradients: {RG_TEXT[args.replica_grad]}; "
-            f"overheads charged: {', '.join(overheads(args)) or 'none'}; phases serial, each set by its "
+            f"overheads charged: {', '.join(charged_overheads(args)) or 'none'}; phases serial, each set by its "
             f"slowest rank; GEMM curve {cm.gemm.source}. Band [low-high]: the ratio at every corner of {corner}, "
             f"micro-batches {MICRO_BATCH_BAND[0]}-{MICRO_BATCH_BAND[1]}. Ratio < 1: LRMoE faster.")
 

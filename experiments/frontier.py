@@ -29,10 +29,11 @@ import pandas as pd
 from tqdm import tqdm
 
 from lrmoe.config import cluster_preset, model_preset
-from lrmoe.experiments import ablate
-from lrmoe.experiments.convergence import BASELINE, last_per_step, per_run, summarise, time_to_reach
+from lrmoe.analysis.runs import BASELINE, last_per_step, per_run, summarise, time_to_reach
+from lrmoe.sim.cells import TOKENS, Cell, CellRules, build_systems, cost_kwargs
 from lrmoe.sim.simulator import simulate
-from lrmoe.systems import get_system, plan_twins
+from lrmoe.sim.systems import plan_twins
+from lrmoe.systems import get_system
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, read_results
 from lrmoe.integrations.traces import generate_trace
 
@@ -185,9 +186,8 @@ def modelled_times(policies: list[str], args, known: list[dict] = ()) -> tuple[d
              "headroom_rule": "planned", "sim_seed": args.sim_seed,
              "replica_grad": "best"}  # each system priced in range and shard mode, reported in its faster one
     reuse = {r["policy"]: r for r in known if all(r.get(k) == v for k, v in scale.items())}
-    cell = ablate.Cell(m, c, ("zipf", args.skew), mem_gb, args.tokens_per_rank)
-    sweep = ablate.parse_args(["--eps", str(args.eps), "--gamma", str(args.gamma), "--micro-batches",
-                               str(args.micro_batches)])  # the ablation's rules, at this cell
+    cell = Cell(m, c, ("zipf", args.skew), mem_gb, args.tokens_per_rank)
+    sweep = CellRules(eps=args.eps, gamma=args.gamma)  # the ablation's rules, at this cell
     # one iteration more than timed: the first is the planners' reference (the planned-headroom rule)
     trace = generate_trace(args.sim_steps + 1, layers, c.num_ranks, m.num_experts, m.top_k, args.tokens_per_rank,
                            skew="zipf", skew_param=args.skew, seed=args.sim_seed, model=m.name)
@@ -195,7 +195,7 @@ def modelled_times(policies: list[str], args, known: list[dict] = ()) -> tuple[d
     twins = plan_twins(policies)  # variants with the same plans (metric, selection) are simulated once
     times, rows = {}, []
     todo = [p for p in policies if p not in twins and p not in reuse]
-    systems, skipped, notes, headrooms = (ablate.build_systems(cell, todo, sweep, (counts_ILNE[0], counts_ILNE[1]))
+    systems, skipped, notes, headrooms = (build_systems(cell, todo, sweep, (counts_ILNE[0], counts_ILNE[1]))
                                           if todo else ({}, {}, {}, {}))
     with tqdm(total=len(todo) * args.sim_steps * layers, desc="layer-steps", disable=None, mininterval=1.0) as bar:
         for policy in policies:
@@ -207,7 +207,7 @@ def modelled_times(policies: list[str], args, known: list[dict] = ()) -> tuple[d
                 continue
             if policy in skipped:
                 raise SystemExit(f"frontier.py: error: {policy} cannot run at this scale: {skipped[policy]}")
-            res = simulate(counts_ILNE[1:], systems[policy], m, c, cost_kwargs=ablate.cost_kwargs(policy, cell, sweep),
+            res = simulate(counts_ILNE[1:], systems[policy], m, c, cost_kwargs=cost_kwargs(policy, cell, sweep),
                            micro_batches=args.micro_batches, progress=bar.update,
                            variants={"shard": {"replica_grad": "shard"}})
             s = res.summary()
@@ -337,7 +337,7 @@ def parse_args(argv=None):
     if args.quick:
         args.layers, args.sim_steps = args.layers or 4, 2
     if args.tokens_per_rank is None:
-        args.tokens_per_rank = ablate.TOKENS.get(args.model, 2048)
+        args.tokens_per_rank = TOKENS.get(args.model, 2048)
     if args.sim_steps < 2:
         parser.error("--sim-steps must be at least 2 (the first is warm-up)")
     return args

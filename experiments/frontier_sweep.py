@@ -1,11 +1,11 @@
 """The frontier protocol's training runs (DESIGN.md §10): the variance pilot, then the sweep, resumable.
 
-Runs experiments/train.py once per (seed, regime, arm) with the protocol's settings (lrmoe.analysis.protocol:
-the convergence sweep's arguments plus the larger evaluation sample), seed-major, so that whatever has finished
-when a sitting stops is whole seeds, paired across arms. A run that finished is skipped; one that was interrupted
-resumes from its last checkpoint (train.py --resume). Per-run files, checkpoints and traces go to --work;
-``--collect`` appends each finished run's endpoint and curve to the results file, one line per run, never
-rewriting a line already there.
+Runs experiments/convergence.py (through its command line) once per (seed, regime) with the protocol's settings
+(lrmoe.analysis.protocol: every arm of the regime on that seed, the larger evaluation sample), seed-major, so that
+whatever has finished when a sitting stops is whole seeds, paired across arms. A run that finished is skipped; one
+that was interrupted resumes from its last checkpoint (convergence.py and train.py --resume). Per-run files,
+checkpoints and traces go to --work; each finished run's endpoint and curve are appended to the results file, one
+line per run, never rewriting a line already there.
 
     python experiments/frontier_sweep.py --stage pilot                     # PILOT_SEEDS x PILOT_ARMS, both regimes
     python experiments/frontier_sweep.py --stage sweep --seeds-count 12    # seeds 1000..1011 x ARMS, both regimes
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
@@ -28,7 +30,6 @@ from tqdm import tqdm
 from lrmoe.analysis import protocol
 from lrmoe.analysis.claims import claim_table, gap_table, seed_plan
 from lrmoe.analysis.skew import runs_imbalance
-from lrmoe.experiments import convergence, train
 from lrmoe.integrations.tracking import read_results
 from lrmoe.systems import system_arg
 
@@ -63,23 +64,24 @@ def parse_args(argv=None):
     return args
 
 
-def run_plan(args) -> list[tuple[int, str, str, Path, list[str]]]:
-    """(seed, regime, arm, per-run results file, train.py arguments), seed-major; every run's arguments checked
-    before the first one trains."""
+CONVERGENCE = Path(__file__).resolve().parent / "convergence.py"
+
+
+def units(args) -> list[tuple[int, str, Path, list[str]]]:
+    """(seed, regime, convergence results file, convergence.py arguments), seed-major."""
     plan = []
     for seed in args.seeds:
         for name in args.regimes:
-            regime = protocol.get_regime(name)
-            work = Path(args.work) / name
-            conv = convergence.parse_args(regime.convergence_argv(args.arms, [seed], str(work / "unused.jsonl")))
-            for arm in args.arms:
-                results = work / f"seed{seed}" / f"{arm}.jsonl"
-                argv = [*convergence.train_argv(conv, arm, seed, results),
-                        "--eval-batches", str(protocol.EVAL_BATCHES)]
-                plan.append((seed, name, arm, results, argv))
-    for *_, argv in plan:
-        train.check_args(train.parse_args(argv))
+            out = Path(args.work) / name / f"seed{seed}.jsonl"
+            argv = [*protocol.get_regime(name).convergence_argv(args.arms, [seed], str(out)),
+                    "--eval-batches", str(protocol.EVAL_BATCHES), "--slim", *(["--resume"] if out.exists() else [])]
+            plan.append((seed, name, out, argv))
     return plan
+
+
+def run_file(out: Path, arm: str) -> Path:
+    """Where convergence.py (one seed) keeps an arm's per-run results: beside its results file, in its own folder."""
+    return out.with_suffix("") / f"{arm}.jsonl"
 
 
 def finished(results: Path) -> bool:
@@ -126,24 +128,27 @@ def main(argv=None) -> None:
         if args.report:
             Path(args.report).write_text(text + "\n")
         return
-    plan = run_plan(args)
+    plan = units(args)
     done = protocol.collected_keys(args.out)
-    todo = [p for p in plan if not finished(p[3])]
-    print(f"{args.stage}: {len(plan)} runs, {len(plan) - len(todo)} finished, {len(done)} collected in {args.out}")
-    with tqdm(total=len(plan), initial=len(plan) - len(todo), desc="runs", disable=None) as bar:
-        for seed, regime, arm, results, run_argv in plan:
-            if not finished(results):
-                if args.collect_only:
+    total = len(plan) * len(args.arms)
+    ready = sum(finished(run_file(out, arm)) for _, _, out, _ in plan for arm in args.arms)
+    print(f"{args.stage}: {total} runs, {ready} finished, {len(done)} collected in {args.out}")
+    with tqdm(total=len(plan), desc="seed x regime", disable=None) as bar:
+        for seed, regime, out, argv in plan:
+            if not args.collect_only and not all(finished(run_file(out, arm)) for arm in args.arms):
+                code = subprocess.run([sys.executable, str(CONVERGENCE), *argv]).returncode
+                if code:
+                    raise SystemExit(f"frontier_sweep.py: error: convergence.py {' '.join(argv)} exited with {code}")
+            for arm in args.arms:  # appended as each seed finishes: a stopped sitting keeps what it has
+                results = run_file(out, arm)
+                if (regime, seed, arm) in done or not finished(results):
                     continue
-                train.main(run_argv)
-                bar.update(1)
-            key = (regime, seed, arm)
-            if key not in done:  # append as each run finishes: a stopped sitting keeps what it has
                 row = protocol.collect_run(results, regime=regime, seed=seed, arm=arm, stage=args.stage)
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
-                done.add(key)
+                done.add((regime, seed, arm))
+            bar.update(1)
     print(f"{len(done)} runs in {args.out}")
     text = report(args)
     print(text)

@@ -35,7 +35,6 @@ import argparse
 import math
 import os
 from dataclasses import replace
-from pathlib import Path
 
 
 import pandas as pd
@@ -43,37 +42,20 @@ import torch
 import torch.distributed as dist
 
 from lrmoe.config import model_preset
-from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
+from lrmoe.runtime.distributed.accounting import Accountant, check_accounting, expected_layer, expected_step
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.bytemodel.layout import BACKWARD_PHASES, BYTE_PHASES, FORWARD_PHASES, PHASES, STEP_PHASES
 from lrmoe.runtime.distributed.replica import RangeGroups
 from lrmoe.runtime.layer import EPMoELayer, initial_placement
-from lrmoe.bytemodel.memory import footprint
-from lrmoe.planner.placement import MemoryModel
 from lrmoe.planner.plan import LayerPlan, no_flows
 from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.planner.replica_routing import route_forward
 from lrmoe.runtime.routing import RouterOutput
-from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
+from lrmoe.harness.layer_bench_setup import buffer_load, make_policy, make_traces, memory_model, system_context
+from lrmoe.systems import check_systems, system_arg, system_names_help
 from lrmoe.integrations.tracking import Tracker, add_tracking_args
-from lrmoe.integrations.traces import generate_trace, load_trace
 
 DEFAULT_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1", "lrmoe"]
-
-
-def system_context(args, num_ranks: int, num_experts: int, memory: MemoryModel, tokens: int,
-                   top_k: int) -> SystemContext:
-    """What every system is built from: ``--spare-slots`` replica slots per rank beyond E/N (SYMI uses them,
-    LRMoE derives its replica slots and memory cap from ``memory``), LRMoE's eps and gamma."""
-    return SystemContext(num_experts=num_experts, num_ranks=num_ranks, spare_slots=args.spare_slots, eps=args.eps,
-                         gamma=args.gamma, memory=memory, pairs_per_rank=tokens * top_k)
-
-
-def make_policy(name: str, ctx: SystemContext):
-    """(policy, backward config) of a system of :mod:`lrmoe.systems`, as this benchmark runs it: every system
-    through the layer's hand-written backward (plans that keep every pair take its autograd-equivalent path)."""
-    system = get_system(name)
-    return system.make_policy(ctx), system.layer_backward(always=True)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -158,44 +140,6 @@ class FullGradient:
                          keep_NG=fwd_NG.clone(), bwd_flows_V4=no_flows(),
                          floor_excess_N=torch.zeros(N, dtype=torch.long), policy=self.name,
                          next_placement_NS=plan.next_placement_NS)
-
-
-def memory_model(base: int, spare: int, tokens: int, top_k: int, hidden: int, ffn: int, elem: int,
-                 buffer_load: float) -> MemoryModel:
-    """The per-rank budget every policy gets, in the one memory model (lrmoe.bytemodel.memory, the simulator's too):
-    base +
-    spare slots (weights and gradients) beside the buffers of a rank computing ceil(buffer_load · mean) pairs and
-    sending its own mean load (saved activations, and the larger of the forward and backward in-flight buffers)."""
-    fp = footprint(hidden, ffn, elem)
-    planned = math.ceil(buffer_load * tokens * top_k - 1e-9)
-    budget = float(MemoryModel.for_model(fp, 1.0).peak_bytes(base + spare, planned, tokens * top_k))
-    return MemoryModel.for_model(fp, budget)
-
-
-def buffer_load(args) -> float:
-    """The memory budget's token buffers hold this many times the mean load."""
-    return 1.0 + args.eps if args.buffer_load is None else args.buffer_load
-
-
-def make_traces(args, num_ranks: int, num_experts: int, top_k: int, model: str):
-    """[(label, counts_INE [steps, N, E], tokens per rank)]: the synthetic traces, then the recorded one."""
-    steps = args.warmup + args.steps
-    out = []
-    for s in args.skew_param:
-        trace = generate_trace(steps, 1, num_ranks, num_experts, top_k, args.tokens_per_rank, skew=args.skew,
-                               skew_param=s, seed=args.seed, exact=True, model=model)
-        out.append((f"synthetic {args.skew} {s:g}", trace.counts_ILNE[:, 0], args.tokens_per_rank))
-    if args.trace:
-        trace = load_trace(args.trace)
-        counts = trace.counts_ILNE[:, args.trace_layer]
-        if counts.shape[1:] != (num_ranks, num_experts) or counts.shape[0] < steps:
-            raise ValueError(f"--trace {args.trace}: needs at least {steps} steps of [{num_ranks} ranks, "
-                             f"{num_experts} experts], got {tuple(counts.shape)}")
-        per_rank = counts[0].sum(1)
-        if bool((per_rank != per_rank[0]).any()) or int(per_rank[0]) % top_k:
-            raise ValueError(f"--trace {args.trace}: every rank must route the same number of tokens·k")
-        out.append((f"recorded {Path(args.trace).stem}", counts[:steps], int(per_rank[0]) // top_k))
-    return out
 
 
 def _reduce_sum(values: list[float]) -> list[float]:
@@ -290,7 +234,7 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
                 want = expected_layer(plan, D, F, elem, backward.metric, backward.compact)
                 want.update(expected_step(before, after, E, D, F, elem, replica_grad=mode))
                 record = acc.record()
-                check_counts(record, want, rank)  # raises if any counted byte or pair differs from the formula
+                check_accounting(record, want, rank)  # raises if any counted byte or pair differs from the formula
                 if not args.no_grad_error:
                     errors = gradient_errors(layer.store.grad_shards_EW, full_shards, x.grad, full_dx)
                 for p in layer.dense_parameters():

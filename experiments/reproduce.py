@@ -258,10 +258,10 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
         if stage.name in sections:
             summary += [f"## {stage.name}", "", sections[stage.name], ""]
     if not args.only or "figures" in args.only:
-        from lrmoe.paper_figures import make_all
+        from lrmoe.paper_figures import figures
 
         print("== figures", flush=True)
-        made = make_all.make_all(out, out / "figures")
+        made = figures.draw_all(out, out / "figures")
         summary += ["## figures", "", *[f"* {name}: {paths[0].relative_to(out)}" for name, paths in made.items()], ""]
     summary.append(f"Total wall time: {time.time() - started:.0f} s.")
     atomic_write_text(out / "SUMMARY.md", "\n".join(summary) + "\n")

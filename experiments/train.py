@@ -232,11 +232,12 @@ def build(args, world: int, device: torch.device):
         # modelled time: this run's plans priced as if every pair were a full-size pair of the model family
         # (the preset without "-debug", with this run's experts and top-k) on a node of the cluster preset
         from lrmoe.sim.cost import CostModel
+        from lrmoe.sim.systems import cost_options
 
         full = model_preset(args.preset.removesuffix("-debug")).replace(num_experts=cfg.num_experts,
                                                                           top_k=cfg.top_k)
         cluster = cluster_preset(args.cost_model).replace(num_ranks=world, ranks_per_node=world)
-        cost = CostModel(full, cluster)
+        cost = CostModel(full, cluster, **cost_options(get_system(args.policy)))  # priced as the system's entry says
     return cfg, run, cost
 
 

@@ -10,10 +10,10 @@
    fit the cost model's GEMM curve, an all-to-all latency + bytes/bandwidth line and a memory bandwidth. Written
    as a JSON file with its provenance beside the results file; :func:`lrmoe.sim.cost.cpu_gloo_preset` reads it.
 2. *Replay the plans*: the benchmark's synthetic traces are regenerated from its run header (same arguments, same
-   seed) and fed through fresh policy objects built by ``layer_bench.make_policy``, step by step as the layer
-   feeds them (``prev_counts_E`` = the previous step's global counts). The replay is checked against what the
-   benchmark counted: every rank's pairs and bytes of every phase, each step, must equal the formulas of
-   :mod:`lrmoe.runtime.distributed.accounting` on the replayed plan (the benchmark checked the same formulas on the
+   seed) and fed through fresh policy objects built by ``lrmoe.harness.layer_bench_setup.make_policy``, step by
+   step as the layer feeds them (``prev_counts_E`` = the previous step's global counts). The replay is checked
+   against what the benchmark counted: every rank's pairs and bytes of every phase, each step, must equal the formulas
+   of :mod:`lrmoe.runtime.distributed.accounting` on the replayed plan (the benchmark checked the same formulas on the
    plan it
    ran).
 3. *Predict and compare*: ``CostModel.cost(plan)`` per step and rank; per phase the predicted time against the
@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -58,8 +59,8 @@ import torch
 from lrmoe.config import model_preset
 from lrmoe.runtime.distributed.accounting import expected_layer, expected_step
 from lrmoe.harness.calibrate_cpu import CLOCKS, calibrate, spec_for_bench, write_calibration
+from lrmoe.harness.layer_bench_setup import make_policy, make_traces, memory_model, system_context
 from lrmoe.sim.cost import PHASES as MODEL_PHASES
-from lrmoe.recal.scoring import get_metric
 from lrmoe.sim.cost import CostModel, cpu_gloo_preset
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, read_results
 
@@ -81,17 +82,10 @@ EXCLUDED = {
     "shared_bwd": "modelled, but the layer does not time the shared expert",
 }
 TARGET = 0.20  # median |error|: target 4 of DESIGN.md §5.8
-COUNT_KEYS = ("pairs_fwd", "pairs_bwd", "pairs_retained", "pairs_recomputed", "pairs_dropped")
 QUICK_BENCH = ["--quick", "--no-grad-error"]
+LAYER_BENCH = Path(__file__).resolve().parent / "layer_bench.py"
 FULL_BENCH = ["--no-grad-error", "--policies", "static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1",
               "lrmoe-m2", "lrmoe-padded"]
-
-
-def load_layer_bench():
-    """The ``experiments/layer_bench.py`` module (its policy constructors, traces and memory model)."""
-    from lrmoe.experiments import layer_bench
-
-    return layer_bench
 
 
 # -- the benchmark's results --------------------------------------------------------------------------------------
@@ -119,26 +113,25 @@ def bench_shapes(config: dict):
 
 
 # -- replaying the plans ---------------------------------------------------------------------------------------------
-def replay_plans(config: dict, bench=None) -> dict:
+def replay_plans(config: dict) -> dict:
     """{(trace, policy): {"plans": [LayerPlan per step], "next": [placement after each step], "backward": cfg}}.
 
     Every step of the run, warm-up included, in the order the layer plans them. The recorded trace of
     ``--trace`` is replayed when its file is still there (else left out, with a note on stderr)."""
-    bench = bench or load_layer_bench()
     model, n, base, elem = bench_shapes(config)
     ns = Namespace(**config)
     if ns.trace and not Path(ns.trace).is_file():
         print(f"validate_sim: the recorded trace {ns.trace} is gone; its records are left out", file=sys.stderr)
         ns.trace = None
     out = {}
-    for label, counts_INE, tokens in bench.make_traces(ns, n, model.num_experts, model.top_k, model.name):
+    for label, counts_INE, tokens in make_traces(ns, n, model.num_experts, model.top_k, model.name):
         buffer_load = 1.0 + ns.eps if ns.buffer_load is None else ns.buffer_load
-        memory = bench.memory_model(base, ns.spare_slots, tokens, model.top_k, model.hidden, model.expert_ffn, elem,
+        memory = memory_model(base, ns.spare_slots, tokens, model.top_k, model.hidden, model.expert_ffn, elem,
                                     buffer_load)
         global_IE = counts_INE.sum(1)
         for name in ns.policies:
-            policy, backward = bench.make_policy(
-                name, bench.system_context(ns, n, model.num_experts, memory, tokens, model.top_k))
+            policy, backward = make_policy(
+                name, system_context(ns, n, model.num_experts, memory, tokens, model.top_k))
             plans, nxt = [], []
             for step in range(counts_INE.shape[0]):
                 prev = global_IE[step - 1] if step else None
@@ -203,7 +196,7 @@ def predict(replay: dict, config: dict, calibration: str | Path, clock: str | No
     for (trace, policy), rep in replay.items():
         cm = CostModel(model, cluster, gemm=curve, compaction=rep["backward"].compact, sharded_optimizer=True,
                        mem_budget_bytes=rep["memory"].budget_bytes, replica_grad=bench_replica_grad(config),
-                       combine_cols=get_metric(rep["backward"].metric).combine_cols)
+                       metric=rep["backward"].metric, mode=rep["backward"].mode)
         for t, plan in enumerate(rep["plans"][warmup:]):
             ms_NC = cm.cost(plan).time_NH[:, cols] * 1e3
             frames.append(pd.DataFrame({"trace": trace, "policy": policy, "step": t,
@@ -312,7 +305,9 @@ def run_bench(args, out_dir: Path) -> Path:
     argv += ["--overwrite"] if args.overwrite else ["--resume"] if args.resume else []
     argv += ["--no-wandb"] if args.no_wandb else []
     print(f"== layer_bench {' '.join(argv)}", flush=True)
-    load_layer_bench().main(argv)
+    code = subprocess.run([sys.executable, str(LAYER_BENCH), *argv]).returncode
+    if code:
+        raise SystemExit(f"validate_sim.py: error: layer_bench.py {' '.join(argv)} exited with {code}")
     return path
 
 

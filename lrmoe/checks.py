@@ -73,6 +73,24 @@ def non_negative_fields(obj, *names: str) -> None:
 
 # --- apportionment ----------------------------------------------------------------------------------------------
 
+def check_placement(placement_NS: Tensor, num_experts: int, num_ranks: int | None = None,
+                    name: str = "placement_NS") -> None:
+    """Raise ``ValueError`` unless ``placement_NS`` is a non-empty long [N, S] tensor of experts in [-1, E) (-1: an
+    empty slot), with one row per rank when ``num_ranks`` is given."""
+    if not isinstance(placement_NS, Tensor) or placement_NS.dim() != 2 or placement_NS.dtype != torch.long:
+        raise ValueError(f"{name} must be a 2-D long tensor [ranks, slots], got "
+                         f"{getattr(placement_NS, 'dtype', type(placement_NS))} of shape "
+                         f"{tuple(getattr(placement_NS, 'shape', ()))}")
+    if num_ranks is not None and placement_NS.shape[0] != num_ranks:
+        raise ValueError(f"{name} has {placement_NS.shape[0]} rows, expected one per rank ({num_ranks})")
+    if placement_NS.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(placement_NS.shape)})")
+    lo, hi = int(placement_NS.min()), int(placement_NS.max())
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(f"{name} holds expert ids in [{lo}, {hi}]; valid ids are -1 (empty) to "
+                         f"num_experts-1={num_experts - 1}")
+
+
 def _zero_weight_error(what: str, total: np.ndarray, weight: np.ndarray) -> None:
     bad = np.flatnonzero((weight == 0) & (total > 0))
     if len(bad):

@@ -10,7 +10,7 @@ recalibrated backward or the plain one, sharded optimizer state, replica-sync gr
     spec = get_system("symi-dropless")
     policy = spec.make_policy(ctx)              # an object with plan(counts_NE, prev_counts_E)
     backward = spec.layer_backward(seed=0)      # None: the plain backward (keep every pair) suffices
-    system = spec.simulator_system(ctx)         # lrmoe.sim.simulator.System, plus spec.cost_options()
+    system = simulator_system(spec, ctx)        # lrmoe.sim.systems: the simulator's System, priced as its entry says
 
 Names are canonical. :data:`ALIASES` maps the names that older scripts and results files used (``ep-dropless``,
 ``lrmoe-m2``, ...) onto them: scripts accept and record the canonical name, figures rename old records on reading.
@@ -100,6 +100,7 @@ class SystemContext:
 @dataclass(frozen=True)
 class StaticEPFactory:
     family = "static-ep"
+    planner = "static-ep"
 
     def __call__(self, ctx: SystemContext) -> StaticEP:
         return StaticEP()
@@ -110,6 +111,7 @@ class CapacityFactory:
     cf: float = 1.0
     drop_by: str = "position"
     family = "capacity"
+    planner = "capacity"
 
     def __call__(self, ctx: SystemContext) -> Capacity:
         return Capacity(cf=self.cf, drop_by=self.drop_by)
@@ -139,6 +141,10 @@ class SymiFactory:
     cf: float | None = None
     headroom: float | Callable[[SystemContext], float] | None = None
     family = "symi"
+
+    @property
+    def planner(self) -> str:
+        return "symi-dropless" if self.cf is None else "symi-cf"
 
     def _fit(self, ctx: SystemContext) -> tuple[int, str]:
         if ctx.symi_headroom is None:
@@ -170,9 +176,15 @@ class TrimmedFactory:
     rho: float
     gamma: float | None = 0.0  # the per-expert floor; None: the context's (LRMoE's own floor)
 
+    quota_stage = True  # the trim is LRMoE's quota stage on top of the base's plan
+
     @property
     def family(self) -> str:
         return self.base.family
+
+    @property
+    def planner(self) -> str:
+        return self.base.planner
 
     def note(self, ctx: SystemContext) -> str:
         note = getattr(self.base, "note", None)
@@ -190,6 +202,7 @@ class OnlineFactory:
 
     fit: SymiFactory = SymiFactory()
     family = "online"
+    planner = "lrmoe"  # ours, a proxy: its greedy placement + LRMoE's balanced forward, timed as LRMoE's planner
 
     def spare_slots(self, ctx: SystemContext) -> int:
         return self.fit.slots(ctx) - ctx.base_slots
@@ -228,6 +241,7 @@ class LRMoEFactory:
 
     options: tuple[tuple[str, object], ...] = ()
     family = "lrmoe"
+    planner = "lrmoe"
 
     def kwargs(self, ctx: SystemContext) -> dict:
         kw = {"eps": ctx.eps, "gamma": ctx.gamma, "extra_slots": ctx.spare_slots, "memory": ctx.memory}
@@ -294,23 +308,16 @@ class SystemSpec:
         note = getattr(self.make, "note", None)
         return note(ctx) if note is not None else ""
 
-    def simulator_system(self, ctx: SystemContext):
-        """This system for :func:`lrmoe.sim.simulator.simulate` (pass :meth:`cost_options` to the cost model)."""
-        from lrmoe.sim.simulator import System
-
-        return System(self.name, lambda: self.make(ctx), compaction=self.backward.compact,
-                      sharded_optimizer=self.sharded_optimizer, description=self.label)
-
-    def cost_options(self) -> dict:
-        """Keyword arguments of :class:`~lrmoe.sim.cost.CostModel` that this system sets."""
-        cf = getattr(self.make, "cf", None)  # fixed-size capacity buffers (SYMI-cf1, capacity systems)
-        return {"sync_groups": self.sync_groups, **({"capacity_cf": cf} if cf is not None else {})}
+    @property
+    def planner(self) -> str:
+        """The planner benchmark whose time this system's plans cost (a policy of experiments/bench_planner.py,
+        :data:`lrmoe.sim.overheads.PLANNER_MS`): declared by the factory (``planner``)."""
+        return self.make.planner
 
     @property
-    def plan_key(self) -> tuple:
-        """Equal for two systems with the same plans and the same simulated cost: they differ only in which pairs
-        fill the quotas (metric, selection mode, seed), never in how many."""
-        return (self.make, self.backward.compact, self.sharded_optimizer, self.sync_groups)
+    def quota_stage(self) -> bool:
+        """Its plans add LRMoE's quota stage on top of its planner (a trimmed plan)."""
+        return bool(getattr(self.make, "quota_stage", False))
 
 
 def _system(name: str, make, label: str, color: str, **kw) -> tuple[str, SystemSpec]:
@@ -444,17 +451,3 @@ def check_systems(names: Iterable[str], ctx: SystemContext) -> None:
             get_system(name).make_policy(ctx)
         except ValueError as exc:
             raise ValueError(f"system {name!r}: {exc}") from None
-
-
-def plan_twins(names: Iterable[str]) -> dict[str, str]:
-    """{name: an earlier name of ``names`` with the same plans and simulated cost} (metric and selection-mode
-    variants of one system): the simulator runs the first of each group only."""
-    first: dict[tuple, str] = {}
-    twins = {}
-    for name in names:
-        key = get_system(name).plan_key
-        if key in first:
-            twins[name] = first[key]
-        else:
-            first[key] = name
-    return twins

@@ -30,13 +30,14 @@
 
 # %%
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import seaborn as sns
 
 ROOT = Path.cwd().resolve().parent if Path.cwd().name == "notebooks" else Path.cwd().resolve()
-from lrmoe.experiments import ablate
 from lrmoe.paper_figures import figures
 from lrmoe.paper_figures import style
 
@@ -48,9 +49,12 @@ RESULTS = ROOT / "outputs" / "quick"
 sim_path = RESULTS / "ablate.jsonl"
 if QUICK or not sim_path.exists():
     sim_path = OUT / "ablate_notebook.jsonl"
-    ablate.main(["--models", "qwen3-30b-a3b", "--ranks", "16", "--skews", "zipf:0.4", "zipf:0.8", "--mem-gb", "40",
-                 "--steps", "2" if QUICK else "3", *(["--layers", "2", "--no-band"] if QUICK else []),
-                 "--out", str(sim_path), "--no-wandb", "--overwrite" if sim_path.exists() else "--resume"])
+    subprocess.run([sys.executable, str(ROOT / "experiments" / "ablate.py"),
+                    "--models", "qwen3-30b-a3b", "--ranks", "16", "--skews", "zipf:0.4", "zipf:0.8",
+                    "--mem-gb", "40",
+                    "--steps", "2" if QUICK else "3", *(["--layers", "2", "--no-band"] if QUICK else []),
+                    "--out", str(sim_path), "--no-wandb", "--overwrite" if sim_path.exists() else "--resume"],
+                   check=True)
 style.apply()
 print("simulator results:", sim_path)
 

@@ -21,13 +21,15 @@
 
 # %%
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import seaborn as sns
 
 ROOT = Path.cwd().resolve().parent if Path.cwd().name == "notebooks" else Path.cwd().resolve()
-from lrmoe.experiments import convergence
+from lrmoe.analysis.runs import summarise
 from lrmoe.paper_figures import figures
 from lrmoe.paper_figures import style
 
@@ -39,9 +41,10 @@ candidates = [ROOT / "outputs" / "full" / "convergence.jsonl", ROOT / "outputs" 
 results = next((p for p in candidates if p.exists() and not QUICK), None)
 if results is None:
     results = OUT / "convergence_notebook.jsonl"
-    convergence.main(["--policies", "static-ep", "symi-cf1", "lrmoe", "--ranks", "2", "--steps", "6",
-                      "--batch", "2", "--seq-len", "32", "--eval-every", "3", "--out", str(results), "--no-wandb",
-                      "--resume" if results.exists() else "--overwrite"])
+    subprocess.run([sys.executable, str(ROOT / "experiments" / "convergence.py"),
+                    "--policies", "static-ep", "symi-cf1", "lrmoe", "--ranks", "2", "--steps", "6",
+                    "--batch", "2", "--seq-len", "32", "--eval-every", "3", "--out", str(results), "--no-wandb",
+                    "--resume" if results.exists() else "--overwrite"], check=True)
 print("results:", results)
 
 # %% [markdown]
@@ -61,7 +64,7 @@ plt.show()
 
 # %%
 curves = figures.records(results).dropna(subset=["loss"]).drop_duplicates(["policy", "step"], keep="last")
-table = convergence.summarise(curves)
+table = summarise(curves)
 table.round(3)
 
 # %%

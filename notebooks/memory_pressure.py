@@ -32,6 +32,8 @@
 
 # %%
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -40,7 +42,6 @@ import seaborn as sns
 
 ROOT = Path.cwd().resolve().parent if Path.cwd().name == "notebooks" else Path.cwd().resolve()
 from lrmoe.config import cluster_preset, model_preset
-from lrmoe.experiments import ablate
 from lrmoe.paper_figures import figures
 from lrmoe.paper_figures import style
 from lrmoe.sim.cost import CostModel
@@ -77,10 +78,11 @@ pd.Series(resident).div(1e9).round(2).rename("GB per rank").to_frame().assign(of
 # %%
 BUDGETS = ["80", "40", "30"] if QUICK else ["120", "80", "60", "40", "30", "25"]
 path = OUT / "memory_pressure.jsonl"
-ablate.main(["--models", "qwen3-30b-a3b", "--ranks", "8", "--skews", "zipf:0.8", "--mem-gb", *BUDGETS,
-             "--steps", "2" if QUICK else "3", *(["--layers", "2", "--no-band"] if QUICK else []),
-             "--systems", "symi-cf1", "symi-dropless", "lrmoe", "lrmoe-no-quotas", "static-ep",
-             "--out", str(path), "--no-wandb", "--overwrite"])
+subprocess.run([sys.executable, str(ROOT / "experiments" / "ablate.py"),
+                "--models", "qwen3-30b-a3b", "--ranks", "8", "--skews", "zipf:0.8", "--mem-gb", *BUDGETS,
+                "--steps", "2" if QUICK else "3", *(["--layers", "2", "--no-band"] if QUICK else []),
+                "--systems", "symi-cf1", "symi-dropless", "lrmoe", "lrmoe-no-quotas", "static-ep",
+                "--out", str(path), "--no-wandb", "--overwrite"], check=True)
 style.apply()
 
 # %%

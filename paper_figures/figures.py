@@ -270,3 +270,21 @@ FIGURES = {
     "bytes_memory": ("ablate", bytes_memory),
     "rank_load": ("layer_bench_constrained", rank_load),
 }
+
+
+def draw_all(results: Path, out: Path, only: list[str] | None = None) -> dict[str, list[Path]]:
+    """Every figure of :data:`FIGURES` whose results file is in ``results`` (PNG + PDF into ``out``); a figure whose
+    file is missing is skipped with a note. {name: paths written}."""
+    style.apply()
+    made: dict[str, list[Path]] = {}
+    for name, (stem, draw) in FIGURES.items():
+        if only and name not in only:
+            continue
+        source = results / f"{stem}.jsonl"
+        if not source.exists():
+            print(f"skip {name}: {source} not found")
+            continue
+        fig, _ = draw(source)
+        made[name] = style.save(fig, out, name)
+        print(f"{name}: {made[name][0]}")
+    return made

@@ -16,25 +16,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only; notebooks importing figures keep their inline backend
-from lrmoe.paper_figures import figures, style  # noqa: E402 - after the backend is chosen
+from lrmoe.paper_figures import figures  # noqa: E402 - after the backend is chosen
 
 HERE = Path(__file__).resolve().parent
-
-
-def make_all(results: Path, out: Path, only: list[str] | None = None) -> dict[str, list[Path]]:
-    style.apply()
-    made: dict[str, list[Path]] = {}
-    for name, (stem, draw) in figures.FIGURES.items():
-        if only and name not in only:
-            continue
-        source = results / f"{stem}.jsonl"
-        if not source.exists():
-            print(f"skip {name}: {source} not found")
-            continue
-        fig, _ = draw(source)
-        made[name] = style.save(fig, out, name)
-        print(f"{name}: {made[name][0]}")
-    return made
 
 
 def main(argv=None) -> int:
@@ -46,7 +30,7 @@ def main(argv=None) -> int:
     results = Path(args.results)
     if not results.is_dir():
         sys.exit(f"error: results folder {results} does not exist (run `make reproduce` first)")
-    made = make_all(results, Path(args.out) if args.out else results / "figures", args.only)
+    made = figures.draw_all(results, Path(args.out) if args.out else results / "figures", args.only)
     if not made:
         sys.exit(f"error: no results files for any figure in {results}")
     return 0

@@ -4,7 +4,7 @@ a rank counted with the closed form of its plan (lrmoe.bytemodel.layout, lrmoe.b
 import pytest
 import torch
 
-from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_layer
+from lrmoe.runtime.distributed.accounting import Accountant, check_accounting, expected_layer
 from lrmoe.bytemodel.layout import BYTE_PHASES
 from lrmoe.planner.plan import LayerPlan, no_flows
 
@@ -43,7 +43,7 @@ def test_check_counts_names_every_disagreement():
                      bwd_flows_V4=no_flows(), floor_excess_N=torch.zeros(2, dtype=torch.long))
     want = expected_layer(plan, hidden=4, ffn=3, act_bytes=4)
     good = {key: int(value[0]) for key, value in want.items()}
-    check_counts(good, want, rank=0)
+    check_accounting(good, want, rank=0)
     bad = dict(good, **{"dispatch_a2a.sent_bytes": good["dispatch_a2a.sent_bytes"] + 1, "pairs_fwd": 7})
     with pytest.raises(RuntimeError, match="dispatch_a2a.sent_bytes: counted 33, formula 32.*pairs_fwd"):
-        check_counts(bad, want, rank=0)
+        check_accounting(bad, want, rank=0)

@@ -62,7 +62,7 @@ def test_hand_computed_times_bytes_and_memory():
         "grad_collect": [0.98, 0.98], "redistribute": [0.98, 0.98],
         "adam": [0.0, 0.0],  # hbm_bw = 0: not modelled
         # the counts all-gather: each rank sends its 2 int64 counts (16 B) to the other, 0.16 s + 0.5 s; a
-        # hand-made plan (no policy label) pays no planner
+        # cost model without a system's planner pays none
         "plan": [0.66, 0.66], "recalibrate": [0.0, 0.0],
     }
     for phase, values in want.items():
@@ -524,20 +524,64 @@ def _qwen_plans():
 
 def test_every_overhead_is_charged_and_can_be_switched_off():
     model, cluster, plans = _qwen_plans()
-    on, off = CostModel(model, cluster), CostModel(model, cluster, overheads=())
+    on, off = CostModel(model, cluster, planner="lrmoe"), CostModel(model, cluster, planner="lrmoe", overheads=())
     lr_on, lr_off = on.cost(plans["lrmoe"]), off.cost(plans["lrmoe"])
     assert lr_off.category_s()["overhead"] == 0.0
     assert lr_on.phase_s("plan") > 0.5e-3  # LRMoE's measured planner, 0.54 ms at 8 ranks, plus the counts
     assert lr_on.phase_s("recalibrate") > 0  # scoring, selection and the compaction passes
     for name in ("planning", "counts", "selection", "compaction"):
-        without = CostModel(model, cluster, overheads=tuple(o for o in on.overheads if o != name))
+        without = dataclasses.replace(on, overheads=tuple(o for o in on.overheads if o != name))
         assert without.cost(plans["lrmoe"]).total_s < lr_on.total_s, name
     # SYMI-dropless selects nothing: its overhead is its own (smaller) planner and the counts all-gather
-    dl = on.cost(plans["symi-dl"])
+    dl = CostModel(model, cluster, planner="symi-dropless").cost(plans["symi-dl"])
     assert dl.phase_s("recalibrate") == 0.0 and 0 < dl.phase_s("plan") < lr_on.phase_s("plan")
-    # a hand-made plan's policy label names no planner benchmark: an unknown one is an error, not a free pass
+    # the planner is the system's (its registry entry's), never read from the plan's label: a plan priced without
+    # one pays none, and a planner with no benchmark is an error, not a free pass
+    assert CostModel(model, cluster).cost(plans["lrmoe"]).phase_s("plan") < 1e-4
     with pytest.raises(ValueError, match="no planner benchmark"):
-        on.cost(dataclasses.replace(plans["symi-dl"], policy="mystery"))
+        CostModel(model, cluster, planner="mystery").cost(plans["symi-dl"])
+    with pytest.raises(ValueError, match="no scoring benchmark"):
+        CostModel(model, cluster, metric="m2", mode="sideways")
+
+
+def test_each_selection_pays_what_it_runs():
+    """Scoring and selection priced per metric and mode (lrmoe.sim.overheads.SCORING_MS): random selection is
+    cheaper than m2 (no pass over the pairs' rows, no ‖h‖ at the expert, no extra combine column), unbiased m2
+    dearer than top-k m2; a plan that keeps every pair pays none of it."""
+    model, cluster, plans = _qwen_plans()
+    plan = plans["lrmoe"]
+    priced = {(metric, mode): CostModel(model, cluster, planner="lrmoe", metric=metric, mode=mode).cost(plan)
+              for metric, mode in [("m2", "topk"), ("m2", "unbiased"), ("random", "topk"), ("m1", "topk")]}
+    m2, m2u, rnd, m1 = (priced[k] for k in [("m2", "topk"), ("m2", "unbiased"), ("random", "topk"), ("m1", "topk")])
+    assert rnd.phase_s("recalibrate") < m1.phase_s("recalibrate") < m2.phase_s("recalibrate") < \
+        m2u.phase_s("recalibrate")
+    assert rnd.total_s < m1.total_s < m2.total_s < m2u.total_s
+    # m2's ‖h‖: computed at the expert in the forward, one combine column more home
+    assert m2.phase_s("expert_fwd") > m1.phase_s("expert_fwd") == rnd.phase_s("expert_fwd")
+    assert m2.bytes_H[PHASES.index("combine_a2a")] > m1.bytes_H[PHASES.index("combine_a2a")]
+    keep_all = CostModel(model, cluster, metric="m2").cost(plans["symi-dl"])
+    assert keep_all.phase_s("recalibrate") == 0.0
+    assert keep_all.phase_s("expert_fwd") == CostModel(model, cluster, metric="random").cost(
+        plans["symi-dl"]).phase_s("expert_fwd")
+
+
+def test_the_scoring_figures_are_the_committed_benchmarks():
+    """Every (metric, mode) price is the committed bench_scoring run's, read back from the file it cites."""
+    from pathlib import Path
+
+    from lrmoe.integrations.tracking import read_results
+    from lrmoe.sim import overheads
+
+    path = Path(__file__).resolve().parent.parent / "paper_figures" / "results" / "bench_scoring.jsonl"
+    run = next(r for r in read_results(path, "run") if r["run_id"] == overheads.SCORING_RUN)
+    assert run["config"]["tokens"] * run["config"]["top_k"] == overheads.SCORING_PAIRS
+    records = [r for r in read_results(path) if r["run_id"] == overheads.SCORING_RUN]
+    assert {(r["metric"], r["mode"]) for r in records} == set(overheads.SCORING_MS)
+    for r in records:
+        assert overheads.SCORING_MS[(r["metric"], r["mode"])] == (r["score_ms"], r["select_ms"])
+        assert r["pairs"] == overheads.SCORING_PAIRS
+        assert overheads.selection_ms_per_pair(r["metric"], r["mode"]) == max(r["score_ms"], r["select_ms"]) / \
+            r["pairs"]
 
 
 def test_capacity_buffers_pad_memory_and_compute():

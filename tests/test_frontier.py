@@ -8,6 +8,8 @@ import pytest
 
 from _scripts import load_experiment
 
+from lrmoe.analysis import runs
+
 convergence = load_experiment("convergence")
 frontier = load_experiment("frontier")
 
@@ -33,29 +35,29 @@ def curves(spec: dict[str, list[float]], **kw) -> pd.DataFrame:
 
 
 def test_spread_is_mean_std_min_max_over_the_finite_values():
-    s = convergence.spread([1.0, 2.0, 3.0, float("nan")])
+    s = runs.spread([1.0, 2.0, 3.0, float("nan")])
     assert s == {"mean": 2.0, "std": 1.0, "min": 1.0, "max": 3.0, "n": 3}
-    assert convergence.spread([4.0])["std"] == 0.0
-    assert convergence.spread([])["n"] == 0 and math.isnan(convergence.spread([])["mean"])
+    assert runs.spread([4.0])["std"] == 0.0
+    assert runs.spread([])["n"] == 0 and math.isnan(runs.spread([])["mean"])
 
 
 def test_time_to_loss_interpolates_the_first_crossing():
     steps, times, loss = [2, 4, 6, 8], [0.2, 0.4, 0.6, 0.8], [3.0, 2.0, 1.5, 1.0]
     # target 2.5 lies halfway between the evaluations at steps 2 (3.0) and 4 (2.0)
-    assert convergence.time_to_loss(steps, times, loss, 2.5) == pytest.approx((3.0, 0.3))
-    assert convergence.time_to_loss(steps, times, loss, 3.5) == (2.0, 0.2)  # reached at the first evaluation
-    assert convergence.time_to_loss(steps, times, loss, 1.5) == pytest.approx((6.0, 0.6))  # exactly on a point
-    assert all(math.isnan(v) for v in convergence.time_to_loss(steps, times, loss, 0.5))  # never reached
+    assert runs.time_to_loss(steps, times, loss, 2.5) == pytest.approx((3.0, 0.3))
+    assert runs.time_to_loss(steps, times, loss, 3.5) == (2.0, 0.2)  # reached at the first evaluation
+    assert runs.time_to_loss(steps, times, loss, 1.5) == pytest.approx((6.0, 0.6))  # exactly on a point
+    assert all(math.isnan(v) for v in runs.time_to_loss(steps, times, loss, 0.5))  # never reached
     # the first crossing wins, even when the curve comes back up
-    assert convergence.time_to_loss([1, 2, 3], [1, 2, 3], [2.0, 1.0, 3.0], 1.0)[0] == 2.0
-    assert convergence.loss_at_step([2, 4], [3.0, 2.0], 3) == 2.5 and math.isnan(convergence.loss_at_step([2, 4],
+    assert runs.time_to_loss([1, 2, 3], [1, 2, 3], [2.0, 1.0, 3.0], 1.0)[0] == 2.0
+    assert runs.loss_at_step([2, 4], [3.0, 2.0], 3) == 2.5 and math.isnan(runs.loss_at_step([2, 4],
                                                                                                        [3.0, 2.0], 5))
 
 
 def test_summary_gap_is_taken_seed_by_seed_then_averaged():
     # static EP differs between seeds; the system is 1 % and 3 % above it on its two seeds
     c = curves({"static-ep": [2.0, 4.0], "sys": [2.02, 4.12]}, sys={"cut": 0.25, "drop": 0.01})
-    table = convergence.summarise(c).set_index("policy")
+    table = runs.summarise(c).set_index("policy")
     assert table.loc["static-ep", "gap_pct"] == 0.0
     assert table.loc["sys", "gap_pct"] == pytest.approx(2.0)
     assert table.loc["sys", "gap_pct_min"] == pytest.approx(1.0)
@@ -69,7 +71,7 @@ def test_summary_gap_is_taken_seed_by_seed_then_averaged():
 def test_time_to_reach_uses_the_same_seeds_baseline_at_step_t_and_counts_who_reaches_it():
     # "fast" ends 0.5 below static EP on each seed at half the time per step; "slow" never gets there
     c = curves({"static-ep": [2.0, 2.2], "fast": [1.5, 1.7], "slow": [2.5, 2.7]}, fast={"ms_per_step": 0.5})
-    reach = convergence.time_to_reach(c).set_index("policy")
+    reach = runs.time_to_reach(c).set_index("policy")
     # static EP's loss at step 10 is reached by "fast" at step 5 (its loss falls 0.1 per step)
     assert reach.loc["fast", "step_to_reach"] == pytest.approx(5.0)
     assert reach.loc["fast", "modelled_ms_to_reach"] == pytest.approx(2.5)
@@ -77,7 +79,7 @@ def test_time_to_reach_uses_the_same_seeds_baseline_at_step_t_and_counts_who_rea
     assert reach.loc["slow", "seeds_reached"] == 0 and math.isnan(reach.loc["slow", "step_to_reach"])
     # T = 6: static EP's loss there is final + 0.4; "fast" is below it at its first evaluation (step 2), "slow"
     # would need step 11
-    reach6 = convergence.time_to_reach(c, target_step=6).set_index("policy")
+    reach6 = runs.time_to_reach(c, target_step=6).set_index("policy")
     assert reach6.loc["static-ep", "step_to_reach"] == pytest.approx(6.0)
     assert reach6.loc["static-ep", "target_step"] == 6
     assert reach6.loc["fast", "step_to_reach"] == 2.0 and reach6.loc["slow", "seeds_reached"] == 0
@@ -99,9 +101,9 @@ SYSTEMS = {  # policy: (finals over 3 seeds, modelled ms per iteration at paper 
 def frontier_of(systems=SYSTEMS):
     c = curves({p: finals for p, (finals, _) in systems.items()})
     times = {p: ms for p, (_, ms) in systems.items()}
-    runs = convergence.per_run(c)
-    table = frontier.frontier_table(convergence.summarise(c), convergence.time_to_reach(c), times)
-    return table, runs
+    per_run = runs.per_run(c)
+    table = frontier.frontier_table(runs.summarise(c), runs.time_to_reach(c), times)
+    return table, per_run
 
 
 def test_frontier_table_divides_by_symi_dropless_and_symi_cf1():
@@ -181,7 +183,7 @@ def test_frontier_script_writes_its_table_figure_and_headline(tmp_path):
 
 def test_last20_drop_says_how_much_the_curve_still_fell_in_the_last_fifth():
     # every run falls 0.1 per step: from final + 0.2 at step 8 to final at step 10
-    table = convergence.summarise(curves({"static-ep": [2.0, 2.0]})).set_index("policy")
+    table = runs.summarise(curves({"static-ep": [2.0, 2.0]})).set_index("policy")
     assert table.loc["static-ep", "last20_drop_pct"] == pytest.approx(100 * (1 - 2.0 / 2.2))
 
 

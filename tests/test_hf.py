@@ -28,6 +28,7 @@ from lrmoe.integrations.hf import (EPExperts, gather_trace, hf_config, hf_to_ref
                                    swap_moe_blocks)
 from lrmoe.runtime.reference import swiglu  # noqa: E402
 from lrmoe.sim.simulator import simulate  # noqa: E402
+from lrmoe.sim.systems import simulator_system  # noqa: E402
 from lrmoe.systems import SystemContext, get_system  # noqa: E402
 from lrmoe.integrations.traces import RouterRecorder  # noqa: E402
 
@@ -214,7 +215,7 @@ def test_a_recorded_trace_equals_the_planned_counts_and_replays_in_the_simulator
     cfg = MoEConfig.from_hf(hf_config(TINY))
     spec = get_system("symi-dropless")
     cluster = cluster_preset("h200x8").replace(num_ranks=RANKS, ranks_per_node=RANKS)
-    result = simulate(counts, spec.simulator_system(SystemContext(num_experts=8, num_ranks=RANKS)), cfg, cluster)
+    result = simulate(counts, simulator_system(spec, SystemContext(num_experts=8, num_ranks=RANKS)), cfg, cluster)
     assert result.routed_IL.tolist() == [[BATCH * SEQ * TINY.top_k * RANKS] * 2] * 3
     assert torch.isfinite(result.phase_ILH).all() and (result.phase_ILH.sum(-1) > 0).all()
 

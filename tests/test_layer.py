@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
+from lrmoe.runtime.distributed.accounting import Accountant, check_accounting, expected_layer, expected_step
 from lrmoe.runtime.distributed.comm import all_gather_rows
 from lrmoe.runtime.distributed.launch import launch
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
-from lrmoe.runtime.layer import EPMoELayer, initial_placement
+from lrmoe.runtime.layer import EPMoELayer, RecalibratedPlanError, initial_placement
 from lrmoe.planner.plan import LayerPlan, no_flows
 from lrmoe.planner.policies import Capacity, StaticEP, Symi
 from lrmoe.runtime.reference import ReferenceMoE
@@ -94,7 +94,7 @@ def _check_accounting(layer, acc, dispatch, next_placement=None, replica_grad="r
     want = expected_layer(plan, D, F, elem)
     if next_placement is not None:
         want.update(expected_step(plan.placement_NS, next_placement, E, D, F, elem, replica_grad=replica_grad))
-    check_counts(acc.record(), want, layer.rank)
+    check_accounting(acc.record(), want, layer.rank)
 
 
 def _compare(rank, family, shared, policy, placement, seed, tol):
@@ -248,7 +248,7 @@ def _errors(rank):
     moved = FixedPlacement(torch.flip(placement, [0]).contiguous())
     with pytest.raises(ValueError, match="differs from the placement the slots hold"):
         layer(x, policy=moved)
-    with pytest.raises(NotImplementedError, match="backward hook"):
+    with pytest.raises(RecalibratedPlanError, match="backward hook"):
         layer(x, policy=HalfRetention())
     return True
 

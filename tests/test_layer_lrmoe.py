@@ -16,13 +16,14 @@ import torch.distributed as dist
 
 from lrmoe.recal.backward_config import BackwardConfig
 from lrmoe.bytemodel.layout import plan_selects
-from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_layer
+from lrmoe.runtime.distributed.accounting import Accountant, check_accounting, expected_layer
 from lrmoe.runtime.distributed.comm import all_gather_rows
 from lrmoe.runtime.distributed.launch import launch
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
-from lrmoe.runtime.layer import EPMoELayer, NeedsRecalibration, initial_placement
+from lrmoe.runtime.layer import EPMoELayer, RecalibratedPlanError, initial_placement
 from lrmoe.planner.policies import LRMoE, StaticEP, Symi, Trimmed
 from lrmoe.runtime.reference import ReferenceMoE
+from lrmoe.harness.layer_bench_setup import make_traces
 
 D, F, E, K, T = 8, 5, 8, 2, 16
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -102,7 +103,7 @@ def run_case(rank, groups, policy, cfg, *, family="softmax_topk", shared=False, 
     # counted = the formulas, and the byte rules of DESIGN.md §5.1 / lrmoe.bytemodel.layout
     elem = torch.tensor([], dtype=torch.float64).element_size()
     record = acc.record()
-    check_counts(record, expected_layer(plan, D, F, elem, cfg.metric, cfg.compact, input_grad), rank)
+    check_accounting(record, expected_layer(plan, D, F, elem, cfg.metric, cfg.compact, input_grad), rank)
     S = plan.slots_per_rank
     away_G = torch.arange(G) // S != rank
     if cfg.compact and plan_selects(plan):
@@ -225,7 +226,7 @@ def _plain_backward_refuses(rank):
     layer = EPMoELayer(ref.export_weights(), K, "softmax_topk", StaticEP(), placement, RangeGroups())
     with pytest.raises(ValueError, match="backward=BackwardConfig"):
         layer(torch.randn(T, D, dtype=torch.float64), policy=HalfRetention())
-    with pytest.raises(NeedsRecalibration):
+    with pytest.raises(RecalibratedPlanError):
         layer(torch.randn(T, D, dtype=torch.float64), policy=HalfRetention())
     with pytest.raises(ValueError, match="backward must be a BackwardConfig"):
         EPMoELayer(ref.export_weights(), K, "softmax_topk", StaticEP(), placement, RangeGroups(), backward="m1")
@@ -250,13 +251,13 @@ def test_layer_bench_replays_a_recorded_trace_beside_the_synthetic_ones(tmp_path
     generate_trace(4, 2, 4, 16, 4, 32, seed=7).save(tmp_path / "run.npz")
     args = bench.parse_args(["--trace", str(tmp_path / "run.npz"), "--trace-layer", "1", "--steps", "3",
                              "--warmup", "1", "--skew-param", "0.4", "0.8"])
-    traces = bench.make_traces(args, 4, 16, 4, "qwen3-30b-a3b-debug")
+    traces = make_traces(args, 4, 16, 4, "qwen3-30b-a3b-debug")
     assert [label for label, _, _ in traces] == ["synthetic zipf 0.4", "synthetic zipf 0.8", "recorded run"]
     label, counts, tokens = traces[-1]
     assert counts.shape == (4, 4, 16) and tokens == 32
     args = bench.parse_args(["--trace", str(tmp_path / "run.npz"), "--steps", "9"])
     with pytest.raises(ValueError, match="--trace"):
-        bench.make_traces(args, 4, 16, 4, "qwen3-30b-a3b-debug")
+        make_traces(args, 4, 16, 4, "qwen3-30b-a3b-debug")
 
 
 @pytest.mark.script

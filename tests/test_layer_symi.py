@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lrmoe.recal.backward_config import BackwardConfig
-from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
+from lrmoe.runtime.distributed.accounting import Accountant, check_accounting, expected_layer, expected_step
 from lrmoe.runtime.distributed.comm import all_gather_rows
 from lrmoe.runtime.distributed.launch import launch
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
@@ -133,7 +133,7 @@ def _symi_steps(rank, cf, backward):
             expected.pop(key)  # counted twice here; test_layer checks them
         for key in ("replica_sync.recv_bytes", "grad_collect.recv_bytes"):
             expected.pop(key)
-        check_counts(record, expected, rank)
+        check_accounting(record, expected, rank)
         # the next placement is Algorithm 1 on this iteration's counts, and the slots now hold it
         assert torch.equal(after, symi_placement(counts_E, world, S))
     return oracle_differs, int(plan.dropped_NE.sum())

@@ -66,9 +66,9 @@ def test_layer_memory_hand_case():
     assert slot_capacity(plan, 1.0) == 6  # ceil(11 pairs / 2 slots)
 
 
-def test_lumped_model_is_the_old_three_numbers():
+def test_a_memory_model_of_two_numbers_is_slot_and_pair_bytes():
     m = MemoryModel(budget_bytes=100, slot_bytes=10, pair_bytes=2)
-    assert m.footprint == Footprint.lumped(10, 2)
+    assert m.footprint == Footprint.slot_and_pair(10, 2)
     assert m.extra_slots(30, 2, 10) == 2  # 100 - 2·10 - 30·2 = 20 bytes: two more slots
     assert m.pair_cap(3) == 35  # (100 - 3·10) / 2
     with pytest.raises(ValueError, match="cannot hold"):

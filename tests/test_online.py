@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lrmoe.recal.backward_config import BackwardConfig
-from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
+from lrmoe.runtime.distributed.accounting import Accountant, check_accounting, expected_layer, expected_step
 from lrmoe.runtime.distributed.launch import launch
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
 from lrmoe.runtime.layer import EPMoELayer, initial_placement
@@ -216,7 +216,7 @@ def _online_steps(rank, ranks_per_node, backward, replica_grad):
             want.pop(f"{key}.sent_bytes")
             want.pop(f"{key}.recv_bytes")
         record = acc.record()
-        check_counts(record, want, rank)
+        check_accounting(record, want, rank)
         pushed += int(plan.pushed_G.sum())
         remote += record.get("weight_push.recv_bytes", 0)
     return pushed, remote
@@ -269,7 +269,7 @@ def _training_steps(rank, steps, replica_grad):
         after = layer.expert_step()
         want = expected_layer(plan, D, F, 4)
         want.update(expected_step(before, after, E, D, F, 4, replica_grad=replica_grad))
-        check_counts(acc.record(), want, rank)
+        check_accounting(acc.record(), want, rank)
     master = layer.store.full_master()
     want = flatten_experts(ref.w_gate_EDF.detach(), ref.w_up_EDF.detach(), ref.w_down_EFD.detach())
     torch.testing.assert_close(master, want, rtol=1e-4, atol=1e-5)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lrmoe.paper_figures import figures, make_all
+from lrmoe.paper_figures import figures
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,7 +71,7 @@ def test_figure_plots_the_values_of_its_results_file(name, tmp_path):
 def test_make_all_writes_png_and_pdf_for_every_figure_with_results(tmp_path):
     for stem, rows in SAMPLES.items():
         write_results(tmp_path / f"{stem}.jsonl", rows)
-    made = make_all.make_all(tmp_path, tmp_path / "figs")
+    made = figures.draw_all(tmp_path, tmp_path / "figs")
     assert set(made) == {n for n, (stem, _) in figures.FIGURES.items() if stem in SAMPLES}
     for paths in made.values():
         assert {p.suffix for p in paths} == {".png", ".pdf"} and all(p.stat().st_size > 1000 for p in paths)

@@ -8,7 +8,7 @@ unequal length with 4 ranks: 5, 5, 4, 4). The byte model itself is tested in tes
 import pytest
 import torch
 
-from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_step, symi_step_bytes
+from lrmoe.runtime.distributed.accounting import Accountant, check_accounting, expected_step, symi_step_bytes
 from lrmoe.runtime.distributed.launch import launch
 from lrmoe.runtime.distributed.replica import (AdamConfig, RangeGroups, ReplicaStore, flatten_experts, hosted_experts,
                                        ring_allreduce_bytes, shard_bounds, shard_sizes, sync_plan,
@@ -61,7 +61,7 @@ def test_sync_plan_spans_and_round_robin_sources():
 
 
 def test_bad_placements_are_rejected():
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match="valid ids"):
         sync_plan(torch.tensor([[0, 7]]), E)
     with pytest.raises(ValueError, match="long"):
         sync_plan(torch.tensor([[0.0, 1.0]]), E)
@@ -143,7 +143,7 @@ def _sync_and_collect(rank, placement, next_placement, dtype, scale, mode="range
     slots = store.slots_SW.detach().clone()
     elem = torch.tensor([], dtype=dtype).element_size()
     expected = expected_step(placement, next_placement, E, D, F, param_bytes=elem, replica_grad=mode)
-    check_counts(acc.record(), expected, rank)  # counted bytes = the byte model, in either mode
+    check_accounting(acc.record(), expected, rank)  # counted bytes = the byte model, in either mode
     return full_grad, master, slots, store.slots_SW.grad
 
 

@@ -139,6 +139,26 @@ def test_simulation_is_deterministic_and_systems_differ_as_expected():
     assert by["static"]["sync_bytes"] < by["symi"]["sync_bytes"]  # no replicas, no sharded optimizer traffic
 
 
+def test_registry_systems_are_priced_by_their_entries_and_random_selection_is_cheaper_than_m2():
+    """A registry entry's planner, metric and mode price its simulation (lrmoe.sim.systems): at one budget, LRMoE's
+    top-k m2, unbiased m2 and random selection make the same plans but cost different times, random the least of
+    the three; SYMI's random trim is priced as its own planner + the quota stage, with random selection."""
+    from lrmoe.sim.systems import plan_twins, simulator_system
+    from lrmoe.systems import SystemContext, get_system
+
+    counts = _trace(skew=1.0)
+    ctx = SystemContext(MODEL.num_experts, CLUSTER.num_ranks, spare_slots=1)
+    names = ["lrmoe-rho0.75", "lrmoe-rho0.75-unbiased", "lrmoe-rho0.75-random", "symi-dropless-rho0.75"]
+    assert plan_twins(names) == {}
+    res = {n: simulate(counts, simulator_system(get_system(n), ctx), MODEL, CLUSTER) for n in names}
+    t = {n: r.time_s() for n, r in res.items()}
+    assert len(set(t.values())) == len(names)  # no two share a time: none runs the same work
+    assert t["lrmoe-rho0.75-random"] < t["lrmoe-rho0.75"] < t["lrmoe-rho0.75-unbiased"]
+    assert torch.equal(res["lrmoe-rho0.75-random"].bwd_ratio_IL, res["lrmoe-rho0.75"].bwd_ratio_IL)  # same plans
+    over = {n: r.category_s()["overhead"] for n, r in res.items()}
+    assert over["lrmoe-rho0.75-random"] < over["lrmoe-rho0.75"]
+
+
 def test_micro_batches_repeat_the_layer_phases_but_not_the_sync():
     counts = _trace()
     one = simulate(counts, SYSTEMS[1], MODEL, CLUSTER).summary()

@@ -15,7 +15,9 @@ from _scripts import load_experiment
 from lrmoe.recal.backward_config import BackwardConfig
 from lrmoe.planner.placement import MemoryModel
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
-from lrmoe.systems import (ALIASES, SYSTEMS, SystemContext, canonical, check_systems, get_system, plan_twins,
+from lrmoe.analysis.runs import BASELINE
+from lrmoe.sim.systems import cost_options, plan_twins, simulator_system
+from lrmoe.systems import (ALIASES, SYSTEMS, SystemContext, canonical, check_systems, get_system,
                            system_arg)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,20 +55,31 @@ def test_the_spec_carries_what_the_layer_and_the_simulator_need():
     assert symi.layer_backward(always=True) == BackwardConfig()  # benchmarks run every system on one backward
     assert get_system("lrmoe-m2-unbiased").backward.mode == "unbiased"
     assert get_system("lrmoe-random").backward.metric == "random"
-    padded = get_system("lrmoe-padded").simulator_system(MEMORY)
+    padded = simulator_system(get_system("lrmoe-padded"), MEMORY)
     assert padded.name == "lrmoe-padded" and padded.compaction is False and padded.sharded_optimizer
-    static = get_system("static-ep").simulator_system(MEMORY)
+    static = simulator_system(get_system("static-ep"), MEMORY)
     assert static.sharded_optimizer is False and static.compaction is True
-    assert get_system("lrmoe-host-groups").cost_options() == {"sync_groups": "hosts"}
+    assert cost_options(get_system("lrmoe-host-groups")) == {"planner": "lrmoe", "quota_stage": False, "metric": "m2",
+                                                             "mode": "topk", "sync_groups": "hosts"}
+    # the cost options come from the entry, never from its name
+    assert cost_options(get_system("symi-cf1"))["planner"] == "symi-cf"
+    assert cost_options(get_system("symi-cf1"))["capacity_cf"] == 1.0
+    trim = cost_options(get_system("symi-dropless-rho0.75"))
+    assert (trim["planner"], trim["quota_stage"], trim["metric"]) == ("symi-dropless", True, "random")
+    assert cost_options(get_system("online-rho0.75"))["planner"] == "lrmoe"
+    assert padded.costs == cost_options(get_system("lrmoe-padded"))
     # the simulator's policy factory builds a fresh policy per layer from the same context
     assert padded.make_policy() is not padded.make_policy()
 
 
-def test_plan_twins_are_the_variants_that_only_choose_which_pairs():
-    twins = plan_twins(["lrmoe", "lrmoe-random", "lrmoe-gate", "lrmoe-m2-unbiased", "lrmoe-padded",
-                        "lrmoe-host-groups", "lrmoe-no-quotas", "symi-dropless", "symi-dropless-lrmoe-slots"])
-    assert twins == {"lrmoe-random": "lrmoe", "lrmoe-gate": "lrmoe", "lrmoe-m2-unbiased": "lrmoe"}
-    assert plan_twins(["lrmoe-random", "lrmoe-m1"]) == {"lrmoe-m1": "lrmoe-random"}  # the first one runs
+def test_plan_twins_share_a_simulation_only_when_they_run_the_same_work():
+    """The metric and selection-mode variants make LRMoE's plans but score and select differently: each is priced on
+    its own (no two systems share a simulated time unless they run the same work)."""
+    names = ["lrmoe", "lrmoe-random", "lrmoe-gate", "lrmoe-m2-unbiased", "lrmoe-padded", "lrmoe-host-groups",
+             "lrmoe-no-quotas", "symi-dropless", "symi-dropless-lrmoe-slots", "symi-dropless-rho0.75",
+             "lrmoe-rho0.75", "lrmoe-rho0.75-unbiased", "lrmoe-rho0.75-random"]
+    assert plan_twins(names) == {}
+    assert plan_twins(["lrmoe", "lrmoe-m2"]) == {"lrmoe-m2": "lrmoe"}  # an older name of the same entry
     counts_NE = torch.randint(0, 9, (4, 16), generator=torch.Generator().manual_seed(3))
     a = get_system("lrmoe").make_policy(MEMORY).plan(counts_NE)
     b = get_system("lrmoe-random").make_policy(MEMORY).plan(counts_NE)
@@ -129,7 +142,7 @@ def test_names_used_by_scripts_figures_and_notebooks_are_registry_names():
     ablate, convergence, reproduce = (load_experiment("ablate"), load_experiment("convergence"),
                                       load_experiment("reproduce"))
     used = {train.parse_args([]).policy, *bench.DEFAULT_POLICIES, *planner.POLICY_NAMES, *ablate.SYSTEMS,
-            *ablate.PLOTTED, *convergence.POLICIES, convergence.BASELINE, *figures.MAIN_SYSTEMS,
+            *ablate.PLOTTED, *convergence.POLICIES, BASELINE, *figures.MAIN_SYSTEMS,
             *figures.COMPONENTS}
     for stage in reproduce.STAGES:
         used.update(names_after_flags([*stage.quick, *stage.full]))

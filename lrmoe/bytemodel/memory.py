@@ -76,9 +76,10 @@ class Footprint:
                 raise ValueError(f"Footprint.{f.name} must be a finite non-negative number, got {value!r}")
 
     @classmethod
-    def lumped(cls, slot_bytes: float, pair_bytes: float) -> "Footprint":
+    def slot_and_pair(cls, slot_bytes: float, pair_bytes: float) -> "Footprint":
         """A two-number model: ``slot_bytes`` per slot and ``pair_bytes`` per retained pair's backward buffers,
-        nothing else (the planner's old three-number model, kept for small hand-made cases)."""
+        nothing else (small hand-made cases: a :class:`~lrmoe.planner.placement.MemoryModel` built from the two
+        numbers)."""
         return cls(slot=float(slot_bytes), bwd_act=float(pair_bytes))
 
     @property

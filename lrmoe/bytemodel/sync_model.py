@@ -57,6 +57,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lrmoe.checks import check_placement
+
 REPLICA_GRAD_MODES = ("range", "shard")
 SYNC_GROUPS = ("range", "hosts")
 
@@ -82,19 +84,6 @@ def shard_bounds(numel: int, num_ranks: int) -> list[tuple[int, int]]:
     sizes = shard_sizes(numel, num_ranks)
     starts = [sum(sizes[:r]) for r in range(num_ranks)]
     return [(s, s + n) for s, n in zip(starts, sizes)]
-
-
-def check_placement(placement_NS: torch.Tensor, num_ranks: int, num_experts: int, name: str = "placement_NS"):
-    """Raise ``ValueError`` unless ``placement_NS`` is a long [N, S] tensor of experts in [-1, E)."""
-    if not isinstance(placement_NS, torch.Tensor) or placement_NS.dim() != 2:
-        raise ValueError(f"{name} must be a 2-D tensor [ranks, slots], got {placement_NS!r}")
-    if placement_NS.shape[0] != num_ranks:
-        raise ValueError(f"{name} has {placement_NS.shape[0]} rows, expected one per rank ({num_ranks})")
-    if placement_NS.dtype != torch.long:
-        raise ValueError(f"{name} must be a long tensor, got {placement_NS.dtype}")
-    if placement_NS.numel() and (int(placement_NS.min()) < -1 or int(placement_NS.max()) >= num_experts):
-        raise ValueError(f"{name} holds experts outside [-1, {num_experts}): "
-                         f"min {int(placement_NS.min())}, max {int(placement_NS.max())}")
 
 
 def hosted_experts(placement_NS: torch.Tensor, rank: int) -> list[int]:
@@ -125,9 +114,6 @@ class SyncPlan:
     source_NE: torch.Tensor  # long [N, E]
     group_NE: torch.Tensor  # bool [N, E]
 
-    def span_size(self, e: int) -> int:
-        lo, hi = self.span_E2[e].tolist()
-        return 0 if lo < 0 else hi - lo + 1
 
 
 def sync_plan(placement_NS: torch.Tensor, num_experts: int, groups: str = "range") -> SyncPlan:
@@ -136,7 +122,7 @@ def sync_plan(placement_NS: torch.Tensor, num_experts: int, groups: str = "range
     if groups not in SYNC_GROUPS:
         raise ValueError(f"groups={groups!r} is not one of {SYNC_GROUPS}")
     n = placement_NS.shape[0]
-    check_placement(placement_NS, n, num_experts)
+    check_placement(placement_NS, num_experts, n)
     e = num_experts
     hosts_NE = hosts_mask(placement_NS, e)
     rank_N = torch.arange(n)
@@ -213,7 +199,7 @@ def step_bytes(placement_NS: torch.Tensor, next_placement_NS: torch.Tensor, num_
     check_replica_grad(replica_grad)
     n = placement_NS.shape[0]
     e, p = num_experts, int(params_per_expert)
-    check_placement(next_placement_NS, n, e, "next_placement_NS")
+    check_placement(next_placement_NS, e, n, "next_placement_NS")
     weight_bytes = grad_bytes if weight_bytes is None else weight_bytes
     shard_N = torch.tensor(shard_sizes(p, n), dtype=torch.long)
     hosts_NE = hosts_mask(placement_NS, e)

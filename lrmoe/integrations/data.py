@@ -18,8 +18,6 @@ from pathlib import Path
 
 import torch
 
-VOCAB_SIZE = 256  # bytes
-
 
 def encode(text: str) -> torch.Tensor:
     """UTF-8 bytes as token ids (uint8 values in a long tensor)."""

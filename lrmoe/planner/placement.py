@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.checks import non_negative_int, positive_int
+from lrmoe.checks import check_placement, non_negative_int, positive_int
 from lrmoe.bytemodel.layout import plan_selects
 from lrmoe.bytemodel.memory import (Footprint, LayerLoads, layer_memory, model_peak, plan_loads, plan_memory,
                                     slot_capacity, uniform_peak)
@@ -174,10 +174,10 @@ class MemoryModel:
 
     budget_bytes   memory a rank gives its ``num_layers`` MoE layers together (``num_layers=1``: one layer's);
     slot_bytes     one replica slot (weights + gradients), ``footprint.slot``;
-    pair_bytes     resident bytes per pair a rank computes, ``footprint.expert_pair`` (with a lumped footprint: the
+    pair_bytes     resident bytes per pair a rank computes, ``footprint.expert_pair`` (with a two-number footprint: the
                    backward buffers of one retained pair);
-    footprint      every buffer's bytes (:func:`lrmoe.bytemodel.memory.footprint`); None: the lumped two-number model
-                   ``Footprint.lumped(slot_bytes, pair_bytes)``;
+    footprint      every buffer's bytes (:func:`lrmoe.bytemodel.memory.footprint`); None: the two-number model
+                   ``Footprint.slot_and_pair(slot_bytes, pair_bytes)``;
     num_layers     MoE layers sharing the budget; the planner assumes they all look like the layer it plans;
     fixed_bytes    bytes outside the layers that count against the budget (the optimizer shard, when it does).
 
@@ -200,7 +200,7 @@ class MemoryModel:
         if not self.fixed_bytes >= 0:
             raise ValueError(f"MemoryModel.fixed_bytes must be non-negative, got {self.fixed_bytes!r}")
         if self.footprint is None:
-            object.__setattr__(self, "footprint", Footprint.lumped(self.slot_bytes, self.pair_bytes))
+            object.__setattr__(self, "footprint", Footprint.slot_and_pair(self.slot_bytes, self.pair_bytes))
         elif (self.footprint.slot, self.footprint.expert_pair) != (self.slot_bytes, self.pair_bytes):
             raise ValueError(f"MemoryModel.slot_bytes / pair_bytes ({self.slot_bytes}, {self.pair_bytes}) disagree "
                              f"with its footprint ({self.footprint.slot}, {self.footprint.expert_pair}); build it "
@@ -212,11 +212,6 @@ class MemoryModel:
         """The full model: ``footprint`` (:func:`lrmoe.bytemodel.memory.footprint`) over ``num_layers`` layers."""
         return cls(budget_bytes=float(budget_bytes), slot_bytes=footprint.slot, pair_bytes=footprint.expert_pair,
                    footprint=footprint, num_layers=num_layers, fixed_bytes=float(fixed_bytes))
-
-    @property
-    def layer_budget_bytes(self) -> float:
-        """One layer's share of the budget."""
-        return self.budget_bytes / self.num_layers
 
     def peak_bytes(self, slots_per_rank, expert_rows, home_rows=None) -> Tensor:
         """float64, like the inputs: the model's peak on a rank with ``slots_per_rank`` slots, ``expert_rows`` pairs
@@ -419,19 +414,6 @@ class ReplicaTable:
     rank_U: Tensor
     first_slot_U: Tensor
     slots_U: Tensor
-
-
-def check_placement(placement_NS: Tensor, num_experts: int) -> None:
-    if not isinstance(placement_NS, Tensor) or placement_NS.dim() != 2 or placement_NS.dtype != torch.long:
-        raise ValueError(f"placement_NS must be a 2-D long tensor, got "
-                         f"{getattr(placement_NS, 'dtype', type(placement_NS))} of shape "
-                         f"{tuple(getattr(placement_NS, 'shape', ()))}")
-    if placement_NS.numel() == 0:
-        raise ValueError(f"placement_NS is empty (shape {tuple(placement_NS.shape)})")
-    lo, hi = int(placement_NS.min()), int(placement_NS.max())
-    if lo < -1 or hi >= num_experts:
-        raise ValueError(f"placement_NS holds expert ids in [{lo}, {hi}]; valid ids are -1 (empty) to "
-                         f"num_experts-1={num_experts - 1}")
 
 
 def replica_table(placement_NS: Tensor, num_experts: int) -> ReplicaTable:

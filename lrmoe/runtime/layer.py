@@ -44,15 +44,14 @@ from lrmoe.planner.policies import initial_placement
 from lrmoe.runtime.reference import EXPERT_WEIGHTS, SHARED_WEIGHTS, swiglu
 from lrmoe.runtime.routing import RouterOutput, route
 
-__all__ = ["EPMoELayer", "EPMoEInfo", "NeedsRecalibration", "check_layer_plan", "initial_placement", "Dispatch",
+__all__ = ["EPMoELayer", "EPMoEInfo", "RecalibratedPlanError", "check_layer_plan", "initial_placement", "Dispatch",
            "assign_pairs", "source_to_slot_major"]
 
 PLAIN_BACKWARD = BackwardConfig()  # what a layer built with backward=None runs: plans that select are refused
 
 
-class NeedsRecalibration(ValueError, NotImplementedError):
-    """A plan that trims or moves backward pairs given to a layer built without the recalibrated backward
-    (a ``ValueError``; also a ``NotImplementedError``, what the plain backward raised for such plans before)."""
+class RecalibratedPlanError(ValueError):
+    """A plan that trims or moves backward pairs given to a layer built without the recalibrated backward."""
 
 
 def check_layer_plan(plan: LayerPlan, counts_NE: torch.Tensor, placement_NS: torch.Tensor,
@@ -65,9 +64,9 @@ def check_layer_plan(plan: LayerPlan, counts_NE: torch.Tensor, placement_NS: tor
         raise ValueError(f"plan.placement_NS {plan.placement_NS.tolist()} differs from the placement the slots hold "
                          f"{placement_NS.tolist()}: move the weights first (expert_step(next_placement_NS=...))")
     if not recalibrated and (not torch.equal(plan.keep_NG, plan.fwd_NG) or plan.bwd_flows_V4.numel()):
-        raise NeedsRecalibration(f"plan of policy {getattr(plan, 'policy', '?')!r} keeps fewer pairs for the "
-                                 f"backward or routes them between replicas; that needs the recalibrated backward "
-                                 f"hook: build the layer with backward=BackwardConfig(...)")
+        raise RecalibratedPlanError(f"plan of policy {getattr(plan, 'policy', '?')!r} keeps fewer pairs for the "
+                                    f"backward or routes them between replicas; that needs the recalibrated "
+                                    f"backward hook: build the layer with backward=BackwardConfig(...)")
 
 
 @dataclass(frozen=True)

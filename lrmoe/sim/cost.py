@@ -87,7 +87,9 @@ from lrmoe.bytemodel.memory import (STATE_BYTES_PER_PARAM, Footprint, LayerMemor
 from lrmoe.planner.placement import MemoryModel
 from lrmoe.bytemodel.sync_model import (LOCAL_PHASES, REPLICA_GRAD_MODES, check_replica_grad, hosts_mask, push_bytes,
                                         shard_sizes, step_bytes)
-from lrmoe.sim.overheads import OVERHEADS, check_overheads, planner_seconds, selection_seconds
+from lrmoe.recal.scoring import get_metric
+from lrmoe.sim.overheads import (OVERHEADS, check_overheads, planner_seconds, selection_ms_per_pair,
+                                 selection_seconds)
 
 # The modelled phases, named as the layer names them (one vocabulary: lrmoe.bytemodel.layout.PHASES), in execution
 # order. The
@@ -334,6 +336,7 @@ class PlanWork:
     state_N: torch.Tensor
     planner_s: float  # host seconds of the plan
     select_pairs_N: torch.Tensor  # pairs scored and selected at each home rank (0 when the plan keeps all)
+    expert_norm_bytes_N: torch.Tensor  # bytes of h each rank reads for the metric's ‖h‖ in the forward (m2)
     compact_bytes_N: torch.Tensor  # bytes the compaction passes read and write on each rank
     compact_passes_N: torch.Tensor  # compaction kernels per rank
     fwd_rows_N: torch.Tensor
@@ -376,7 +379,7 @@ class CostModel:
     cluster: ClusterConfig
     gemm: GemmCurve | None = None  # None: gemm_preset(cluster.name, model.name, cluster=cluster)
     compaction: bool = True  # False: backward packets padded to forward sizes
-    combine_cols: int = 0  # the recalibration metric's extra combine columns (m2: 1), when a plan selects
+    combine_cols: int | None = None  # the metric's extra combine columns when a plan selects; None: the metric's
     sharded_optimizer: bool = True  # False: static EP, optimizer state stays with the one host of each expert
     grad_bytes: int | None = None  # bytes per gradient element of a replica; None: the model dtype (ours)
     state_bytes_per_param: float = STATE_BYTES_PER_PARAM  # fp32 master weights + two fp32 Adam moments
@@ -388,13 +391,19 @@ class CostModel:
     replica_grad: str = "range"  # "range": SYMI's group all-reduce + collection; "shard": straight to the owners
     overheads: tuple[str, ...] = OVERHEADS  # the overheads charged (lrmoe.sim.overheads); () charges none
     capacity_cf: float | None = None  # fixed-size capacity buffers of this factor per slot (SYMI-cf1, capacity)
-    planner: str | None = None  # the planner benchmark to charge; None: the plan's policy label
+    planner: str | None = None  # the planner benchmark to charge (a registry entry's); None: no planner
+    quota_stage: bool = False  # the plans add LRMoE's quota stage to the planner (trimmed plans)
+    metric: str = "m2"  # what a selecting plan scores with (lrmoe.recal.scoring), and its selection mode
+    mode: str = "topk"
 
     def __post_init__(self) -> None:
         if self.gemm is None:
             object.__setattr__(self, "gemm", gemm_preset(self.cluster.name, self.model.name, cluster=self.cluster))
         if self.grad_bytes is None:
             object.__setattr__(self, "grad_bytes", self.model.dtype_bytes)
+        if self.combine_cols is None:
+            object.__setattr__(self, "combine_cols", get_metric(self.metric).combine_cols)
+        selection_ms_per_pair(self.metric, self.mode)  # raises for a metric and mode with no scoring benchmark
         if self.mem_budget_bytes is None:
             object.__setattr__(self, "mem_budget_bytes",
                                float(self.cluster.mem_budget_bytes) / self.model.num_moe_layers)
@@ -541,11 +550,13 @@ class CostModel:
         memory = layer_memory(self.footprint, loads, combine=plan_selects(plan))
         planner_s = 0.0
         if "planning" in self.overheads:
-            label = plan.policy if self.planner is None else self.planner
-            planner_s = planner_seconds(label, n, e)
+            planner_s = planner_seconds(self.planner, self.quota_stage, n, e)
         zero_N = torch.zeros(n, dtype=torch.float64)
-        selects = plan_selects(plan)
-        select_N = loads.home_N if selects and "selection" in self.overheads else zero_N
+        selects = plan_selects(plan) and "selection" in self.overheads
+        select_N = loads.home_N if selects else zero_N
+        # a metric that needs ‖h‖ computes it at the expert in the forward: each forward row's h read once
+        norm_N = fwd_rows_N.double() * m.expert_ffn * m.dtype_bytes \
+            if selects and "h_norm" in get_metric(self.metric).needs else zero_N
         compact_bytes_N, passes_N = zero_N, zero_N
         if uses_compact(plan, self.compaction) and "compaction" in self.overheads:
             fp = self.footprint
@@ -554,6 +565,7 @@ class CostModel:
         return PlanWork(num_experts=e, placement_NS=placement_NS, a2a_NN=a2a, fwd_rows_NS=fwd_rows_NS,
                         bwd_rows_NS=bwd_rows_NS, moved_NS=moved_NS, tokens_N=tokens_N, steps=steps, memory=memory,
                         state_N=self.state_bytes_N(resident_NS), planner_s=planner_s, select_pairs_N=select_N,
+                        expert_norm_bytes_N=norm_N,
                         compact_bytes_N=compact_bytes_N, compact_passes_N=passes_N, fwd_rows_N=fwd_rows_N,
                         bwd_rows_N=bwd_rows_N, dropped=int(plan.dropped_NE.sum()), routed=int(pairs_N.sum()),
                         resident_NS=resident_NS)
@@ -582,7 +594,9 @@ class CostModel:
             time_NH[:, _P["shared_fwd"]] = self.gemm.seconds(w.tokens_N, shared_f, c.peak_flops)
             time_NH[:, _P["shared_bwd"]] = self.gemm.seconds(w.tokens_N, 2 * shared_f, c.peak_flops)
         launch = self.gemm.launch_s
-        recal_N = selection_seconds(w.select_pairs_N, w.tokens_N, m.hidden, c.hbm_bw, launch)
+        recal_N = selection_seconds(w.select_pairs_N, self.metric, self.mode, c.hbm_bw, launch)
+        if c.hbm_bw > 0:  # the expert-side ‖h‖ of the metric, in the forward
+            time_NH[:, _P["expert_fwd"]] += w.expert_norm_bytes_N / c.hbm_bw + (w.expert_norm_bytes_N > 0) * launch
         if c.hbm_bw > 0:
             recal_N = recal_N + w.compact_bytes_N / c.hbm_bw
         time_NH[:, _P["recalibrate"]] = recal_N + w.compact_passes_N * launch

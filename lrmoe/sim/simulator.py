@@ -47,6 +47,9 @@ class System:
     compaction: bool = True  # False: backward packets padded to forward sizes
     sharded_optimizer: bool = True  # False: static EP keeps optimizer state with each expert's one host
     description: str = ""
+    # keyword arguments of CostModel this system sets (lrmoe.sim.systems.cost_options: its planner benchmark,
+    # metric and selection mode, sync groups, capacity buffers); a caller's cost_kwargs come on top
+    costs: dict = field(default_factory=dict, compare=False)
 
 
 def iter_plans(trace_counts_ILNE: torch.Tensor, make_policy: Callable[[], object],
@@ -187,7 +190,7 @@ def simulate(trace_counts_ILNE: torch.Tensor, system: System, model: MoEConfig, 
         raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
     layers = list(range(num_layers)) if layers is None else list(layers)
     cm = CostModel(model, cluster, compaction=system.compaction, sharded_optimizer=system.sharded_optimizer,
-                   **(cost_kwargs or {}))
+                   **{**system.costs, **(cost_kwargs or {})})
     priced = {name: cm.variant(**kw) for name, kw in (variants or {}).items()}
     num_l, p = len(layers), len(PHASES)
     phase_ILH = torch.zeros(num_steps, num_l, p, dtype=torch.float64)

@@ -11,12 +11,12 @@ redistribution;
 The layer itself is :class:`lrmoe.runtime.layer.EPMoELayer`.
 """
 
-from lrmoe.runtime.distributed.accounting import Accountant, check_counts, expected_layer, expected_step
+from lrmoe.runtime.distributed.accounting import Accountant, check_accounting, expected_layer, expected_step
 from lrmoe.runtime.distributed.comm import (DistInfo, all_gather_rows, all_to_all_rows, exchange_rows,
                                             init_process_group_from_env)
 from lrmoe.runtime.distributed.launch import LaunchError, launch
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, ReplicaStore, shard_sizes, sync_plan
 
-__all__ = ["Accountant", "check_counts", "expected_layer", "expected_step", "DistInfo", "all_gather_rows",
+__all__ = ["Accountant", "check_accounting", "expected_layer", "expected_step", "DistInfo", "all_gather_rows",
            "all_to_all_rows", "exchange_rows", "init_process_group_from_env", "LaunchError", "launch", "AdamConfig",
            "RangeGroups", "ReplicaStore", "shard_sizes", "sync_plan"]

@@ -179,7 +179,7 @@ def symi_step_bytes(slots_per_rank: int, num_ranks: int, hidden: int, ffn: int, 
     return {"redistribute": slots_per_rank * num_ranks * W, "gradient": slots_per_rank * num_ranks * W}
 
 
-def check_counts(record: dict, expected: dict[str, torch.Tensor], rank: int) -> None:
+def check_accounting(record: dict, expected: dict[str, torch.Tensor], rank: int) -> None:
     """Raise ``RuntimeError`` naming every quantity whose counted value on ``rank`` differs from the formula."""
     bad = []
     for key, values in expected.items():

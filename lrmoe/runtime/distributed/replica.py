@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lrmoe.bytemodel.sync_model import (SyncPlan, check_placement, check_replica_grad, hosted_experts, hosts_mask,
+from lrmoe.checks import check_placement
+from lrmoe.bytemodel.sync_model import (SyncPlan, check_replica_grad, hosted_experts, hosts_mask,
                                         push_rows, ring_allreduce_bytes, shard_bounds, shard_sizes, sync_plan)
 from lrmoe.runtime.distributed.comm import all_to_all_rows, exchange_rows
 
@@ -180,7 +181,7 @@ class ReplicaStore(nn.Module):
         if replica_grad == "range" and groups is None:
             raise ValueError("replica_grad='range' all-reduces in the range groups: pass the shared RangeGroups")
         self.rank, self.num_ranks = dist.get_rank(), dist.get_world_size()
-        check_placement(placement_NS, self.num_ranks, E)
+        check_placement(placement_NS, E, self.num_ranks)
         self.num_experts, self.hidden, self.ffn = E, D, F
         self.numel = 3 * D * F
         self.slots_per_rank = placement_NS.shape[1]
@@ -214,10 +215,6 @@ class ReplicaStore(nn.Module):
     def shard_numel(self) -> int:
         lo, hi = self.bounds[self.rank]
         return hi - lo
-
-    def slot_weights(self):
-        """(w_gate_SDF, w_up_SDF, w_down_SFD): differentiable views of the local slots."""
-        return unflatten_experts(self.slots_SW, self.hidden, self.ffn)
 
     def local_slot_expert(self) -> list[int]:
         return self.placement_NS[self.rank].tolist()
@@ -378,7 +375,7 @@ class ReplicaStore(nn.Module):
         """Fill the slots with the current master weights of the experts of ``next_placement_NS`` (default: the
         current placement), by point-to-point transfer of the shards. Clears the slot gradients."""
         nxt = self.placement_NS if next_placement_NS is None else next_placement_NS.clone().cpu()
-        check_placement(nxt, self.num_ranks, self.num_experts, "next_placement_NS")
+        check_placement(nxt, self.num_experts, self.num_ranks, "next_placement_NS")
         if nxt.shape[1] != self.slots_per_rank:
             raise ValueError(f"next_placement_NS has {nxt.shape[1]} slots per rank; the store has "
                              f"{self.slots_per_rank}")
@@ -419,7 +416,7 @@ class ReplicaStore(nn.Module):
         :meth:`step` into a next placement without them empties them again: the optimizer shards never move."""
         tgt = placement_NS.clone().cpu()
         src_G = push_src_G.cpu().long()
-        check_placement(tgt, self.num_ranks, self.num_experts, "placement_NS")
+        check_placement(tgt, self.num_experts, self.num_ranks, "placement_NS")
         S, G = self.slots_per_rank, self.num_ranks * self.slots_per_rank
         if tgt.shape[1] != S or tuple(src_G.shape) != (G,):
             raise ValueError(f"push needs a placement with {S} slots per rank and push_src_G of shape ({G},), got "
