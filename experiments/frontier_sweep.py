@@ -38,8 +38,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=("pilot", "sweep"), required=True)
     parser.add_argument("--regimes", nargs="+", default=list(protocol.REGIMES), choices=list(protocol.REGIMES))
-    parser.add_argument("--seeds-count", type=int, default=None,
-                        help="the sweep's seeds: 1000 .. 1000 + count - 1 (the power calculation's number)")
+    parser.add_argument("--seeds-count", type=int, default=protocol.SWEEP_SEEDS,
+                        help="the sweep's seeds: 1000 .. 1000 + count - 1 (default: the power calculation's number, "
+                             f"{protocol.SWEEP_SEEDS})")
     parser.add_argument("--arms", nargs="+", type=system_arg, default=None,
                         help="default: the protocol's (the pilot's or the sweep's)")
     parser.add_argument("--work", default="outputs/frontier_protocol", help="per-run files, checkpoints, traces")
@@ -53,8 +54,6 @@ def parse_args(argv=None):
     if args.stage == "pilot":
         args.seeds = list(protocol.PILOT_SEEDS)
     else:
-        if args.seeds_count is None:
-            parser.error("--stage sweep needs --seeds-count (from the power calculation on the pilot)")
         try:
             args.seeds = protocol.sweep_seeds(args.seeds_count)
         except ValueError as exc:

@@ -21,7 +21,7 @@ DELTA = 0.5  # percentage points: the smallest difference of interest
 MARGIN = 1.0  # percent: the non-inferiority margin of "LRMoE's loss gap is at most 1 %"
 EFFECT = 1.0  # percentage points: the true difference (or distance from the margin) the seed count is powered for
 POWER = 0.8
-MAX_SEEDS = 16
+MAX_SEEDS = protocol.MAX_SEEDS
 
 
 @dataclass(frozen=True)

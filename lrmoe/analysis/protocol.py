@@ -29,6 +29,8 @@ CKPT_EVERY = 100
 
 PILOT_SEEDS = (100, 101, 102, 103)  # the variance pilot: fresh seeds, never part of the confirmatory analysis
 SWEEP_SEED0 = 1000  # the sweep's seeds are 1000, 1001, ...: fresh, not 0-2 (which generated the hypotheses)
+MAX_SEEDS = 16  # the most seeds the sweep runs per regime, whatever the power calculation asks (DESIGN.md §10.4)
+SWEEP_SEEDS = MAX_SEEDS  # the sweep's planned seeds per regime: the pilot's power calculation, capped
 
 REFERENCES = ("static-ep", "symi-dropless")  # the same maths: the reference is their mean, seed by seed
 ARMS = (
