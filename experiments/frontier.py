@@ -384,21 +384,14 @@ def protocol_report(regime, claims: pd.DataFrame, c5: list[dict], points: pd.Dat
         "Frontier points:", "", points.to_markdown(index=False, floatfmt=".3f"), ""])
 
 
-def protocol_main(args) -> pd.DataFrame:
-    regime = protocol.get_regime(args.regime)
-    rows = [json.loads(line) for path in args.runs for line in Path(path).read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["regime"] == regime.name and r.get("stage", "sweep") == "sweep"]
-    arms = [a for a in protocol.ARMS if any(r["arm"] == a for r in rows)]
-    if not arms:
-        raise SystemExit(f"frontier.py: error: {args.runs} hold no sweep run of regime {regime.name}")
-    gaps = gap_table(rows, arms)
-    if len(gaps) < 2:
-        raise SystemExit(f"frontier.py: error: {len(gaps)} whole seed(s) of regime {regime.name}: a claim needs two")
-    claims = claim_table(gaps)
+def matched_times(rows: list[dict], regime, arms: list[str], args):
+    """The time axis of a regime: the Zipf s matched to the runs' static-EP slowest ÷ mean, the arms' times on
+    ``args.sim_seeds`` traces at it, and both axes' imbalance side by side (SystemExit when the simulated traces
+    miss the runs' by more than the tolerance)."""
     m, c = model_preset(args.model), cluster_preset(args.cluster, args.nodes)
     runs_imb = runs_imbalance(rows)
-    match = match_zipf(runs_imb["rank_max_over_mean"],
-                       Scale(c.num_ranks, m.num_experts, m.top_k, args.tokens_per_rank))
+    match = match_zipf(runs_imb["rank_max_over_mean"], Scale(c.num_ranks, m.num_experts, m.top_k,
+                                                              args.tokens_per_rank))
     times, sims = regime_times(arms, regime, match.zipf_s, args)
     # the simulated traces themselves: static EP's forward imbalance in the simulator, beside the runs'
     simulated = {**match.simulated, "rank_max_over_mean": float(np.mean(
@@ -407,19 +400,51 @@ def protocol_main(args) -> pd.DataFrame:
         check_matched(runs_imb, simulated)
     except ValueError as exc:
         raise SystemExit(f"frontier.py: error: {exc}") from None
+    return match, times, sims, side_by_side(runs_imb, simulated)
+
+
+def protocol_main(args) -> pd.DataFrame:
+    regime = protocol.get_regime(args.regime)
+    rows = [json.loads(line) for path in args.runs for line in Path(path).read_text().splitlines() if line.strip()]
+    # the claims read the sweep's runs only; the time axis alone (--time-only) may match the pilot's routing
+    rows = [r for r in rows if r["regime"] == regime.name and (args.time_only or r.get("stage") == "sweep")]
+    arms = list(protocol.ARMS) if args.time_only else [a for a in protocol.ARMS if any(r["arm"] == a for r in rows)]
+    if not rows:
+        raise SystemExit(f"frontier.py: error: {args.runs} hold no {'' if args.time_only else 'sweep '}run of regime "
+                         f"{regime.name}")
+    if not args.time_only:
+        gaps = gap_table(rows, arms)
+        if len(gaps) < 2:
+            raise SystemExit(f"frontier.py: error: {len(gaps)} whole seed(s) of regime {regime.name}: a claim needs "
+                             "two")
+    match, times, sims, imbalance = matched_times(rows, regime, arms, args)
     ratios = time_ratios(times)
-    points = arm_gaps(gaps).merge(ratios, on="arm")
-    c5 = time_claim(claims, ratios)
-    imbalance = side_by_side(runs_imb, simulated)
     with Tracker("frontier", vars(args), results=args.out, seed=0, overwrite=args.overwrite, resume=args.resume,
                  wandb=not args.no_wandb) as run:
+        run.log_table("simulated", sims)
+        summary = {"regime": regime.name, "zipf_s": match.zipf_s, "imbalance": imbalance,
+                   "runs_matched": len([r for r in rows if r["arm"] == "static-ep"])}
+        if args.time_only:
+            for rec in ratios.to_dict("records"):
+                run.log({k: v for k, v in rec.items() if v == v}, step=None)
+            run.log_summary(summary)
+            text = "\n".join([
+                f"# Time axis, regime {regime.name} (no loss axis: --time-only)", "",
+                f"Zipf s {match.zipf_s:.3f}, matched to the static-EP runs' slowest rank ÷ mean; both axes:", "",
+                pd.DataFrame(imbalance).to_markdown(index=False, floatfmt=".3f"), "",
+                f"Modelled time ÷ SYMI-dropless, mean and 95 % interval over {args.sim_seeds} trace seeds:", "",
+                ratios.to_markdown(index=False, floatfmt=".3f"), ""])
+            print(text)
+            Path(args.out).with_suffix(".md").write_text(text)
+            return ratios
+        claims = claim_table(gaps)
+        points = arm_gaps(gaps).merge(ratios, on="arm")
+        c5 = time_claim(claims, ratios)
         for rec in points.to_dict("records"):
             run.log({k: v for k, v in rec.items() if v == v}, step=None)
         run.log_table("claims", claims.to_dict("records"))
-        run.log_table("simulated", sims)
         run.log_table("gaps", gaps.reset_index().to_dict("records"))
-        run.log_summary({"regime": regime.name, "zipf_s": match.zipf_s, "imbalance": imbalance, "time_claim": c5,
-                         "seeds": int(len(gaps)), "planned_seeds": args.planned_seeds})
+        run.log_summary({**summary, "time_claim": c5, "seeds": int(len(gaps)), "planned_seeds": args.planned_seeds})
         figure = run.log_figure("frontier", protocol_plot(points, regime, match.zipf_s, len(gaps)))
         text = protocol_report(regime, claims, c5, points, imbalance, match.zipf_s, len(gaps), args.planned_seeds,
                                figure[0].name)
@@ -459,6 +484,9 @@ def parse_args(argv=None):
     parser.add_argument("--runs", nargs="+", default=["paper_figures/results/frontier_protocol_sweep.jsonl"],
                         help="--regime: the protocol's collected runs (experiments/frontier_sweep.py)")
     parser.add_argument("--sim-seeds", type=int, default=5, help="--regime: trace seeds of the time axis")
+    parser.add_argument("--time-only", action="store_true",
+                        help="--regime: the time axis alone (every arm; the skew matched to any of the regime's "
+                             "runs, the pilot's too), no claims")
     parser.add_argument("--planned-seeds", type=int, default=protocol.SWEEP_SEEDS,
                         help="--regime: the sweep's planned seeds (the table is interim below them)")
     add_tracking_args(parser, "outputs/frontier.jsonl")
