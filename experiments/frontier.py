@@ -461,16 +461,16 @@ def parse_args(argv=None):
                         help="the convergence results file(s)")
     parser.add_argument("--target-step", type=int, default=None, help="equal-quality step T (default: the last)")
     parser.add_argument("--max-gap-pct", type=float, default=MAX_GAP_PCT)
-    parser.add_argument("--model", default="qwen3-30b-a3b")
-    parser.add_argument("--cluster", default="a100-40gb-x8")
-    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--model", default=protocol.SIM_MODEL)
+    parser.add_argument("--cluster", default=protocol.SIM_CLUSTER)
+    parser.add_argument("--nodes", type=int, default=protocol.SIM_NODES)
     parser.add_argument("--skew", type=float, default=0.8, help="Zipf s of the synthetic trace")
     parser.add_argument("--tokens-per-rank", type=int, default=None,
                         help="tokens per rank per micro-batch (default: the ablation's for the model)")
     parser.add_argument("--mem-gb", type=float, default=None, help="per-rank MoE budget, GB (default: the device)")
     parser.add_argument("--sim-steps", type=int, default=3, help="simulated iterations (the first is warm-up)")
     parser.add_argument("--layers", type=int, default=None, help="simulated MoE layers (default all)")
-    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--micro-batches", type=int, default=protocol.SIM_MICRO_BATCHES)
     parser.add_argument("--eps", type=float, default=0.1)
     parser.add_argument("--gamma", type=float, default=0.1)
     parser.add_argument("--sim-seed", type=int, default=0)
@@ -483,7 +483,8 @@ def parse_args(argv=None):
                              "two-scale frontier of --convergence")
     parser.add_argument("--runs", nargs="+", default=["paper_figures/results/frontier_protocol_sweep.jsonl"],
                         help="--regime: the protocol's collected runs (experiments/frontier_sweep.py)")
-    parser.add_argument("--sim-seeds", type=int, default=5, help="--regime: trace seeds of the time axis")
+    parser.add_argument("--sim-seeds", type=int, default=protocol.SIM_SEEDS,
+                        help="--regime: trace seeds of the time axis")
     parser.add_argument("--time-only", action="store_true",
                         help="--regime: the time axis alone (every arm; the skew matched to any of the regime's "
                              "runs, the pilot's too), no claims")
@@ -493,8 +494,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.sim_steps = args.layers or 4, 2
-    if args.tokens_per_rank is None:
-        args.tokens_per_rank = TOKENS.get(args.model, 2048)
+    if args.tokens_per_rank is None:  # the protocol's scale under --regime (DESIGN.md §10.1), else the ablation's
+        args.tokens_per_rank = (protocol.SIM_TOKENS_PER_RANK if args.regime and args.model == protocol.SIM_MODEL
+                                else TOKENS.get(args.model, 2048))
     if args.sim_steps < 2:
         parser.error("--sim-steps must be at least 2 (the first is warm-up)")
     if args.sim_seeds < 2:

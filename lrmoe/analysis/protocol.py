@@ -27,6 +27,10 @@ EVAL_BATCHES = 16  # per rank: 16 x 4 sequences x 64 bytes x 4 ranks = 16,384 by
 ENDPOINT_EVALS = 3  # the endpoint: mean validation loss over the last three evaluations (steps 250, 275, 300)
 CKPT_EVERY = 100
 
+# the time axis (DESIGN.md §10.1): Qwen3-30B-A3B on 2 x 8 A100-40GB, 8 micro-batches of 2,048 tokens per rank
+SIM_MODEL, SIM_CLUSTER, SIM_NODES, SIM_TOKENS_PER_RANK, SIM_MICRO_BATCHES = "qwen3-30b-a3b", "a100-40gb-x8", 2, 2048, 8
+SIM_SEEDS = 5
+
 PILOT_SEEDS = (100, 101, 102, 103)  # the variance pilot: fresh seeds, never part of the confirmatory analysis
 SWEEP_SEED0 = 1000  # the sweep's seeds are 1000, 1001, ...: fresh, not 0-2 (which generated the hypotheses)
 MAX_SEEDS = 16  # the most seeds the sweep runs per regime, whatever the power calculation asks (DESIGN.md §10.4)
