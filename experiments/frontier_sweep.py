@@ -138,6 +138,7 @@ def main(argv=None) -> None:
                 code = subprocess.run([sys.executable, str(CONVERGENCE), *argv]).returncode
                 if code:
                     raise SystemExit(f"frontier_sweep.py: error: convergence.py {' '.join(argv)} exited with {code}")
+            done = protocol.collected_keys(args.out)  # again: another sitting may have collected meanwhile
             for arm in args.arms:  # appended as each seed finishes: a stopped sitting keeps what it has
                 results = run_file(out, arm)
                 if (regime, seed, arm) in done or not finished(results):
