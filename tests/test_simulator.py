@@ -213,9 +213,10 @@ def _paper_scale_seconds_per_layer_step(steps, layers):
     return elapsed / (steps * layers)
 
 
+@pytest.mark.slow
 def test_paper_scale_layer_step_is_fast():
-    """64 ranks x 128 experts: plan + cost of one layer-step well under the 12.5 ms the 60 s target allows
-    (generous bound: this machine's cores are shared)."""
+    """64 ranks x 128 experts: plan + cost of one layer-step well under the 12.5 ms the 60 s target allows.
+    Timed, so it runs with the slow tests (`make test-all`), not in the default suite, whose machine may be loaded."""
     assert _paper_scale_seconds_per_layer_step(3, 4) < 0.05
 
 
