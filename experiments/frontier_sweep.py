@@ -66,16 +66,15 @@ def parse_args(argv=None):
 CONVERGENCE = Path(__file__).resolve().parent / "convergence.py"
 
 
-def units(args) -> list[tuple[int, str, Path, list[str]]]:
-    """(seed, regime, convergence results file, convergence.py arguments), seed-major."""
-    plan = []
-    for seed in args.seeds:
-        for name in args.regimes:
-            out = Path(args.work) / name / f"seed{seed}.jsonl"
-            argv = [*protocol.get_regime(name).convergence_argv(args.arms, [seed], str(out)),
-                    "--eval-batches", str(protocol.EVAL_BATCHES), "--slim", *(["--resume"] if out.exists() else [])]
-            plan.append((seed, name, out, argv))
-    return plan
+def units(args) -> list[tuple[int, str, Path]]:
+    """(seed, regime, convergence results file), seed-major."""
+    return [(seed, name, Path(args.work) / name / f"seed{seed}.jsonl") for seed in args.seeds for name in args.regimes]
+
+
+def convergence_argv(regime: str, seed: int, arms: list[str], out: Path) -> list[str]:
+    """convergence.py's arguments for these arms of one seed in one regime, at the protocol's settings."""
+    return [*protocol.get_regime(regime).convergence_argv(arms, [seed], str(out)),
+            "--eval-batches", str(protocol.EVAL_BATCHES), "--slim", *(["--resume"] if out.exists() else [])]
 
 
 def run_file(out: Path, arm: str) -> Path:
@@ -130,11 +129,14 @@ def main(argv=None) -> None:
     plan = units(args)
     done = protocol.collected_keys(args.out)
     total = len(plan) * len(args.arms)
-    ready = sum(finished(run_file(out, arm)) for _, _, out, _ in plan for arm in args.arms)
+    ready = sum(finished(run_file(out, arm)) for _, _, out in plan for arm in args.arms)
     print(f"{args.stage}: {total} runs, {ready} finished, {len(done)} collected in {args.out}")
     with tqdm(total=len(plan), desc="seed x regime", disable=None) as bar:
-        for seed, regime, out, argv in plan:
-            if not args.collect_only and not all(finished(run_file(out, arm)) for arm in args.arms):
+        for seed, regime, out in plan:
+            # a run already collected is done, even where its per-run files are gone (another checkout)
+            todo = [a for a in args.arms if (regime, seed, a) not in done and not finished(run_file(out, a))]
+            if todo and not args.collect_only:
+                argv = convergence_argv(regime, seed, todo, out)
                 code = subprocess.run([sys.executable, str(CONVERGENCE), *argv]).returncode
                 if code:
                     raise SystemExit(f"frontier_sweep.py: error: convergence.py {' '.join(argv)} exited with {code}")
