@@ -1,17 +1,20 @@
-"""Time against quality: the retention budget's frontier, from two scales.
+"""Time against quality: the retention budget's frontier.
 
-Loss comes from the convergence sweep (experiments/convergence.py: the debug model trained on 4 CPU ranks, several
-seeds); time comes from the simulator at paper scale (lrmoe.sim: the full model's MoE layers on a GPU cluster
-preset, a synthetic Zipf routing trace). The two are joined by system name only: the paper-scale time of a system
-is what its plans cost there, and its loss is what the same policy did to the small model's training. Neither
-scale measures the other quantity.
+With ``--regime`` (DESIGN.md §10), the protocol's frontier of one regime: loss from the protocol's training runs
+(experiments/frontier_sweep.py: gaps to the mean of static EP and SYMI-dropless, seed by seed), time from the
+simulator at paper scale with the regime's own settings (slots per home slot, eps, gamma; a system the memory model
+gives other slots is an error) on synthetic traces whose Zipf skew is matched to the runs' static-EP slowest rank ÷
+mean (both shown; a mismatch over 5 % is an error). Writes the frontier's points with 95 % intervals on both axes
+(training seeds; trace seeds), the claim table (estimate, interval, Holm-adjusted p, holds / fails / undecided),
+the time claim, and a figure and a Markdown report. ``--time-only``: the time axis alone.
 
-Writes a results file (per system: modelled time ÷ SYMI-dropless and ÷ SYMI-cf1, validation-loss gap to dropless
-static EP over seeds, the equal-quality time to reach static EP's loss at step T, and the headline), and a figure
-(PNG + PDF): x modelled time ÷ SYMI-dropless, y loss gap, one point per system and rho, error bars the seed spread.
+Without it, the earlier frontier from two scales: loss from a convergence sweep, time from the simulator at a
+chosen skew, joined by system name only (kept to read the earlier results; DESIGN.md §10 says why it cannot decide
+a claim).
 
+    python experiments/frontier.py --regime production --runs paper_figures/results/frontier_protocol_sweep.jsonl
+    python experiments/frontier.py --regime weak --time-only --runs paper_figures/results/frontier_protocol_pilot.jsonl
     python experiments/frontier.py --convergence outputs/convergence.jsonl
-    python experiments/frontier.py --quick --convergence outputs/quick/convergence.jsonl
 """
 
 from __future__ import annotations
