@@ -10,7 +10,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 STAMP := $(VENV)/.lrmoe-installed
 MODE ?= quick
 
-.PHONY: setup links lint test test-all reproduce figures clean-venv
+.PHONY: setup links lint import-graph test test-all reproduce figures clean-venv
 
 # Python keeps the bytecode it compiles (its default; some machines switch that off with PYTHONDONTWRITEBYTECODE).
 # The tests and the main job start dozens of Python processes: without the cache each one compiles pandas,
@@ -51,6 +51,11 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 lint: setup
 	$(VENV)/bin/ruff check .
 	cd $(VENV) && bin/lint-imports --no-logo --no-cache --config $(CURDIR)/pyproject.toml
+
+# lrmoe's modules by package, the import edges between packages, and any edge against the contracts of pyproject
+# (lrmoe/harness/import_graph.py; grimp, the graph import-linter reads); fails if an edge runs against them
+import-graph: setup
+	$(PY) lrmoe/harness/import_graph.py
 
 # two workers (pytest-xdist): one per core of the 2-core machine this is sized for
 test: lint

@@ -47,7 +47,7 @@ from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.bytemodel.layout import BACKWARD_PHASES, BYTE_PHASES, FORWARD_PHASES, PHASES, STEP_PHASES
 from lrmoe.runtime.distributed.replica import RangeGroups
 from lrmoe.runtime.layer import EPMoELayer, initial_placement
-from lrmoe.planner.plan import LayerPlan, no_flows
+from lrmoe.planner.plan import LayerPlan, Policy
 from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.planner.replica_routing import route_forward
 from lrmoe.runtime.routing import RouterOutput
@@ -128,18 +128,15 @@ class FullGradient:
     """The wrapped policy's placement with every routed pair computed and kept (split evenly over replicas when
     the policy drops): the full gradient at the same weights, the reference of the gradient error."""
 
-    def __init__(self, policy):
+    def __init__(self, policy: Policy):
         self.policy = policy
         self.name = f"{policy.name}-full"
 
     def plan(self, counts_NE: torch.Tensor, prev_counts_E: torch.Tensor | None = None) -> LayerPlan:
         plan = self.policy.plan(counts_NE, prev_counts_E)
         fwd_NG = plan.fwd_NG if not bool(plan.dropped_NE.any()) else route_forward(counts_NE, plan.placement_NS)
-        N = counts_NE.shape[0]
-        return LayerPlan(placement_NS=plan.placement_NS, fwd_NG=fwd_NG, dropped_NE=torch.zeros_like(plan.dropped_NE),
-                         keep_NG=fwd_NG.clone(), bwd_flows_V4=no_flows(),
-                         floor_excess_N=torch.zeros(N, dtype=torch.long), policy=self.name,
-                         next_placement_NS=plan.next_placement_NS)
+        return LayerPlan.dropless(plan.placement_NS, fwd_NG, counts_NE.shape[1], policy=self.name,
+                                  next_placement_NS=plan.next_placement_NS)
 
 
 def _reduce_sum(values: list[float]) -> list[float]:

@@ -8,7 +8,7 @@ recalibrated backward or the plain one, sharded optimizer state, replica-sync gr
 
     ctx = SystemContext(num_experts=128, num_ranks=8, spare_slots=1)
     spec = get_system("symi-dropless")
-    policy = spec.make_policy(ctx)              # an object with plan(counts_NE, prev_counts_E)
+    policy = spec.make_policy(ctx)              # a Policy (lrmoe.planner.plan): plan(counts_NE, prev_counts_E)
     backward = spec.layer_backward(seed=0)      # None: the plain backward (keep every pair) suffices
     system = simulator_system(spec, ctx)        # lrmoe.sim.systems: the simulator's System, priced as its entry says
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from lrmoe.recal.backward_config import BackwardConfig
 from lrmoe.planner.online import Online
 from lrmoe.planner.placement import MemoryModel
+from lrmoe.planner.plan import PlacingPolicy, Policy
 from lrmoe.planner.policies import LRMoE, Capacity, StaticEP, Symi, Trimmed
 
 
@@ -172,7 +173,7 @@ class TrimmedFactory:
     """Another system's policy with its backward trimmed to LRMoE's ``budget`` at ``rho``
     (:class:`~lrmoe.planner.policies.Trimmed`): the "less work, not the right work" control."""
 
-    base: Callable[[SystemContext], object]
+    base: Callable[[SystemContext], PlacingPolicy]
     rho: float
     gamma: float | None = 0.0  # the per-expert floor; None: the context's (LRMoE's own floor)
 
@@ -279,7 +280,7 @@ class SystemSpec:
     """
 
     name: str
-    make: Callable[[SystemContext], object]
+    make: Callable[[SystemContext], Policy]
     label: str
     color: str
     backward: BackwardConfig = field(default_factory=BackwardConfig)
@@ -293,7 +294,7 @@ class SystemSpec:
         """"static-ep", "capacity", "symi", "lrmoe" or "online": the policy family of the factory."""
         return self.make.family
 
-    def make_policy(self, ctx: SystemContext):
+    def make_policy(self, ctx: SystemContext) -> Policy:
         return self.make(ctx)
 
     def layer_backward(self, seed: int | None = None, always: bool = False) -> BackwardConfig | None:

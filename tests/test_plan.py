@@ -71,3 +71,18 @@ def test_validate_catches_broken_plans():
     with pytest.raises(ValueError, match="moves more pairs"):
         hand_plan(bwd_flows_V4=torch.tensor([[1, 2, 0, 4]])).validate()
     assert no_flows().shape == (0, 4)
+
+
+def test_forward_only_and_dropless_plans_keep_every_pair_where_it_ran():
+    placement_NS = torch.tensor([[0, 1], [2, 1]])
+    fwd_NG = torch.tensor([[3, 1, 0, 2], [0, 4, 5, 1]])
+    plan = LayerPlan.dropless(placement_NS, fwd_NG, 3, policy="p")
+    assert torch.equal(plan.keep_NG, fwd_NG) and plan.keep_NG is not fwd_NG and not plan.bwd_flows_V4.numel()
+    assert plan.dropped_NE.shape == (2, 3) and not plan.dropped_NE.any() and plan.policy == "p"
+    assert torch.equal(plan.next_placement_NS, placement_NS) and plan.floor_excess_N.tolist() == [0, 0]
+    dropped_NE = torch.tensor([[0, 1, 0], [2, 0, 0]])
+    capped = LayerPlan.forward_only(placement_NS, fwd_NG, dropped_NE, drop_by="gate",
+                                    next_placement_NS=placement_NS.flip(0))
+    assert torch.equal(capped.dropped_NE, dropped_NE) and capped.drop_by == "gate"
+    assert torch.equal(capped.next_placement_NS, placement_NS.flip(0))
+

@@ -16,6 +16,7 @@ from lrmoe.recal.backward_config import BackwardConfig
 from lrmoe.planner.placement import MemoryModel
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.analysis.runs import BASELINE
+from lrmoe.planner.plan import PlacingPolicy
 from lrmoe.sim.systems import cost_options, plan_twins, simulator_system
 from lrmoe.systems import (ALIASES, SYSTEMS, SystemContext, canonical, check_systems, get_system,
                            system_arg)
@@ -35,6 +36,7 @@ MEMORY = SystemContext(num_experts=16, num_ranks=4, spare_slots=2, memory=Memory
 def test_every_system_builds_a_policy_whose_plans_are_valid(name, ctx):
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     policy = get_system(name).make_policy(ctx)
+    assert isinstance(policy, PlacingPolicy) and policy.name  # the one interface the layer and the simulator take
     prev = None
     for _ in range(3):  # a few iterations, each placed from the previous one's counts
         counts_NE = torch.randint(0, 9, (ctx.num_ranks, ctx.num_experts), generator=gen)

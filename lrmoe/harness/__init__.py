@@ -1,1 +1,9 @@
-"""Measurement harness: timing helpers and the CPU calibration micro-benchmarks (kept apart from the simulator)."""
+"""Measurement harness (kept apart from the simulator): what the scripts that measure share.
+
+* :mod:`~lrmoe.harness.timing`: wall-clock and CPU-clock timing helpers;
+* :mod:`~lrmoe.harness.calibrate_cpu`: the CPU calibration micro-benchmarks (GEMM curve, all-to-all, Adam);
+* :mod:`~lrmoe.harness.replica_sync_timing`: the replica-sync timing;
+* :mod:`~lrmoe.harness.layer_bench_setup`: the layer benchmark's policies, memory budget and traces (the benchmark
+  and the simulator's validation replay the same plans);
+* :mod:`~lrmoe.harness.import_graph`: the package's import graph against its contracts (``make import-graph``).
+"""

@@ -46,7 +46,7 @@ from lrmoe.config import MoEConfig
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
 from lrmoe.runtime.layer import EPMoELayer
 from lrmoe.integrations.load_stats import load_stats
-from lrmoe.planner.plan import LayerPlan, no_flows
+from lrmoe.planner.plan import LayerPlan, Policy
 from lrmoe.planner.policies import initial_placement
 from lrmoe.planner.replica_routing import route_forward
 from lrmoe.runtime.routing import RouterOutput, update_expert_bias
@@ -163,10 +163,7 @@ class _HeldPlacement:
 
     def plan(self, counts_NE: torch.Tensor, prev_counts_E: torch.Tensor | None = None) -> LayerPlan:
         fwd_NG = route_forward(counts_NE, self.placement_NS, "even")
-        N, E = counts_NE.shape
-        return LayerPlan(placement_NS=self.placement_NS, fwd_NG=fwd_NG, dropped_NE=torch.zeros(N, E, dtype=torch.long),
-                         keep_NG=fwd_NG.clone(), bwd_flows_V4=no_flows(),
-                         floor_excess_N=torch.zeros(N, dtype=torch.long), policy=self.name)
+        return LayerPlan.dropless(self.placement_NS, fwd_NG, counts_NE.shape[1], policy=self.name)
 
 
 class EPExperts(nn.Module):
@@ -244,14 +241,14 @@ def _take_hf_weights(module: EPExperts, state_dict: dict, prefix: str, local_met
 
 
 # -- swapping ------------------------------------------------------------------------------------------------------
-def _resolve_system(system) -> tuple[str, SystemSpec | None]:
+def _resolve_system(system: str | SystemSpec | Policy) -> tuple[str, SystemSpec | None]:
     if isinstance(system, str):
         spec = get_system(system)
         return spec.name, spec
     if isinstance(system, SystemSpec):
         return system.name, system
-    if hasattr(system, "plan"):  # a policy object
-        return getattr(system, "name", type(system).__name__), None
+    if isinstance(system, Policy):
+        return system.name, None
     raise ValueError(f"system must be a registry name, a SystemSpec or a policy object, got {type(system).__name__}")
 
 

@@ -1,7 +1,9 @@
 """The planner: from routed counts to a :class:`~lrmoe.planner.plan.LayerPlan` (pure; no ``torch.distributed``).
 
-* :mod:`~lrmoe.planner.plan`: the plan, plain data the layer and the simulator both consume;
-* :mod:`~lrmoe.planner.policies`: the policies (static EP, capacity, SYMI, LRMoE, trimmed) behind one interface;
+* :mod:`~lrmoe.planner.plan`: the plan, plain data the layer and the simulator both consume, and
+  :class:`~lrmoe.planner.plan.Policy`, the one interface of what makes it (``name``, ``plan(counts_NE,
+  prev_counts_E) -> LayerPlan``);
+* :mod:`~lrmoe.planner.policies`: the policies (static EP, capacity, SYMI, LRMoE, trimmed);
 * :mod:`~lrmoe.planner.online`: online replication from the current forward;
 * :mod:`~lrmoe.planner.placement`: SYMI's and LRMoE's placements, and the memory-aware slot count;
 * :mod:`~lrmoe.planner.replica_routing`: which replica computes which pairs, forward and backward;

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lrmoe.checks import non_negative_int, positive_int
 from lrmoe.planner.placement import replica_table, static_placement
-from lrmoe.planner.plan import LayerPlan, no_flows
+from lrmoe.planner.plan import LayerPlan
 from lrmoe.planner.replica_routing import FORWARD_MODES, check_counts, forward_on
 
 
@@ -130,7 +130,5 @@ class Online:
         home_NS = home_placement(E, N, self.spare_slots)
         placement_NS = online_replicas(counts_NE.sum(0), N, self.spare_slots, self.ranks_per_node)
         fwd_NG = forward_on(counts_NE, replica_table(placement_NS, E), self.forward, self.balance_iters)
-        return LayerPlan(placement_NS=placement_NS, fwd_NG=fwd_NG, dropped_NE=torch.zeros(N, E, dtype=torch.long),
-                         keep_NG=fwd_NG.clone(), bwd_flows_V4=no_flows(),
-                         floor_excess_N=torch.zeros(N, dtype=torch.long), policy=self.name,
-                         next_placement_NS=home_NS, push_src_G=push_sources(placement_NS, home_NS))
+        return LayerPlan.dropless(placement_NS, fwd_NG, E, policy=self.name, next_placement_NS=home_NS,
+                                  push_src_G=push_sources(placement_NS, home_NS))

@@ -1,8 +1,9 @@
-"""The plan of one MoE layer for one iteration: everything the layer (or the simulator) needs, as plain tensors.
+"""The plan of one MoE layer for one iteration: everything the layer (or the simulator) needs, as plain tensors,
+and :class:`Policy`, the one interface of whatever makes it.
 
 N ranks, S slots per rank, G = N·S global slots (slot g lives on rank g // S at local index g % S), E experts.
-A policy (lrmoe.planner.policies) produces a :class:`LayerPlan` from the routed counts; the layer never branches on
-the policy, it only reads the plan.
+A policy (:class:`Policy`; those of lrmoe.planner.policies and lrmoe.planner.online) produces a :class:`LayerPlan`
+from the routed counts; the layer and the simulator never branch on the policy, they only read the plan.
 
 Pair-level rule every consumer follows. The pairs of (source n, expert e), in token order, minus the dropped
 ones (the last by position, or the lowest-gate ones, per ``drop_by``), fill e's slots in increasing g,
@@ -14,6 +15,7 @@ the lowest ones to the first of its rows in bwd_flows_V4 (rows are sorted by (sr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -68,6 +70,25 @@ class LayerPlan:
     def __post_init__(self) -> None:
         if self.next_placement_NS is None:
             object.__setattr__(self, "next_placement_NS", self.placement_NS)
+
+    @classmethod
+    def forward_only(cls, placement_NS: Tensor, fwd_NG: Tensor, dropped_NE: Tensor, *, policy: str = "",
+                     drop_by: str = "position", next_placement_NS: Tensor | None = None,
+                     push_src_G: Tensor | None = None) -> "LayerPlan":
+        """A plan whose backward keeps every computed pair where its forward ran (no quotas, no backward moves), with
+        the forward's drops ``dropped_NE`` [N, E] (capacity systems)."""
+        n = placement_NS.shape[0]
+        return cls(placement_NS=placement_NS, fwd_NG=fwd_NG, dropped_NE=dropped_NE, keep_NG=fwd_NG.clone(),
+                   bwd_flows_V4=no_flows(), floor_excess_N=torch.zeros(n, dtype=torch.long), policy=policy,
+                   drop_by=drop_by, next_placement_NS=next_placement_NS, push_src_G=push_src_G)
+
+    @classmethod
+    def dropless(cls, placement_NS: Tensor, fwd_NG: Tensor, num_experts: int, *, policy: str = "",
+                 next_placement_NS: Tensor | None = None, push_src_G: Tensor | None = None) -> "LayerPlan":
+        """:meth:`forward_only` with nothing dropped: every routed pair computed, and kept for the backward."""
+        dropped_NE = torch.zeros(placement_NS.shape[0], num_experts, dtype=torch.long)
+        return cls.forward_only(placement_NS, fwd_NG, dropped_NE, policy=policy, next_placement_NS=next_placement_NS,
+                                push_src_G=push_src_G)
 
     # --- shapes ----------------------------------------------------------------------------------------------
     @property
@@ -262,3 +283,29 @@ class LayerPlan:
             "floor_excess": float(self.floor_excess_N.sum()),
             "replica_slots": float((self.slot_expert_G >= 0).sum()),
         }
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What the layer (:class:`~lrmoe.runtime.layer.EPMoELayer`), the simulator (:mod:`lrmoe.sim.simulator`) and
+    the Hugging Face drop-in need of a placement policy: a short ``name`` (the plans' label) and ``plan``, called
+    once per iteration on every rank with the same all-gathered counts.
+
+    counts_NE      [N, E] routed pairs per (source rank, expert) of this iteration.
+    prev_counts_E  [E] the previous iteration's global counts (None at the first one): what placement is made from.
+
+    Pure and deterministic: the same counts give the same plan on every rank. A policy that keeps state between
+    iterations keeps it in itself (one object per MoE layer)."""
+
+    name: str
+
+    def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan: ...
+
+
+@runtime_checkable
+class PlacingPolicy(Policy, Protocol):
+    """A :class:`Policy` whose placement step can be asked alone (for its first placement, with no history:
+    :func:`lrmoe.planner.policies.initial_placement`)."""
+
+    def placement(self, popularity_E: Tensor, num_ranks: int, total_pairs: int) -> Tensor: ...
+

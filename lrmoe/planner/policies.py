@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lrmoe.checks import check_cf, check_fraction, non_negative_int, positive_int
 from lrmoe.planner.placement import MemoryModel, lrmoe_placement, replica_table, static_placement, symi_placement
-from lrmoe.planner.plan import DROP_RULES, LayerPlan, no_flows
+from lrmoe.planner.plan import DROP_RULES, LayerPlan, PlacingPolicy, Policy
 from lrmoe.planner.quotas import budget_caps, check_rho, rank_caps, retention_quotas
 from lrmoe.planner.replica_routing import (apply_capacity, backward_on, check_counts, forward_on, gshard_capacity,
                                    route_forward, symi_capacity)
@@ -52,7 +52,7 @@ def _check_prev(prev_counts_E: Tensor | None, num_experts: int) -> Tensor:
     return prev
 
 
-def _placements(policy, counts_NE: Tensor, prev_counts_E: Tensor | None) -> tuple[Tensor, Tensor]:
+def _placements(policy: PlacingPolicy, counts_NE: Tensor, prev_counts_E: Tensor | None) -> tuple[Tensor, Tensor]:
     """(this iteration's placement, the next one's): from prev_counts_E and from counts_NE's global counts."""
     N, E = counts_NE.shape
     total = int(counts_NE.sum())
@@ -60,7 +60,7 @@ def _placements(policy, counts_NE: Tensor, prev_counts_E: Tensor | None) -> tupl
             policy.placement(counts_NE.sum(0), N, total))
 
 
-def initial_placement(policy, num_ranks: int, num_experts: int, pairs_per_rank: int | None = None) -> Tensor:
+def initial_placement(policy: Policy, num_ranks: int, num_experts: int, pairs_per_rank: int | None = None) -> Tensor:
     """The placement ``policy`` chooses with no history (uniform popularity): the slots' first contents.
 
     ``pairs_per_rank`` (default E) stands for the first iteration's pairs per rank (memory-aware placement sizes
@@ -69,27 +69,12 @@ def initial_placement(policy, num_ranks: int, num_experts: int, pairs_per_rank: 
     pairs = num_experts if pairs_per_rank is None else pairs_per_rank
     if pairs < 0:
         raise ValueError(f"pairs_per_rank must be non-negative, got {pairs}")
-    if hasattr(policy, "placement"):
+    if isinstance(policy, PlacingPolicy):
         return policy.placement(torch.ones(num_experts, dtype=torch.float64), num_ranks, pairs * num_ranks)
     base, extra = divmod(pairs, num_experts)
     counts_E = torch.full((num_experts,), base, dtype=torch.long)
     counts_E[:extra] += 1
     return policy.plan(counts_E.expand(num_ranks, -1).contiguous(), None).placement_NS.clone()
-
-
-def _forward_only(policy: str, placements: tuple[Tensor, Tensor], fwd_NG: Tensor, dropped_NE: Tensor,
-                  drop_by: str = "position") -> LayerPlan:
-    """A plan that retains every computed pair for the backward, where its forward ran (no quotas, no moves)."""
-    placement_NS, next_NS = placements
-    N = placement_NS.shape[0]
-    return LayerPlan(placement_NS=placement_NS, fwd_NG=fwd_NG, dropped_NE=dropped_NE, keep_NG=fwd_NG.clone(),
-                     bwd_flows_V4=no_flows(), floor_excess_N=torch.zeros(N, dtype=torch.long), policy=policy,
-                     drop_by=drop_by, next_placement_NS=next_NS)
-
-
-def _dropless(policy: str, placements: tuple[Tensor, Tensor], fwd_NG: Tensor, num_experts: int) -> LayerPlan:
-    dropped_NE = torch.zeros(fwd_NG.shape[0], num_experts, dtype=torch.long)
-    return _forward_only(policy, placements, fwd_NG, dropped_NE)
 
 
 class StaticEP:
@@ -103,7 +88,8 @@ class StaticEP:
     def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
         counts_NE = check_counts(counts_NE)
         placements = _placements(self, counts_NE, prev_counts_E)
-        return _dropless(self.name, placements, route_forward(counts_NE, placements[0], "even"), counts_NE.shape[1])
+        return LayerPlan.dropless(placements[0], route_forward(counts_NE, placements[0], "even"), counts_NE.shape[1],
+                                  policy=self.name, next_placement_NS=placements[1])
 
 
 class Capacity:
@@ -126,7 +112,8 @@ class Capacity:
         placements = _placements(self, counts_NE, prev_counts_E)
         dropped_NE = apply_capacity(counts_NE, gshard_capacity(counts_NE, self.cf))
         fwd_NG = route_forward(counts_NE - dropped_NE, placements[0], "even")
-        return _forward_only(self.name, placements, fwd_NG, dropped_NE, self.drop_by)
+        return LayerPlan.forward_only(placements[0], fwd_NG, dropped_NE, policy=self.name, drop_by=self.drop_by,
+                                      next_placement_NS=placements[1])
 
 
 class Symi:
@@ -149,11 +136,12 @@ class Symi:
         placements = _placements(self, counts_NE, prev_counts_E)
         placement_NS = placements[0]
         if self.cf is None:
-            return _dropless(self.name, placements, route_forward(counts_NE, placement_NS, "even"),
-                             counts_NE.shape[1])
+            return LayerPlan.dropless(placement_NS, route_forward(counts_NE, placement_NS, "even"),
+                                      counts_NE.shape[1], policy=self.name, next_placement_NS=placements[1])
         dropped_NE = apply_capacity(counts_NE, symi_capacity(counts_NE, placement_NS, self.cf))
         fwd_NG = route_forward(counts_NE - dropped_NE, placement_NS, "even")
-        return _forward_only(self.name, placements, fwd_NG, dropped_NE)
+        return LayerPlan.forward_only(placement_NS, fwd_NG, dropped_NE, policy=self.name,
+                                      next_placement_NS=placements[1])
 
 
 class LRMoE:
@@ -275,11 +263,12 @@ class LRMoE:
         placement_NS = placements[0]
         table = replica_table(placement_NS, E)
         fwd_NG = forward_on(counts_NE, table, self.forward, self.balance_iters)
-        plan = _dropless(self.name, placements, fwd_NG, E)
+        plan = LayerPlan.dropless(placement_NS, fwd_NG, E, policy=self.name, next_placement_NS=placements[1])
         if not (self.quotas or self.backward_routing):
             return plan
         cap_N = self.caps(plan.fwd_load_N, placement_NS.shape[1], fwd_NG.sum(1))
-        flows_V4 = backward_on(fwd_NG, table, cap_N, self.backward_rounds) if self.backward_routing else no_flows()
+        flows_V4 = backward_on(fwd_NG, table, cap_N, self.backward_rounds) if self.backward_routing else \
+            plan.bwd_flows_V4
         if self.quotas:
             keep_NG, floor_excess_N = retention_quotas(fwd_NG, placement_NS.reshape(-1), cap_N, self.gamma,
                                                        flows_V4)
@@ -300,7 +289,7 @@ class Trimmed:
     knob). The wrapped plan must keep every computed pair where it ran.
     """
 
-    def __init__(self, policy, rho: float, gamma: float = 0.0):
+    def __init__(self, policy: PlacingPolicy, rho: float, gamma: float = 0.0):
         self.policy, self.rho, self.gamma = policy, check_rho(rho), check_fraction("gamma", gamma, 1.0)
         self.name = f"{policy.name}-rho{self.rho:g}"
 

@@ -39,7 +39,7 @@ from lrmoe.runtime.dispatch import Comm, Dispatch, TokenDispatcher, assign_pairs
 from lrmoe.runtime.distributed.accounting import Accountant
 from lrmoe.runtime.expert_compute import SwiGLUExperts
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, ReplicaStore
-from lrmoe.planner.plan import LayerPlan
+from lrmoe.planner.plan import LayerPlan, Policy
 from lrmoe.planner.policies import initial_placement
 from lrmoe.runtime.reference import EXPERT_WEIGHTS, SHARED_WEIGHTS, swiglu
 from lrmoe.runtime.routing import RouterOutput, route
@@ -90,7 +90,8 @@ class EPMoELayer(nn.Module):
     Every rank must run the forward and a backward through its output each iteration (they are collective).
     """
 
-    def __init__(self, weights: dict[str, torch.Tensor], top_k: int, router: str, policy, placement_NS: torch.Tensor,
+    def __init__(self, weights: dict[str, torch.Tensor], top_k: int, router: str, policy: Policy | None,
+                 placement_NS: torch.Tensor,
                  groups: RangeGroups, *, routed_scaling: float = 1.0, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, adam: AdamConfig = AdamConfig(),
                  accountant: Accountant | None = None, kernel_backend: str | None = None,
@@ -162,7 +163,7 @@ class EPMoELayer(nn.Module):
         self.comm.accountant = value
 
     # -- forward -----------------------------------------------------------------------------------------------
-    def forward(self, x_TD: torch.Tensor, policy=None, routing: RouterOutput | None = None,
+    def forward(self, x_TD: torch.Tensor, policy: Policy | None = None, routing: RouterOutput | None = None,
                 pair_hook: Callable[[torch.Tensor, Dispatch], torch.Tensor] | None = None):
         """y_TD and an :class:`EPMoEInfo`. ``policy`` overrides the layer's own for this call; ``routing``
         replaces the router's choice (trace replay: its idx_TK and weight_TK are used as given);

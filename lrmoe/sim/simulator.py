@@ -35,15 +35,16 @@ import torch
 
 from lrmoe.config import ClusterConfig, MoEConfig
 from lrmoe.bytemodel.memory import model_peak
+from lrmoe.planner.plan import LayerPlan, Policy
 from lrmoe.sim.cost import CATEGORIES, PHASES, CostModel, PhaseTimes
 
 
 @dataclass(frozen=True)
 class System:
-    """A system to simulate: ``make_policy()`` returns a fresh policy with ``plan(counts_NE, prev_counts_E)``."""
+    """A system to simulate: ``make_policy()`` returns a fresh :class:`~lrmoe.planner.plan.Policy`."""
 
     name: str
-    make_policy: Callable[[], object]
+    make_policy: Callable[[], Policy]
     compaction: bool = True  # False: backward packets padded to forward sizes
     sharded_optimizer: bool = True  # False: static EP keeps optimizer state with each expert's one host
     description: str = ""
@@ -52,8 +53,8 @@ class System:
     costs: dict = field(default_factory=dict, compare=False)
 
 
-def iter_plans(trace_counts_ILNE: torch.Tensor, make_policy: Callable[[], object],
-               layers: list[int] | None = None) -> Iterator[tuple[int, int, object]]:
+def iter_plans(trace_counts_ILNE: torch.Tensor, make_policy: Callable[[], Policy],
+               layers: list[int] | None = None) -> Iterator[tuple[int, int, LayerPlan]]:
     """Yield ``(step, layer, plan)`` in execution order (step-major), one policy object per layer.
 
     ``prev_counts_E`` is the layer's global counts of the previous step (None at the first step), which is
