@@ -59,6 +59,7 @@ def test_claims_on_too_few_or_missing_arms_are_not_tested():
     rows = [r for r in runs(range(3)) if r["arm"] != "symi-dropless-rho0.75"]
     table = claim_table(gap_table(rows)).set_index("claim")
     assert table.loc["C2", "word"] == "not run" and np.isnan(table.loc["C2"].get("p", np.nan))
+    assert (claim_table(gap_table(runs([5]))).word == "too few seeds").all()
     noisy = claim_table(gap_table(runs(range(3), sd=3.0))).set_index("claim")
     assert noisy.loc["C4 ρ0.75", "word"] == "undecided"
 

@@ -85,8 +85,8 @@ def per_seed(gaps: pd.DataFrame, claim: Claim) -> np.ndarray | None:
 def claim_table(gaps: pd.DataFrame, claims: list[Claim] | None = None, alpha: float = 0.05,
                 delta: float = DELTA) -> pd.DataFrame:
     """One row per claim: seeds, estimate (points or %), sd, two-sided 95 % interval, one-sided bounds, p,
-    Holm-adjusted p over the claims that could be tested, and the decision word (claims whose arms have not run,
-    or with fewer than two seeds, are listed as "not run" without a test)."""
+    Holm-adjusted p over the claims that could be tested, and the decision word (claims whose arms have not run
+    are listed as "not run", those with fewer than two whole seeds as "too few seeds", without a test)."""
     claims = family() if claims is None else claims
     tests, rows = {}, []
     for claim in claims:
@@ -100,8 +100,9 @@ def claim_table(gaps: pd.DataFrame, claims: list[Claim] | None = None, alpha: fl
                "versus": claim.versus or "reference"}
         test = tests.get(claim.name)
         if test is None:
-            rows.append({**row, "seeds": int(len(gaps)) if per_seed(gaps, claim) is not None else 0,
-                         "word": "not run"})
+            ran = per_seed(gaps, claim) is not None
+            rows.append({**row, "seeds": int(len(gaps)) if ran else 0,
+                         "word": "too few seeds" if ran else "not run"})
             continue
         rows.append({**row, "seeds": test.n, "estimate": test.estimate, "sd": test.sd, "ci_low": test.ci_low,
                      "ci_high": test.ci_high, "bound_low": test.bound_low, "bound_high": test.bound_high,
