@@ -1,6 +1,7 @@
 # The two commands of the README:
 #   make reproduce   set up (if needed) and run the main job
 #   make test        set up (if needed) and run the tests
+#   make test-browser  the explorer notebook driven in a real browser (CI runs it after `make test`)
 # Setup is idempotent: it reinstalls only when pyproject.toml or the constraints change.
 
 PYTHON ?= python3
@@ -10,7 +11,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 STAMP := $(VENV)/.lrmoe-installed
 MODE ?= quick
 
-.PHONY: setup links lint import-graph test test-all reproduce figures clean-venv
+.PHONY: setup links lint import-graph test test-all browser test-browser reproduce figures clean-venv
 
 # Python keeps the bytecode it compiles (its default; some machines switch that off with PYTHONDONTWRITEBYTECODE).
 # The tests and the main job start dozens of Python processes: without the cache each one compiles pandas,
@@ -64,6 +65,24 @@ test: lint
 # also the tests marked slow (large shapes, long runs)
 test-all: lint
 	$(PY) -m pytest -q -m ""
+
+# The browser test's tools: Playwright (the pyproject extra "browser", pinned by the constraints) and a Chromium.
+# Where none is on PATH, Debian's is installed when this runs as root with apt-get; anywhere else, or when that
+# install fails, the test skips and says why. Playwright never downloads a browser of its own.
+BROWSER_STAMP := $(VENV)/.lrmoe-browser-installed
+browser: setup $(BROWSER_STAMP)
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	    { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	      { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }; } || \
+	    echo "no Chromium installed: the browser test will skip"
+
+$(BROWSER_STAMP): $(STAMP)
+	$(VENV)/bin/uv pip install --quiet --python $(PY) -c $(CONSTRAINTS) -C editable_mode=strict -e '.[dev,hf,browser]'
+	@touch $@
+
+# JupyterLab and Chromium on this machine, a few minutes: apart from `make test`, which stays quick
+test-browser: browser
+	$(PY) -m pytest -q -n 0 -m browser
 
 reproduce: setup
 	$(PY) experiments/reproduce.py --mode $(MODE)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import sys
 
 import matplotlib
@@ -55,7 +56,9 @@ from lrmoe.sim.simulator import simulate
 from lrmoe.sim.systems import plan_twins
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import check_systems, system_arg, system_names_help
-from lrmoe.integrations.tracking import Tracker, add_tracking_args
+from lrmoe.checks import (fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg,
+                          positive_int_arg)
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
 from lrmoe.integrations.traces import generate_trace, gini, max_over_mean
 
 MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
@@ -70,7 +73,8 @@ SYSTEMS = ["static-ep", "capacity-cf1", "capacity-cf1.25", "symi-cf1", "symi-dro
            "lrmoe-host-groups", "lrmoe-no-memplace", "lrmoe-no-bwd-routing", "lrmoe-even-fwd",
            "lrmoe-even-fwd-no-bwd-routing", "lrmoe-no-quotas", "lrmoe-padded",
            "lrmoe-random", "lrmoe-gate", "lrmoe-m2-unbiased",
-           "online", "online-rho0.75"]  # online replication (lrmoe.planner.online) and LRMoE's budget on top of it
+           "online", "online-rho0.75",  # online replication (lrmoe.planner.online) and LRMoE's budget on top of it
+           "online-greedy"]  # its first rule: every copy that relieves the busiest rank, whatever the push costs
 # Quick mode simulates every MoE layer (fewer iterations instead), so it runs the headline systems and the
 # components of LRMoE the figures take apart, and the metric variant lrmoe-random (its selection's price).
 QUICK_SYSTEMS = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "symi-dropless-lrmoe-slots", "lrmoe",
@@ -80,7 +84,8 @@ CATS = ["forward", "backward", "communication", "sync", "overhead"]
 PLOTTED = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless-lrmoe-slots", "lrmoe", "lrmoe-host-groups",
            "lrmoe-no-memplace", "lrmoe-no-quotas", "lrmoe-padded"]
 # The headline's systems, priced again at every corner of the uncertain constants (the sensitivity band).
-BANDED = ["lrmoe", "symi-dropless", "symi-cf1", "symi-dropless-lrmoe-slots", "online", "online-rho0.75"]
+BANDED = ["lrmoe", "symi-dropless", "symi-cf1", "symi-dropless-lrmoe-slots", "online", "online-rho0.75",
+          "online-greedy", "lrmoe-rho0.75", "lrmoe-rho0.75-early", "symi-dropless-rho0.75"]
 # The uncertain constants and their ranges (DESIGN.md §5.4; issue 15): GEMM efficiency 0.5-0.9 of peak,
 # half-efficiency rows 32-512, links at 70-100 % of the datasheet, 1-32 micro-batches per iteration.
 SENSITIVITY = {"eff_max": (0.5, 0.9), "m_half": (32.0, 512.0), "bw_scale": (0.7, 1.0)}
@@ -99,6 +104,8 @@ def skew_arg(value: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"--skews {value!r}: expected family:number, e.g. zipf:0.8") from None
     if family not in SKEW_FAMILIES:
         raise argparse.ArgumentTypeError(f"--skews {value!r}: family must be one of {SKEW_FAMILIES}")
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"--skews {value!r}: the parameter must be a finite number")
     return family, number  # its range: check_args
 
 
@@ -140,31 +147,33 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="a small sweep (used by the tests and the main job)")
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--cluster", default="a100-40gb-x8", help="cluster preset (its node is replicated)")
-    parser.add_argument("--ranks", nargs="+", type=int, default=None, help="default 8 16 64 (quick: 8 16)")
+    parser.add_argument("--ranks", nargs="+", type=positive_int_arg, default=None, help="default 8 16 64 (quick: 8 16)")
     parser.add_argument("--skews", nargs="+", type=skew_arg, default=None,
                         help="routing skews, family:param (zipf:s, dirichlet:alpha; a bare number is Zipf s); "
                              f"default {' '.join(SKEWS)}")
-    parser.add_argument("--mem-gb", nargs="+", type=float, default=None,
+    parser.add_argument("--mem-gb", nargs="+", type=positive_float_arg, default=None,
                         help="per-rank budget for all MoE layers, GB (default 0.8x, 1x, 2x the device; quick 1x)")
-    parser.add_argument("--tokens-per-rank", type=int, default=None, help="default per model: " + str(TOKENS))
-    parser.add_argument("--steps", type=int, default=None, help="iterations (default 100; quick 3)")
-    parser.add_argument("--micro-batches", type=int, default=8,
+    parser.add_argument("--tokens-per-rank", type=positive_int_arg, default=None,
+                        help="default per model: " + str(TOKENS))
+    parser.add_argument("--steps", type=positive_int_arg, default=None, help="iterations (default 100; quick 3)")
+    parser.add_argument("--micro-batches", type=positive_int_arg, default=8,
                         help="micro-batches per iteration: the sync phases run once per iteration (ours); the "
                              f"headline's band spans {MICRO_BATCH_BAND[0]}-{MICRO_BATCH_BAND[1]}")
-    parser.add_argument("--layers", type=int, default=None,
+    parser.add_argument("--layers", type=positive_int_arg, default=None,
                         help="simulated MoE layers (default all, quick too; fewer: their mean stands for the rest)")
     parser.add_argument("--systems", nargs="+", default=None, type=system_arg,
                         help=f"default: {' '.join(SYSTEMS)} (quick: {' '.join(QUICK_SYSTEMS)}); {system_names_help()}")
-    parser.add_argument("--eps", type=float, default=0.1, help="LRMoE balance slack")
-    parser.add_argument("--gamma", type=float, default=0.1, help="LRMoE per-expert floor")
-    parser.add_argument("--max-extra", type=int, default=None, help="most extra slots per rank (default E/N)")
+    parser.add_argument("--eps", type=non_negative_float_arg, default=0.1, help="LRMoE balance slack")
+    parser.add_argument("--gamma", type=fraction_arg, default=0.1, help="LRMoE per-expert floor")
+    parser.add_argument("--max-extra", type=non_negative_int_arg, default=None,
+                        help="most extra slots per rank (default E/N)")
     parser.add_argument("--headroom-rule", choices=["planned", "fixed"], default="planned",
                         help="planned: every dropless system sizes its buffers for its own planned peak load "
                              "(DESIGN.md §5.4); fixed: SYMI-dropless for --symi-headroom x the mean, LRMoE for 1 + eps")
-    parser.add_argument("--headroom-margin", type=float, default=0.05,
+    parser.add_argument("--headroom-margin", type=non_negative_float_arg, default=0.05,
                         help="planned rule: buffers for this much more than the planned peak, every system alike "
                              "(ours: later iterations route a little differently from the reference one)")
-    parser.add_argument("--symi-headroom", type=float, default=1.5,
+    parser.add_argument("--symi-headroom", type=positive_float_arg, default=1.5,
                         help="fixed rule only: SYMI-dropless reserves buffers for this x the mean load")
     parser.add_argument("--no-overheads", nargs="*", default=[], choices=[*OVERHEADS, "all"],
                         help="overheads not to charge (lrmoe.sim.overheads), to show their effect")
@@ -173,10 +182,23 @@ def parse_args(argv=None):
                         help="replica-gradient path (DESIGN.md §3.4): 'range' (SYMI's), 'shard' (straight to the "
                              "optimizer-shard owners), or 'best': each system priced in both from the same plans and "
                              "reported in its faster mode (iter_s_range, iter_s_shard and replica_grad say which)")
-    parser.add_argument("--headline-mem-gb", type=float, default=None, help="budget of the headline (default 1x)")
+    parser.add_argument("--headline-mem-gb", type=positive_float_arg, default=None,
+                        help="budget of the headline (default 1x)")
+    parser.add_argument("--band-every-budget", action="store_true",
+                        help="price the sensitivity corners at every budget, not the headline's alone")
     parser.add_argument("--seed", type=int, default=0)
     add_tracking_args(parser, "outputs/ablate.jsonl")
     args = parser.parse_args(argv)
+    check_tracking_args(parser, args, "ablate")
+    try:
+        validate(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def validate(args) -> None:
+    """The defaults that depend on the cluster and mode, then :func:`check_args` (ValueError naming the flag)."""
     base = cluster_preset(args.cluster)
     device_gb = base.mem_budget_bytes / 1e9
     args.skews = args.skews or [skew_arg(s) for s in SKEWS]
@@ -198,7 +220,6 @@ def parse_args(argv=None):
     if args.steps < 2:
         raise ValueError(f"--steps must be at least 2 (the first is warm-up), got {args.steps}")
     check_args(args)
-    return args
 
 
 def check_args(args) -> None:
@@ -322,7 +343,7 @@ def run_cells(args, run) -> pd.DataFrame:
                     rec = {**common, "system": name, "fits": False, "note": skipped[name]}
                     bar.update(args.steps * layers)
                 else:
-                    banded = name in BANDED and cell.mem_gb == args.headline_mem_gb
+                    banded = name in BANDED and (args.band_every_budget or cell.mem_gb == args.headline_mem_gb)
                     try:
                         res = simulate(counts_ILNE[1:], systems[name], m, c,
                                        cost_kwargs=cost_kwargs(name, cell, args), micro_batches=args.micro_batches,

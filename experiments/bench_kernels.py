@@ -34,7 +34,7 @@ from lrmoe.config import cluster_preset, model_preset  # noqa: E402 - after TRIT
 from lrmoe.harness.timing import time_once_ms  # noqa: E402
 from lrmoe.kernels.compact import compact_plan, pack, unpack  # noqa: E402
 from lrmoe.kernels.grouped_gemm import grouped_mm, swiglu_experts  # noqa: E402
-from lrmoe.integrations.tracking import Tracker, add_tracking_args  # noqa: E402
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -293,6 +293,7 @@ def main(argv=None) -> list[dict]:
                         "name via the cluster presets)")
     add_tracking_args(parser, "outputs/bench_kernels.jsonl")
     args = parser.parse_args(argv)
+    check_tracking_args(parser, args, "bench_kernels")
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = args.repeats or (5 if args.quick else 11)

@@ -26,7 +26,7 @@ from lrmoe.planner.placement import lrmoe_placement
 from lrmoe.planner.quotas import rank_caps, retention_quotas
 from lrmoe.planner.replica_routing import route_backward, route_forward
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
-from lrmoe.integrations.tracking import Tracker, add_tracking_args
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
 from lrmoe.integrations.traces import generate_trace
 
 POLICY_NAMES = ("lrmoe", "lrmoe-tight", "symi-dropless", "symi-cf1", "static-ep", "capacity-cf1")
@@ -162,6 +162,7 @@ def main(argv=None) -> pd.DataFrame:
     parser.add_argument("--seed", type=int, default=0)
     add_tracking_args(parser, "outputs/bench_planner.jsonl")
     args = parser.parse_args(argv)
+    check_tracking_args(parser, args, "bench_planner")
     check_args(args, parser)
     with Tracker("bench_planner", config=vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:

@@ -32,7 +32,7 @@ from lrmoe.harness.timing import time_ms
 from lrmoe.recal.recalibrate import pair_groups, proportional_quotas
 from lrmoe.recal.scoring import METRIC_REGISTRY, PairParts
 from lrmoe.recal.selection import MODES, select
-from lrmoe.integrations.tracking import Tracker, add_tracking_args
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
 from lrmoe.integrations.traces import sample_topk, zipf_popularity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -98,6 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (tests)")
     add_tracking_args(parser, "outputs/bench_scoring.jsonl")
     args = parser.parse_args(argv)
+    check_tracking_args(parser, args, "bench_scoring")
     if args.quick:
         args.tokens, args.sources, args.experts, args.width, args.reps = 512, 4, 16, 64, 3
     for flag in ("tokens", "top_k", "experts", "sources", "width", "threads", "reps"):

@@ -24,7 +24,7 @@ import torch
 
 from lrmoe.harness.timing import time_ms
 from lrmoe.config import cluster_preset, model_preset
-from lrmoe.integrations.tracking import Tracker, add_tracking_args
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
@@ -164,6 +164,7 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--seed", type=int, default=0)
     add_tracking_args(parser, "outputs/calibrate_gpu.jsonl")  # --overwrite also replaces the data file
     args = parser.parse_args(argv)
+    check_tracking_args(parser, args, "calibrate_gpu")
     if not torch.cuda.is_available() and not args.cpu:
         print("calibrate_gpu: no CUDA GPU is visible, so nothing was measured and no data file was written; the "
               "cost model keeps its placeholder GEMM constants (see lrmoe/sim/cost.py). Run this on a GPU.")

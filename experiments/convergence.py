@@ -33,7 +33,8 @@ from lrmoe.analysis.protocol import REFERENCES, endpoint
 from lrmoe.analysis.runs import last_per_step, per_run, summarise, time_to_reach
 from lrmoe.config import model_preset
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, read_results
+from lrmoe.checks import non_negative_float_arg, non_negative_int_arg, positive_int_arg
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args, read_results
 
 RHOS = (0.9, 0.75, 0.6, 0.5)
 # the full sweep: the references, LRMoE in cap mode, and the retention budget at each rho with m2 top-k, m2
@@ -85,7 +86,8 @@ def train_argv(args, policy: str, seed: int, results: Path) -> list[str]:
             "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches), "--seed", str(seed),
             "--lr-schedule", args.lr_schedule, "--warmup", str(min(args.warmup, args.steps - 1)),
             "--extra-slots", str(args.lrmoe_extra_slots if lrmoe else args.extra_slots),
-            "--eps", str(args.lrmoe_eps), "--aux-coef", str(args.aux_coef),
+            "--eps", str(args.lrmoe_eps), "--aux-coef", str(args.aux_coef), "--micro-batches", str(args.micro_batches),
+            *(["--activation-checkpointing"] if args.activation_checkpointing else []),
             "--ckpt-dir", str(folder / "checkpoints" / policy), "--ckpt-every", str(args.ckpt_every),
             "--out", str(results), "--trace-out", str(folder / f"trace_{policy}.npz"),
             *(["--overwrite"] if args.overwrite else ["--resume"] if results.exists() or args.resume else []),
@@ -97,30 +99,34 @@ def parse_args(argv=None):
     parser.add_argument("--preset", default="qwen3-30b-a3b-debug")
     parser.add_argument("--policies", nargs="+", default=None, type=system_arg,
                         help="default: the full grid (--quick: the quick grid). " + system_names_help())
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--ranks", type=positive_int_arg, default=4)
+    parser.add_argument("--steps", type=positive_int_arg, default=200)
+    parser.add_argument("--batch", type=positive_int_arg, default=4)
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine",
                         help="every run's schedule (train.py): 'cosine' decays to a tenth of the lr at the last "
                              "step, so the curves have flattened by then")
-    parser.add_argument("--warmup", type=int, default=10, help="warm-up steps of the cosine schedule")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--eval-batches", type=int, default=4,
+    parser.add_argument("--warmup", type=non_negative_int_arg, default=10, help="warm-up steps of the cosine schedule")
+    parser.add_argument("--seq-len", type=positive_int_arg, default=64)
+    parser.add_argument("--micro-batches", type=positive_int_arg, default=1, help="train.py's: micro-batches per step")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="train.py's: recompute activations")
+    parser.add_argument("--eval-every", type=positive_int_arg, default=20)
+    parser.add_argument("--eval-batches", type=positive_int_arg, default=4,
                         help="validation batches per rank per evaluation (the frontier protocol's 16: DESIGN.md §10.3)")
     parser.add_argument("--seed", type=int, default=0, help="one seed (ignored when --seeds is given)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="several seeds, one run each")
-    parser.add_argument("--target-step", type=int, default=None,
+    parser.add_argument("--seeds", type=non_negative_int_arg, nargs="+", default=None,
+                        help="several seeds, one run each")
+    parser.add_argument("--target-step", type=positive_int_arg, default=None,
                         help="the equal-quality table's step T (default: the last step)")
-    parser.add_argument("--extra-slots", type=int, default=1, help="replica slots per rank for SYMI (and LRMoE)")
-    parser.add_argument("--lrmoe-extra-slots", type=int, default=0,
+    parser.add_argument("--extra-slots", type=non_negative_int_arg, default=1,
+                        help="replica slots per rank for SYMI (and LRMoE)")
+    parser.add_argument("--lrmoe-extra-slots", type=non_negative_int_arg, default=0,
                         help="LRMoE's replica slots per rank (default 0: the memory-constrained case, where the "
                              "backward quotas, not replicas, bound the hot rank)")
-    parser.add_argument("--lrmoe-eps", type=float, default=0.0,
+    parser.add_argument("--lrmoe-eps", type=non_negative_float_arg, default=0.0,
                         help="LRMoE's balance slack: backward cap (1 + eps) x the mean forward load (cap mode)")
     parser.add_argument("--aux-coef", type=float, default=0.1,
                         help="load-balancing loss weight (lower: more routing skew, more for LRMoE to trim)")
-    parser.add_argument("--ckpt-every", type=int, default=20)
+    parser.add_argument("--ckpt-every", type=non_negative_int_arg, default=20)
     parser.add_argument("--quick", action="store_true", help="one seed, 40 steps, batch 2, the quick grid")
     parser.add_argument("--quiet", action="store_true", help="no progress bars from the runs")
     parser.add_argument("--slim", action="store_true",
@@ -128,6 +134,7 @@ def parse_args(argv=None):
                              "aggregate results file; the per-run files keep them")
     add_tracking_args(parser, "outputs/convergence.jsonl")
     args = parser.parse_args(argv)
+    check_tracking_args(parser, args, "convergence")
     if args.quick:
         args.steps, args.eval_every, args.batch = 40, 10, 2
         args.seeds = args.seeds or [args.seed]

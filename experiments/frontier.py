@@ -41,7 +41,8 @@ from lrmoe.sim.cells import TOKENS, Cell, CellRules, build_systems, cost_kwargs
 from lrmoe.sim.simulator import simulate
 from lrmoe.sim.systems import plan_twins
 from lrmoe.systems import get_system
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, read_results
+from lrmoe.checks import fraction_arg, non_negative_float_arg, positive_float_arg, positive_int_arg
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args, read_results, write_report
 from lrmoe.integrations.traces import generate_trace
 
 REFERENCE = "symi-dropless"  # the x axis' unit
@@ -462,20 +463,23 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--convergence", nargs="+", default=["outputs/convergence.jsonl"],
                         help="the convergence results file(s)")
-    parser.add_argument("--target-step", type=int, default=None, help="equal-quality step T (default: the last)")
-    parser.add_argument("--max-gap-pct", type=float, default=MAX_GAP_PCT)
+    parser.add_argument("--target-step", type=positive_int_arg, default=None,
+                        help="equal-quality step T (default: the last)")
+    parser.add_argument("--max-gap-pct", type=positive_float_arg, default=MAX_GAP_PCT)
     parser.add_argument("--model", default=protocol.SIM_MODEL)
     parser.add_argument("--cluster", default=protocol.SIM_CLUSTER)
-    parser.add_argument("--nodes", type=int, default=protocol.SIM_NODES)
-    parser.add_argument("--skew", type=float, default=0.8, help="Zipf s of the synthetic trace")
-    parser.add_argument("--tokens-per-rank", type=int, default=None,
+    parser.add_argument("--nodes", type=positive_int_arg, default=protocol.SIM_NODES)
+    parser.add_argument("--skew", type=non_negative_float_arg, default=0.8, help="Zipf s of the synthetic trace")
+    parser.add_argument("--tokens-per-rank", type=positive_int_arg, default=None,
                         help="tokens per rank per micro-batch (default: the ablation's for the model)")
-    parser.add_argument("--mem-gb", type=float, default=None, help="per-rank MoE budget, GB (default: the device)")
-    parser.add_argument("--sim-steps", type=int, default=3, help="simulated iterations (the first is warm-up)")
-    parser.add_argument("--layers", type=int, default=None, help="simulated MoE layers (default all)")
-    parser.add_argument("--micro-batches", type=int, default=protocol.SIM_MICRO_BATCHES)
-    parser.add_argument("--eps", type=float, default=0.1)
-    parser.add_argument("--gamma", type=float, default=0.1)
+    parser.add_argument("--mem-gb", type=positive_float_arg, default=None,
+                        help="per-rank MoE budget, GB (default: the device)")
+    parser.add_argument("--sim-steps", type=positive_int_arg, default=3,
+                        help="simulated iterations (the first is warm-up)")
+    parser.add_argument("--layers", type=positive_int_arg, default=None, help="simulated MoE layers (default all)")
+    parser.add_argument("--micro-batches", type=positive_int_arg, default=protocol.SIM_MICRO_BATCHES)
+    parser.add_argument("--eps", type=non_negative_float_arg, default=0.1)
+    parser.add_argument("--gamma", type=fraction_arg, default=0.1)
     parser.add_argument("--sim-seed", type=int, default=0)
     parser.add_argument("--sim-from", default=None,
                         help="an earlier frontier results file: reuse its simulated times at the same scale")
@@ -495,6 +499,7 @@ def parse_args(argv=None):
                         help="--regime: the sweep's planned seeds (the table is interim below them)")
     add_tracking_args(parser, "outputs/frontier.jsonl")
     args = parser.parse_args(argv)
+    check_tracking_args(parser, args, "frontier", report=True)  # its report beside it: never an unrelated file
     if args.quick:
         args.layers, args.sim_steps = args.layers or 4, 2
     if args.tokens_per_rank is None:  # the protocol's scale under --regime (DESIGN.md §10.1), else the ablation's
@@ -539,8 +544,7 @@ def main(argv=None) -> pd.DataFrame:
         print(table[cols].sort_values("time_vs_dropless").to_markdown(index=False, floatfmt=".3f"))
         print()
         print(headline_text(h))
-        report = Path(args.out).with_suffix(".md")
-        report.write_text(markdown_report(table[cols], h, sim_rows[0], curves, figure[0].name))
+        report = write_report(args.out, markdown_report(table[cols], h, sim_rows[0], curves, figure[0].name))
         print(f"results: {args.out}; figure: {figure[0]}; report: {report}")
     return table
 

@@ -53,7 +53,9 @@ from lrmoe.planner.replica_routing import route_forward
 from lrmoe.runtime.routing import RouterOutput
 from lrmoe.harness.layer_bench_setup import buffer_load, make_policy, make_traces, memory_model, system_context
 from lrmoe.systems import check_systems, system_arg, system_names_help
-from lrmoe.integrations.tracking import Tracker, add_tracking_args
+from lrmoe.checks import (fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg,
+                          positive_int_arg)
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
 
 DEFAULT_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1", "lrmoe"]
 
@@ -64,28 +66,36 @@ QUICK = {"tokens_per_rank": 128, "steps": 4, "warmup": 1, "hidden": 256, "ffn": 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=4, help="ranks of the fork launcher (ignored with --torchrun)")
+    p.add_argument("--ranks", type=positive_int_arg, default=4,
+                   help="ranks of the fork launcher (ignored with --torchrun)")
     p.add_argument("--torchrun", action="store_true", help="run under torchrun (one process per rank)")
     p.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES, type=system_arg, help=system_names_help())
     p.add_argument("--model", default="qwen3-30b-a3b-debug", help="model preset giving E, k and the router")
-    p.add_argument("--hidden", type=int, default=512, help="hidden width D (0: the preset's)")
-    p.add_argument("--ffn", type=int, default=256, help="expert width F (0: the preset's)")
-    p.add_argument("--tokens-per-rank", type=int, default=256)
-    p.add_argument("--steps", type=int, default=8, help="measured iterations per policy and trace")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured iterations before them")
+    p.add_argument("--hidden", type=non_negative_int_arg, default=512, help="hidden width D (0: the preset's)")
+    p.add_argument("--ffn", type=non_negative_int_arg, default=256, help="expert width F (0: the preset's)")
+    p.add_argument("--tokens-per-rank", type=positive_int_arg, default=256)
+    p.add_argument("--steps", type=positive_int_arg, default=8, help="measured iterations per policy and trace")
+    p.add_argument("--warmup", type=non_negative_int_arg, default=2, help="unmeasured iterations before them")
     p.add_argument("--skew", default="zipf", choices=["zipf", "dirichlet"])
-    p.add_argument("--skew-param", type=float, nargs="+", default=[0.4, 0.8],
+    p.add_argument("--skew-param", type=non_negative_float_arg, nargs="+", default=[0.4, 0.8],
                    help="one synthetic trace per value: Zipf s (0.8: hottest ~15x the mean at E=128) or α")
     p.add_argument("--trace", default=None, help="also replay a recorded trace (.npz of lrmoe.integrations.traces)")
-    p.add_argument("--trace-layer", type=int, default=0, help="which layer of the recorded trace")
-    p.add_argument("--spare-slots", type=int, default=1, help="replica slots per rank beyond E/N (the memory)")
-    p.add_argument("--eps", type=float, default=0.1, help="LRMoE's balance slack (cap = (1 + eps) x mean load)")
+    p.add_argument("--trace-layer", type=non_negative_int_arg, default=0, help="which layer of the recorded trace")
+    p.add_argument("--spare-slots", type=non_negative_int_arg, default=1,
+                   help="replica slots per rank beyond E/N (the memory)")
+    p.add_argument("--eps", type=non_negative_float_arg, default=0.1,
+                   help="LRMoE's balance slack (cap = (1 + eps) x mean load)")
     p.add_argument("--replica-grad", choices=REPLICA_GRAD_MODES, nargs="+", default=["range"],
                    help="replica gradients: 'range' (SYMI's range all-reduce, then collection) or 'shard' (each "
                         "host's sum straight to the optimizer-shard owners), for every system; both: every policy "
                         "runs in each mode side by side, labelled 'policy (mode)'")
-    p.add_argument("--gamma", type=float, default=0.1, help="LRMoE's per-expert floor")
-    p.add_argument("--buffer-load", type=float, default=None,
+    p.add_argument("--gamma", type=fraction_arg, default=0.1, help="LRMoE's per-expert floor")
+    # ours: the CPU calibration of lrmoe.harness.calibrate_cpu (4 gloo ranks, fp32) prices one expert's push at
+    # 27 (D=512, F=256) to 60 (D=256, F=128) pairs of the busiest rank's work (lrmoe.sim.cost.CostModel.push_cost_rows)
+    p.add_argument("--push-cost-rows", type=non_negative_float_arg, default=32.0,
+                   help="cost-aware online replication pushes a copy only when it relieves the busiest rank by more "
+                        "than this many pairs (online-greedy: any relief)")
+    p.add_argument("--buffer-load", type=positive_float_arg, default=None,
                    help="the memory budget's token buffers hold this many times the mean load (default 1 + eps); "
                         "below that LRMoE's memory cap trims the backward, and may leave no room for a replica")
     p.add_argument("--no-grad-error", action="store_true", help="skip the full-gradient reference iterations")
@@ -94,18 +104,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="small run for the main job: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in
                                                                   QUICK.items()))
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the fork launch is abandoned")
+    p.add_argument("--timeout", type=positive_float_arg, default=900.0,
+                   help="seconds before the fork launch is abandoned")
     add_tracking_args(p, "outputs/layer_bench.jsonl")
     args = p.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    for name in ("ranks", "tokens_per_rank", "steps"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.warmup < 0 or args.spare_slots < 0 or args.hidden < 0 or args.ffn < 0:
-        raise ValueError(f"--warmup, --spare-slots, --hidden and --ffn must be non-negative, got {args.warmup}, "
-                         f"{args.spare_slots}, {args.hidden}, {args.ffn}")
+    check_tracking_args(p, args, "layer_bench")  # before the benchmark, not after it
     return args
 
 
@@ -136,7 +142,7 @@ class FullGradient:
         plan = self.policy.plan(counts_NE, prev_counts_E)
         fwd_NG = plan.fwd_NG if not bool(plan.dropped_NE.any()) else route_forward(counts_NE, plan.placement_NS)
         return LayerPlan.dropless(plan.placement_NS, fwd_NG, counts_NE.shape[1], policy=self.name,
-                                  next_placement_NS=plan.next_placement_NS)
+                                  next_placement_NS=plan.next_placement_NS, push_src_G=plan.push_src_G)
 
 
 def _reduce_sum(values: list[float]) -> list[float]:
@@ -147,8 +153,10 @@ def _reduce_sum(values: list[float]) -> list[float]:
 
 
 def full_gradient(layer: EPMoELayer, policy, routing, x_TD, dy_TD, grad_scale: float):
-    """Expert-gradient shards and dx of the full gradient, with no side effect on the layer (untimed)."""
-    saved = layer.accountant, layer.store.accountant, layer.prev_counts_E, layer.last_dispatch
+    """Expert-gradient shards and dx of the full gradient, with no side effect on the layer (untimed). A plan that
+    pushes weights (online replication) pushes them here too; the slots get their placement and weights back."""
+    saved = layer.accountant, layer.store.accountant, layer.planning_state()
+    slots_SW = layer.store.slots_SW.detach().clone()
     layer.accountant = layer.store.accountant = None
     try:
         x = x_TD.clone().requires_grad_(True)
@@ -157,7 +165,10 @@ def full_gradient(layer: EPMoELayer, policy, routing, x_TD, dy_TD, grad_scale: f
         layer.store.sync_replica_grads()
         shards = layer.store.collect_grad_shards(grad_scale).clone()
     finally:
-        layer.accountant, layer.store.accountant, layer.prev_counts_E, layer.last_dispatch = saved
+        layer.accountant, layer.store.accountant = saved[:2]
+        layer.restore_planning_state(saved[2])  # empties what the pass pushed: the slots hold their placement again
+        with torch.no_grad():
+            layer.store.slots_SW.copy_(slots_SW)
         layer.store.slots_SW.grad = None
         for p in layer.dense_parameters():
             p.grad = None

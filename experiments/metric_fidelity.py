@@ -59,7 +59,8 @@ from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.runtime.routing import update_expert_bias
 from lrmoe.recal.scoring import METRICS
 from lrmoe.recal.selection import MODES
-from lrmoe.integrations.tracking import Tracker, add_tracking_args
+from lrmoe.checks import fraction_arg
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
 
 EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
 RANDOM_DATA = ("gaussian", "heavy")  # random-init layer, random x and δ
@@ -337,7 +338,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data", nargs="+", default=list(DATA), choices=DATA)
     parser.add_argument("--metrics", nargs="+", default=list(METRICS), choices=METRICS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--rhos", nargs="+", type=float, default=[0.5, 0.7, 0.85])
+    parser.add_argument("--rhos", nargs="+", type=fraction_arg, default=[0.5, 0.7, 0.85])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per batch")
     parser.add_argument("--sources", type=int, default=4, help="simulated source ranks (quota groups)")
     parser.add_argument("--draws", type=int, default=8, help="draws per random configuration")
@@ -356,6 +357,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny run for tests: 128 tokens, 2 draws, 20 steps")
     add_tracking_args(parser, "outputs/metric_fidelity.jsonl")
     args = parser.parse_args(argv)
+    check_tracking_args(parser, args, "metric_fidelity")
     if args.quick:
         args.tokens, args.draws = 128, 2
         args.train_steps = 20 if args.train_steps is None else args.train_steps

@@ -18,6 +18,11 @@ marker with ``--resume``: the stage's tracker then supersedes what the killed at
 (lrmoe.integrations.tracking) and continues from the stage's checkpoints, if it has any. So a half-written results file
 is
 never read as complete and never read twice. A stage's process dies with the main job: no orphan keeps writing.
+Each stage runs in its own process group, which the job stops whole (the stage and the ranks it started) when it
+fails, is interrupted or gets SIGTERM; a SIGKILLed job's stages get the kernel's parent-death signal.
+
+--overwrite removes only what the job writes (each stage's results file, marker, figures, work folder and
+checkpoints named after it, the W&B runs, the figures, SUMMARY.md), never anything else in the folder.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ STAGES = [
           quick=["--steps", "10", "--layers", "4"], full=["--steps", "100", "--layers", "48"]),
     # the paper-scale simulator (one thread, deterministic): beside metric fidelity, convergence and the frontier
     Stage("ablate", "experiments/ablate.py", quick=["--quick"], full=[], background=True),
+    # the simulator again, at per-rank budgets from where the home slots just fit: where memory binds
+    Stage("memory_sweep", "experiments/memory_sweep.py", quick=["--quick"], full=[], table=1),
     Stage("metric_fidelity", "experiments/metric_fidelity.py", quick=[], full=["--draws", "16", "--tokens", "2048"],
           table=-2),
     Stage("convergence", "experiments/convergence.py", quick=["--quick"],
@@ -93,17 +100,36 @@ def markdown_tables(text: str, which: int = -1) -> str:
     return "\n".join(blocks[which]) if len(blocks) >= abs(which) else ""
 
 
-def _die_with(parent: int) -> None:
-    """Run in a stage's process before it starts: have the kernel SIGKILL it when the main job dies (Linux's
-    parent-death signal), so a killed job leaves no stage writing into its folder."""
-    try:
-        import ctypes
+def stage_outputs(out: Path, name: str, names: list[str]) -> list[Path]:
+    """What stage ``name`` (of the stages ``names``) writes in ``out``: its results file (and lock, marker,
+    captured output), the files named after it (figures, report, checkpoints, cached models) and its work folder;
+    not those of another stage whose name starts with this one's."""
+    longer = [other for other in names if other != name and other.startswith(name)]
+    named = [p for p in (*out.glob(f"{name}.*"), *out.glob(f"{name}_*"))
+             if not any(p.name.startswith((f"{other}.", f"{other}_")) or p.name == other for other in longer)]
+    return [*named, out / f".{name}.jsonl.lock", out / f".{name}.stdout", out / name]
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the main job died before the signal was armed
-        os._exit(1)
+
+def job_outputs(out: Path) -> list[Path]:
+    """What the job writes in ``out`` beside its stages' outputs: SUMMARY.md, the figures, the W&B runs."""
+    from lrmoe.paper_figures.figures import FIGURES
+
+    figures = [out / "figures" / f"{name}.{ext}" for name in FIGURES for ext in ("png", "pdf")]
+    wandb = [*(out / "wandb").glob("offline-run-*"), *(out / "wandb").glob("run-*"),
+             *(out / "wandb").glob("debug*.log"), out / "wandb" / "latest-run"]
+    return [out / "SUMMARY.md", *figures, *wandb]
+
+
+def remove_outputs(paths: list[Path]) -> None:
+    """Remove these files and folders (those that exist); then their folders, if that left them empty."""
+    for path in paths:
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+    for folder in {p.parent for p in paths}:
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
 
 
 @dataclass
@@ -140,20 +166,27 @@ def supervise(foreground: Running | None, background: list[Running], every_s: fl
 
 
 def stop(runs: list[Running]) -> None:
-    """Kill the stages in ``runs`` (their output is dropped: they did not complete)."""
+    """Kill the stages in ``runs``, each with its whole process group (the ranks it started too); their output is
+    dropped: they did not complete."""
     for run in runs:
-        run.proc.kill()
+        try:
+            os.killpg(run.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         run.proc.wait()
         run.stdout.unlink(missing_ok=True)
 
 
 def start_stage(stage: Stage, cmd: list[str], env: dict, out: Path) -> Running:
-    """Start one stage's command, its stdout captured into ``out/.<stage>.stdout`` (the summary takes its tables),
-    stderr (progress bars, errors) passed through."""
-    die = functools.partial(_die_with, os.getpid()) if sys.platform.startswith("linux") else None
+    """Start one stage's command in its own process group, its stdout captured into ``out/.<stage>.stdout`` (the
+    summary takes its tables), stderr (progress bars, errors) passed through."""
+    from lrmoe.runtime.distributed.launch import die_with_parent
+
+    die = functools.partial(die_with_parent, os.getpid()) if sys.platform.startswith("linux") else None
     stdout = out / f".{stage.name}.stdout"
     with open(stdout, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=None, text=True, preexec_fn=die)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=None, text=True, preexec_fn=die,
+                                start_new_session=True)
     return Running(stage, proc, stdout, time.time())
 
 
@@ -184,19 +217,28 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["quick", "full"], default="quick")
     parser.add_argument("--out-dir", default=None, help="default: outputs/<mode>")
-    parser.add_argument("--overwrite", action="store_true", help="delete an existing output folder first")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="remove what an earlier run of the job wrote in the output folder first (nothing else)")
     parser.add_argument("--resume", action="store_true",
                         help="skip the stages that completed; redo the others, superseding what they left")
-    parser.add_argument("--only", nargs="*", help="run only these stages")
+    parser.add_argument("--only", nargs="*", help="run only these stages ('figures': the figures)")
     args = parser.parse_args(argv)
     stages = STAGES if stages is None else stages
+    names = [stage.name for stage in stages] + ["figures"]
+    unknown = [name for name in args.only or [] if name not in names]
+    if unknown:
+        parser.error(f"--only: no stage named {', '.join(unknown)}; the stages are {', '.join(names)}")
+    if args.overwrite and args.resume:
+        parser.error("--overwrite and --resume contradict each other; choose one")
     out = Path(args.out_dir or ROOT / "outputs" / args.mode)
-    if out.exists() and any(out.iterdir()):
-        if args.overwrite:
-            shutil.rmtree(out)
-        elif not args.resume:
-            sys.exit(f"error: {out} holds the results of an earlier run; pass --overwrite to replace them or "
-                     f"--resume to finish the stages that did not complete")
+    selected = [stage for stage in stages if not args.only or stage.name in args.only]
+    earlier = [p for p in (*job_outputs(out), *(q for name in names for q in stage_outputs(out, name, names)))
+               if p.exists() or p.is_symlink()] if out.is_dir() else []
+    if earlier and not (args.overwrite or args.resume):
+        parser.error(f"{out} holds the results of an earlier run ({earlier[0].name}, ...); pass --overwrite to "
+                     f"replace them or --resume to finish the stages that did not complete")
+    if args.overwrite:
+        remove_outputs([*job_outputs(out), *(p for st in selected for p in stage_outputs(out, st.name, names))])
     out.mkdir(parents=True, exist_ok=True)
     (out / "SUMMARY.md").unlink(missing_ok=True)  # the job's end marker: present only once this run completes
     # each stage starts its own W&B service, which dies with it: none that outlives a killed stage (one this job
@@ -222,38 +264,47 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
                 return code
         return 0
 
-    for stage in stages:
-        if args.only and stage.name not in args.only:
-            continue
-        results = out / f"{stage.name}.jsonl"
-        done = out / f"{stage.name}.done"
-        if stage_complete(out, stage):
-            print(f"== {stage.name}: complete, skipped (--resume)")
-            sections[stage.name] = done.read_text()
-            continue
-        done.unlink(missing_ok=True)
-        if code := collect_background(wait=stage.measured):
+    from lrmoe.runtime.distributed.launch import terminate_on_sigterm
+
+    stages_run: list[Running] = []
+    restore = terminate_on_sigterm()  # SIGTERM: SystemExit here, so the stages below are stopped on the way out
+    try:
+        for stage in stages:
+            if args.only and stage.name not in args.only:
+                continue
+            results = out / f"{stage.name}.jsonl"
+            done = out / f"{stage.name}.done"
+            if stage_complete(out, stage):
+                print(f"== {stage.name}: complete, skipped (--resume)")
+                sections[stage.name] = done.read_text()
+                continue
+            done.unlink(missing_ok=True)
+            if code := collect_background(wait=stage.measured):
+                return code
+            extra = [a.format(out=out) for a in (stage.quick if args.mode == "quick" else stage.full)]
+            cmd = [sys.executable, str(ROOT / stage.script), "--out", str(results), *extra]
+            if results.exists():  # an interrupted stage: its tracker supersedes what the killed attempt left
+                cmd.append("--resume")
+            how = " (in the background: the next stages run beside it)" if stage.background else ""
+            print(f"== {stage.name}{how}: {' '.join(cmd[1:])}", flush=True)
+            run = start_stage(stage, cmd, env, out)
+            stages_run.append(run)
+            if stage.background:
+                background.append(run)
+                continue
+            supervise(run, background)
+            if run.ended is None:  # a background stage failed: stop this one and report that one's failure
+                stop([run])
+                return collect_background(wait=False)
+            code, sections[stage.name] = finish_stage(run, out)
+            if code:
+                stop(background)
+                return code
+        if code := collect_background(wait=True):
             return code
-        extra = [a.format(out=out) for a in (stage.quick if args.mode == "quick" else stage.full)]
-        cmd = [sys.executable, str(ROOT / stage.script), "--out", str(results), *extra]
-        if results.exists():  # an interrupted stage: its tracker supersedes what the killed attempt left
-            cmd.append("--resume")
-        how = " (in the background: the next stages run beside it)" if stage.background else ""
-        print(f"== {stage.name}{how}: {' '.join(cmd[1:])}", flush=True)
-        run = start_stage(stage, cmd, env, out)
-        if stage.background:
-            background.append(run)
-            continue
-        supervise(run, background)
-        if run.ended is None:  # a background stage failed: stop this one and report that one's failure
-            stop([run])
-            return collect_background(wait=False)
-        code, sections[stage.name] = finish_stage(run, out)
-        if code:
-            stop(background)
-            return code
-    if code := collect_background(wait=True):
-        return code
+    finally:  # an error, Ctrl-C or SIGTERM of the job: no stage, nor any rank of one, keeps running
+        stop([run for run in stages_run if run.proc.poll() is None])
+        restore()
     for stage in stages:
         if stage.name in sections:
             summary += [f"## {stage.name}", "", sections[stage.name], ""]

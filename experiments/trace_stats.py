@@ -20,7 +20,8 @@ import torch
 from tqdm import tqdm
 
 from lrmoe.config import model_preset
-from lrmoe.integrations.tracking import Tracker, add_tracking_args
+from lrmoe.checks import positive_int_arg
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
 from lrmoe.integrations.traces import generate_trace, load_trace
 
 SKEWS = [("zipf", 0.2), ("zipf", 0.4), ("zipf", 0.6), ("zipf", 0.8), ("dirichlet", 4.0), ("dirichlet", 1.0),
@@ -30,14 +31,15 @@ SKEWS = [("zipf", 0.2), ("zipf", 0.4), ("zipf", 0.6), ("zipf", 0.8), ("dirichlet
 def main(argv=None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-30b-a3b")
-    parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tokens-per-rank", type=int, default=4096)
+    parser.add_argument("--ranks", type=positive_int_arg, default=8)
+    parser.add_argument("--steps", type=positive_int_arg, default=20)
+    parser.add_argument("--layers", type=positive_int_arg, default=4)
+    parser.add_argument("--tokens-per-rank", type=positive_int_arg, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--recorded", nargs="*", default=[], help="recorded trace files to summarise too")
     add_tracking_args(parser, "outputs/trace_stats.jsonl")
     args = parser.parse_args(argv)
+    check_tracking_args(parser, args, "trace_stats")
     model = model_preset(args.model)
     torch.manual_seed(args.seed)
     rows = []

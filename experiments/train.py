@@ -26,6 +26,13 @@ throughput, modelled time (--cost-model), load statistics (lrmoe.integrations.lo
 across layers and the dropped / trimmed totals every step; each layer's "load/layer<i>/<key>" every --eval-every
 steps), and the per-layer routing counts, saved as a recorded trace. Checkpoints every --ckpt-every steps;
 --resume continues from the latest checkpoint exactly where it stopped.
+
+--micro-batches K splits each rank's --batch sequences of a step into K micro-batches, each with its own forward,
+plan and backward, one optimizer step after the last (lrmoe.runtime.layer: the placement holds for the step; the
+gradient is that of the mean loss over ranks and micro-batches, so K changes the arithmetic, not the data).
+--activation-checkpointing recomputes each transformer block's activations in the backward (torch's non-reentrant
+checkpoint; HF's gradient_checkpointing_enable()); the MoE layers replay their recorded plans. Per-step records hold
+both; their load columns are the last micro-batch's.
 """
 
 from __future__ import annotations
@@ -43,9 +50,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lrmoe.config import MoEConfig, cluster_preset, model_preset
+from lrmoe.harness.rss import peak_bytes, reset_peak
 from lrmoe.integrations.data import get_batch, load_corpus
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups
-from lrmoe.runtime.layer import EPMoELayer, initial_placement
+from lrmoe.runtime.layer import EPMoELayer, grad_flags, initial_placement, raise_on_grad_flags
 from lrmoe.integrations.load_stats import flat_log, load_stats
 from lrmoe.integrations.model import MoETransformer
 from lrmoe.planner.plan import LayerPlan
@@ -53,7 +61,8 @@ from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.runtime.routing import update_expert_bias
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
-from lrmoe.integrations.tracking import add_tracking_args
+from lrmoe.checks import non_negative_int_arg
+from lrmoe.integrations.tracking import add_tracking_args, atomic_write, check_tracking_args, output_problem
 from lrmoe.integrations.traces import Trace
 
 DEFAULT_PRESET = "qwen3-30b-a3b-debug"
@@ -92,12 +101,18 @@ def set_lr(optimizer: torch.optim.Optimizer, layers: list[EPMoELayer], lr: float
         layer.store.adam = dataclasses.replace(layer.store.adam, lr=lr)
 
 
-def all_reduce_mean_(tensors: list[torch.Tensor], world: int) -> None:
-    """Average gradients over the data-parallel ranks in one flat all-reduce."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+def all_reduce_mean_(tensors: list[torch.Tensor], world: int, layers: list[EPMoELayer],
+                     micro_batches: int = 1) -> None:
+    """Average gradients over the data-parallel ranks and the step's micro-batches in one flat all-reduce, which
+    carries the layers' gradient check: a NaN or inf on any rank raises on every rank, before any weight is
+    updated."""
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+    flags = grad_flags(layers, dist.get_rank(), world, finite).to(tensors[0])
+    flat = torch.cat([*(t.reshape(-1) for t in tensors), flags])
     if world > 1:
         dist.all_reduce(flat)
-    flat /= world
+    raise_on_grad_flags(flat[-world:], layers, dist.get_rank())
+    flat = flat[:-world] / (world * micro_batches)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset: offset + t.numel()].view_as(t))
@@ -106,8 +121,9 @@ def all_reduce_mean_(tensors: list[torch.Tensor], world: int) -> None:
 
 # -- the two architectures behind one interface ----------------------------------------------------------------------
 # Each builds its model and optimizers on every rank and offers: train_step(x, y) -> (this rank's loss, the MoE
-# layers' plans, routed counts [L, N, E]); eval_loss(x, y) (no planning state advanced); state_dict() /
-# load_state_dict() (this rank's checkpoint; collective where the model's state dict is).
+# layers' plans of every micro-batch [micro-batch][layer], routed counts [L, N, E] summed over the micro-batches);
+# eval_loss(x, y) (no planning state advanced); state_dict() / load_state_dict() (this rank's checkpoint; collective
+# where the model's state dict is).
 class NativeModel:
     """lrmoe's own transformer (lrmoe.integrations.model.MoETransformer) with an EPMoELayer per MoE layer."""
 
@@ -128,29 +144,38 @@ class NativeModel:
                                routed_scaling=cfg.routed_scaling, adam=AdamConfig(lr=args.lr, weight_decay=0.0),
                                device=device, backward=system.layer_backward(args.seed * 1000 + i),
                                replica_grad=args.replica_grad)
+            layer.name = f"MoE layer {i}"
             self.layers.append(layer)
             return layer
 
         self.model = MoETransformer(cfg, moe_factory, seed=args.seed).to(device)
+        self.model.activation_checkpointing = args.activation_checkpointing
         expert_params = {id(layer.store.slots_SW) for layer in self.layers}
         self.dense = [p for p in self.model.parameters() if id(p) not in expert_params]
         self.opt = torch.optim.AdamW(self.dense, lr=args.lr, weight_decay=0.0)
 
-    def train_step(self, x, y) -> tuple[torch.Tensor, list[LayerPlan], torch.Tensor]:
-        _, infos, loss, total = self.model(x, y, aux_coef=self.args.aux_coef)
+    def train_step(self, x, y) -> tuple[torch.Tensor, list[list[LayerPlan]], torch.Tensor]:
+        k = self.args.micro_batches
         self.opt.zero_grad(set_to_none=False)
         for layer in self.layers:
             layer.store.slots_SW.grad = None
-        total.backward()
-        all_reduce_mean_([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense], self.world)
+        losses, plans, counts = [], [], 0
+        for x_m, y_m in zip(x.chunk(k), y.chunk(k)):  # micro-batches: gradients accumulate, one step
+            _, infos, loss, total = self.model(x_m, y_m, aux_coef=self.args.aux_coef)
+            total.backward()
+            losses.append(loss.detach())
+            plans.append([info.dispatch.plan for info in infos])
+            counts = counts + torch.stack([info.dispatch.counts_NE for info in infos])
+        # the gradient of the mean loss over ranks and micro-batches (the layers' default scale for the experts)
+        all_reduce_mean_([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense], self.world,
+                         self.layers, k)
         self.opt.step()
         for layer in self.layers:
-            layer.expert_step(grad_scale=1.0 / self.world)
-            if self.cfg.router == "sigmoid_bias":  # GLM-4.5: aux-loss-free balancing of the selection bias
+            layer.expert_step()
+            if self.cfg.router == "sigmoid_bias":  # GLM-4.5: aux-loss-free balancing from the step's counts
                 layer.bias_E.copy_(update_expert_bias(layer.bias_E, layer.prev_counts_E.to(self.device),
                                                       self.args.bias_rate))
-        plans = [info.dispatch.plan for info in infos]
-        return loss.detach(), plans, torch.stack([info.dispatch.counts_NE for info in infos])
+        return torch.stack(losses).mean(), plans, counts
 
     @torch.no_grad()
     def eval_loss(self, x, y) -> torch.Tensor:
@@ -191,6 +216,10 @@ class HFModel:
         self.device = device
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         self.model = AutoModelForCausalLM.from_config(hf_config(cfg)).to(device)  # on its device before the swap
+        if args.activation_checkpointing:
+            self.model.train()  # HF checkpoints its decoder layers in training mode only
+            getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)()
+        self.micro_batches = args.micro_batches
         self.ep = swap_moe_blocks(self.model, args.policy, context=system_context(args, cfg, world), seed=args.seed,
                                   adam=AdamConfig(lr=args.lr, weight_decay=0.0), replica_grad=args.replica_grad)
         self.opt = torch.optim.AdamW(self.ep.dense_parameters(), lr=args.lr, weight_decay=0.0)
@@ -198,14 +227,19 @@ class HFModel:
         self.aux_coef = 0.0 if self.ep.family.biased else args.aux_coef  # GLM: the selection bias balances
         self.bias_rate = args.bias_rate
 
-    def train_step(self, x, y) -> tuple[torch.Tensor, list[LayerPlan], torch.Tensor]:
-        out = self.model(x, output_router_logits=True)
-        loss = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())  # y is x shifted by one already
-        total = loss + self.aux_coef * out.aux_loss if self.aux_coef else loss
-        total.backward()
-        self.ep.step(self.opt, bias_rate=self.bias_rate)  # dense sync + AdamW, expert Adam + redistribution, bias
-        plans = self.ep.plans()
-        return loss.detach(), plans, torch.stack([p.routed_NE for p in plans])
+    def train_step(self, x, y) -> tuple[torch.Tensor, list[list[LayerPlan]], torch.Tensor]:
+        losses, plans = [], []
+        for x_m, y_m in zip(x.chunk(self.micro_batches), y.chunk(self.micro_batches)):
+            out = self.model(x_m, output_router_logits=True)
+            loss = F.cross_entropy(out.logits.flatten(0, 1), y_m.flatten())  # y is x shifted by one already
+            total = loss + self.aux_coef * out.aux_loss if self.aux_coef else loss
+            total.backward()
+            losses.append(loss.detach())
+            plans.append(self.ep.plans())
+        # dense sync + AdamW, expert Adam + redistribution, bias: the mean loss over ranks and micro-batches
+        self.ep.step(self.opt, bias_rate=self.bias_rate)
+        counts = sum(torch.stack([p.routed_NE for p in micro]) for micro in plans)
+        return torch.stack(losses).mean(), plans, counts
 
     @torch.no_grad()
     def eval_loss(self, x, y) -> torch.Tensor:
@@ -253,56 +287,159 @@ def evaluate(run, data, args, world: int) -> float:
     return float(total) / (args.eval_batches * world)
 
 
-def step_record(args, step: int, loss_sum: float, plans: list[LayerPlan], counts_LNE: torch.Tensor,
+def step_record(args, step: int, loss_sum: float, plans_M: list[list[LayerPlan]], counts_LNE: torch.Tensor,
                 elapsed: float, world: int, cost, per_layer: bool) -> dict:
     """One step's results row: loss, dropped pairs, forward / retained backward pairs per rank, the hot rank's
-    backward cut, throughput, modelled time, load statistics (each layer's only when ``per_layer``)."""
+    backward cut (of the last micro-batch), throughput, modelled time (every micro-batch's exchanges and GEMMs, the
+    sync phases once), load statistics (each layer's only when ``per_layer``)."""
+    plans = plans_M[-1]
     fwd_N = torch.stack([p.fwd_load_N for p in plans]).sum(0).double()
     bwd_N = torch.stack([p.bwd_load_N for p in plans]).sum(0).double()
     hot = int(fwd_N.argmax())
     record = {
         "policy": args.policy, "step": step, "loss": loss_sum / world,
-        "dropped_frac": float(sum(p.dropped_NE.sum() for p in plans)) / float(counts_LNE.sum()),
+        "dropped_frac": float(sum(p.dropped_NE.sum() for ps in plans_M for p in ps)) / float(counts_LNE.sum()),
         "fwd_pairs_max": float(fwd_N.max()), "fwd_pairs_mean": float(fwd_N.mean()),
         "bwd_pairs_max": float(bwd_N.max()), "bwd_pairs_mean": float(bwd_N.mean()),
         "hot_rank_bwd_cut": 1.0 - float(bwd_N[hot] / fwd_N[hot]),
         "tokens_per_s": args.batch * args.seq_len * world / elapsed,
+        "micro_batches": args.micro_batches, "activation_checkpointing": args.activation_checkpointing,
     }
     if cost is not None:
-        record["modelled_s"] = sum(cost.cost(p).total_s for p in plans)
+        times = [[cost.cost(p) for p in ps] for ps in plans_M]
+        record["modelled_s"] = (sum(t.total_s - t.category_s()["sync"] for ts in times for t in ts)
+                                + sum(t.category_s()["sync"] for t in times[-1]))
     record.update(flat_log(load_stats(plans=plans), prefix="load/", per_layer=per_layer))
     return record
+
+
+# The arguments that define a run: a checkpoint written under other values belongs to another run, and --resume
+# refuses it. Add an argument here when it changes what a run computes.
+RUN_ARGS = ("preset", "hf_config", "policy", "ranks", "seed", "batch", "seq_len", "steps", "lr", "lr_schedule",
+            "warmup", "min_lr_frac", "aux_coef", "bias_rate", "extra_slots", "eps", "gamma", "replica_grad", "data",
+            "max_bytes")
+
+
+def run_identity(args, world: int) -> dict:
+    """Whose checkpoint this is: the script, the run id, the results file and the defining arguments."""
+    return {"script": "train", "run_id": args.run_id, "results": str(args.out),
+            "args": {**{name: getattr(args, name) for name in RUN_ARGS}, "ranks": world}}
 
 
 def checkpoint_path(args, step: int, rank: int) -> Path:
     return Path(args.ckpt_dir) / f"step{step:06d}" / f"rank{rank}.pt"
 
 
-def save_checkpoint(args, step, rank, run, gen, counts, history) -> None:
-    """This rank's checkpoint (every rank calls it: the HF model's state dict is collective)."""
+def save_checkpoint(args, step, rank, run, gen, counts, history, world: int) -> None:
+    """This rank's checkpoint (every rank calls it: the HF model's state dict is collective), written atomically
+    and fsynced (lrmoe.integrations.tracking.atomic_write): a crash mid-save leaves the previous one intact."""
     path = checkpoint_path(args, step, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"step": step, "architecture": run.architecture, **run.state_dict(), "gen": gen.get_state(),
-             "counts": counts, "history": history, "args": vars(args)}
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)  # atomic: a crash mid-save leaves the previous checkpoint intact
+             "counts": counts, "history": history, "run": run_identity(args, world)}
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def checkpoint_steps(args) -> list[int]:
+    """The steps with a checkpoint folder in --ckpt-dir, newest first."""
+    root = Path(args.ckpt_dir)
+    found = root.glob("step[0-9][0-9][0-9][0-9][0-9][0-9]") if root.is_dir() else []
+    return sorted((int(p.name[4:]) for p in found), reverse=True)
+
+
+def read_checkpoint(path: Path, mmap: bool = False) -> dict:
+    """A checkpoint's state, read as data only (``weights_only``: a crafted file cannot run code)."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def identity_mismatch(path: Path, saved: dict, here: dict) -> str | None:
+    """Why the checkpoint at ``path`` (``saved``: its identity) is not this run's (``here``), naming both sides."""
+    if saved.get("script") != here["script"]:
+        return f"checkpoint {path} was written by {saved.get('script')!r}, not by {here['script']!r}"
+    diffs = [f"--{k.replace('_', '-')} {saved['args'].get(k)!r} there, {v!r} here" for k, v in here["args"].items()
+             if saved["args"].get(k) != v]
+    if diffs:
+        return (f"checkpoint {path} belongs to another run (results file {saved['results']}): " + "; ".join(diffs))
+    if saved.get("run_id") != here["run_id"]:
+        return (f"checkpoint {path} belongs to run {saved.get('run_id')} (results file {saved['results']}), but the "
+                f"results file {here['results']} holds run {here['run_id']}")
+    return None
 
 
 def latest_checkpoint(args, world: int) -> int | None:
+    """The newest step whose every rank's checkpoint reads and is this run's (``args.run_id``); an unreadable one
+    is named and an earlier one used. ValueError when a checkpoint belongs to another run, or every complete one is
+    unreadable."""
+    here = run_identity(args, world)
+    unreadable = []
+    for step in checkpoint_steps(args):
+        paths = sorted(checkpoint_path(args, step, 0).parent.glob("rank*.pt"))  # another world's too: refused
+        for path in paths:
+            try:
+                saved = read_checkpoint(path, mmap=True).get("run")
+            except Exception as exc:  # noqa: BLE001 - whatever a truncated or foreign file raises
+                unreadable.append(f"{path} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+                print(f"warning: checkpoint {path} is unreadable; trying an earlier one", flush=True)
+                break
+            if saved is None:
+                raise ValueError(f"checkpoint {path} records no run identity (written by an older version)")
+            if why := identity_mismatch(path, saved, here):
+                raise ValueError(f"--resume: {why}")
+        else:
+            if all(checkpoint_path(args, step, rank).is_file() for rank in range(world)):
+                return step  # (else a save killed part-way: not a checkpoint)
+    if unreadable:
+        raise ValueError(f"--resume: no readable checkpoint in {args.ckpt_dir}: {'; '.join(unreadable)}")
+    return None
+
+
+def remove_checkpoints(args) -> None:
+    """--overwrite: remove the checkpoints this script wrote in --ckpt-dir (its step folders' rank files), nothing
+    else; folders left empty go too."""
     root = Path(args.ckpt_dir)
-    steps = sorted(int(p.name[4:]) for p in root.glob("step*") if
-                   all((p / f"rank{r}.pt").exists() for r in range(world))) if root.exists() else []
-    return steps[-1] if steps else None
+    for step in checkpoint_steps(args):
+        folder = root / f"step{step:06d}"
+        for path in folder.glob("rank*.pt"):
+            path.unlink()
+        if not any(folder.iterdir()):
+            folder.rmdir()
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()
+
+
+def plan_resume(args, world: int) -> None:
+    """Decide, before any rank starts, which run this is and where it starts: sets ``args.run_id`` and
+    ``args.start_step`` (0, or the step of the checkpoint --resume continues from). ValueError when --resume would
+    mix runs (a checkpoint of another run; checkpoints whose results file is missing) or when a fresh run would
+    start over an earlier run's checkpoints without --overwrite."""
+    from lrmoe.integrations.tracking import new_run_id, read_results
+
+    args.start_step = 0
+    steps = checkpoint_steps(args)
+    if not args.resume:
+        if steps and not args.overwrite:
+            raise ValueError(f"--ckpt-dir {args.ckpt_dir} holds an earlier run's checkpoints; pass --overwrite to "
+                             f"replace them or --resume to continue that run")
+        args.run_id = new_run_id("train")
+        return
+    out = Path(args.out) if args.out else None
+    headers = read_results(out, "run") if out is not None and out.is_file() else []
+    if not steps:  # nothing to continue from: the run starts again (its records are superseded)
+        args.run_id = headers[-1]["run_id"] if headers else new_run_id("train")
+        return
+    if not headers:
+        raise ValueError(f"--resume: {args.ckpt_dir} holds checkpoints but their results file {out} is missing; "
+                         f"restore it, or pass --overwrite to start a new run")
+    args.run_id = headers[-1]["run_id"]
+    found = latest_checkpoint(args, world)
+    args.start_step = found or 0
 
 
 def load_checkpoint(args, step, rank, run, gen):
     path = checkpoint_path(args, step, rank)
-    state = torch.load(path, weights_only=False)
-    saved = state.get("architecture", "lrmoe")
-    if saved != run.architecture:
-        raise ValueError(f"{path} holds a {saved} model; this run trains a {run.architecture} model (a different "
-                         f"--hf-config?): use another --ckpt-dir")
+    state = read_checkpoint(path)
+    if state["architecture"] != run.architecture:  # defining arguments checked equal: a second safeguard
+        raise ValueError(f"{path} holds a {state['architecture']} model; this run trains a {run.architecture} model")
     run.load_state_dict(state)
     gen.set_state(state["gen"])
     return state["counts"], state["history"]
@@ -318,19 +455,16 @@ def worker(rank: int, args) -> list[dict]:
     gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
     counts: list[torch.Tensor] = []  # per step: [layers, N, E] routed pairs (the recorded trace)
     history: list[dict] = []
-    start = 0
-    if args.resume:
-        found = latest_checkpoint(args, world)
-        if found is not None:
-            counts, history = load_checkpoint(args, found, rank, run, gen)
-            start = found
+    start = args.start_step  # plan_resume's choice, made before the ranks started
+    if start:
+        counts, history = load_checkpoint(args, start, rank, run, gen)
     tracker = None
     if rank == 0 and args.out:
         from lrmoe.integrations.tracking import Tracker
 
         tracker = Tracker("train", vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
                           resume=args.resume, resume_step=start,  # records past the checkpoint are redone
-                          wandb=not args.no_wandb, group=args.preset, quiet=args.quiet)
+                          wandb=not args.no_wandb, group=args.preset, quiet=args.quiet, run_id=args.run_id)
     progress = None
     if rank == 0 and not args.quiet:
         from tqdm import tqdm
@@ -338,10 +472,12 @@ def worker(rank: int, args) -> list[dict]:
         progress = tqdm(total=args.steps, initial=start, desc=f"{args.policy}", disable=None)
     try:
         for step in range(start, args.steps):
+            base = reset_peak() if args.record_peak_rss else 0  # before the clock starts
             t0 = time.perf_counter()
             x, y = get_batch(corpus.train, args.batch, args.seq_len, gen)
             set_lr(run.opt, run.ep.layers if isinstance(run, HFModel) else run.layers, lr_at(step, args))
             loss, plans, counts_LNE = run.train_step(x.to(device), y.to(device))
+            peak = torch.tensor([peak_bytes() - base if args.record_peak_rss else 0], dtype=torch.float64)
             elapsed = time.perf_counter() - t0
             loss_sum = loss.double().reshape(1)
             if world > 1:
@@ -350,6 +486,10 @@ def worker(rank: int, args) -> list[dict]:
             evaluating = (step + 1) % args.eval_every == 0 or step + 1 == args.steps
             record = step_record(args, step + 1, float(loss_sum), plans, counts_LNE, elapsed, world, cost,
                                  per_layer=evaluating)
+            if args.record_peak_rss:  # the step's peak resident memory above its start, the largest rank's
+                if world > 1:
+                    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                record["peak_rss_mib"] = float(peak) / 2**20
             if evaluating:
                 record["val_loss"] = evaluate(run, corpus.val, args, world)
             history.append(record)
@@ -359,14 +499,15 @@ def worker(rank: int, args) -> list[dict]:
                 progress.update(1)
                 progress.set_postfix(loss=f"{record['loss']:.3f}")
             if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
-                save_checkpoint(args, step + 1, rank, run, gen, counts, history)
+                save_checkpoint(args, step + 1, rank, run, gen, counts, history, world)
             if args.stop_after and step + 1 >= args.stop_after:  # simulate an interruption (tests)
                 break
         if rank == 0 and args.trace_out:
             trace = Trace(torch.stack(counts), {"source": "recorded", "model": cfg.name, "seed": args.seed,
                                                  "policy": args.policy, "architecture": run.architecture,
                                                  "steps": len(counts),
-                                                 "tokens_per_rank": args.batch * args.seq_len})
+                                                 "tokens_per_rank": args.batch * args.seq_len,
+                                                 "micro_batches": args.micro_batches})  # counts: summed over them
             trace.save(args.trace_out, overwrite=args.overwrite or args.resume)
     finally:
         if progress is not None:
@@ -376,7 +517,7 @@ def worker(rank: int, args) -> list[dict]:
     return history
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default=None, help=f"model preset (default {DEFAULT_PRESET})")
     parser.add_argument("--hf-config", default=None, metavar="FAMILY",
@@ -390,6 +531,14 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="split each rank's --batch into this many micro-batches per optimizer step (gradient "
+                             "accumulation; the placement holds for the step); must divide --batch")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block's activations in the backward (the MoE layers replay their plans)")
+    parser.add_argument("--record-peak-rss", action="store_true",
+                        help="record each step's peak resident memory above its start (the largest rank's; Linux "
+                             "only, CPU ranks; the heap is freed before every step, outside the timed part)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                         help="'cosine': linear warm-up, then cosine decay to --min-lr-frac x --lr at the last step")
@@ -412,13 +561,19 @@ def parse_args(argv=None):
     parser.add_argument("--data", default=None, help="folder or glob of text files (default: Python's stdlib)")
     parser.add_argument("--max-bytes", type=int, default=4_000_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ckpt-dir", default="outputs/checkpoints/train")
-    parser.add_argument("--ckpt-every", type=int, default=50)
+    parser.add_argument("--ckpt-dir", default=None,
+                        help="checkpoints of this run (default: beside the results file, --out's name + .ckpt)")
+    parser.add_argument("--ckpt-every", type=non_negative_int_arg, default=50, help="0: no checkpoints")
     parser.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--trace-out", default=None, help="save the routing counts as a recorded trace (.npz)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="fork launcher timeout, seconds")
     parser.add_argument("--quiet", action="store_true")
     add_tracking_args(parser, "outputs/train.jsonl")  # --resume also continues from the latest checkpoint
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.hf_config:
         preset = HF_CONFIGS.get(args.hf_config, args.hf_config)
@@ -427,20 +582,34 @@ def parse_args(argv=None):
         args.preset = preset
     elif args.preset is None:
         args.preset = DEFAULT_PRESET
-    for name in ("steps", "batch", "seq_len", "ranks", "eval_every", "eval_batches"):
+    for name in ("steps", "batch", "seq_len", "ranks", "eval_every", "eval_batches", "micro_batches"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.batch % args.micro_batches:
+        parser.error(f"--micro-batches {args.micro_batches} must divide --batch {args.batch} (sequences per rank)")
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup must be in [0, --steps), got {args.warmup}")
     if not 0 < args.min_lr_frac <= 1:
         parser.error(f"--min-lr-frac must be in (0, 1], got {args.min_lr_frac}")
+    if args.ckpt_dir is None:
+        if args.ckpt_every and not args.out:
+            parser.error("--out '' writes no results file: name a --ckpt-dir, or --ckpt-every 0")
+        args.ckpt_dir = str(Path(args.out).with_suffix(".ckpt")) if args.out else None
+    if args.resume and not args.out:
+        parser.error("--resume continues the run of a results file: name it with --out")
     return args
 
 
 def check_args(args) -> None:
-    """Everything a rank would otherwise find out on its own, checked once before any rank starts: the presets,
-    the world size against the experts, the system in that world, the text files. SystemExit with one message."""
+    """Everything a rank would otherwise find out on its own, checked once before any rank starts or any record is
+    written: the output paths (lrmoe.integrations.tracking.check_tracking_args), the presets, the world size against
+    the experts, the system in that world, the text files and their validation split, and which run --resume
+    continues (:func:`plan_resume`: sets ``args.run_id`` and ``args.start_step``). SystemExit with one message."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if args.torchrun else args.ranks
+    parser = build_parser()
+    check_tracking_args(parser, args, "train", {"--trace-out": args.trace_out})
+    if args.ckpt_dir and (problem := output_problem("--ckpt-dir", Path(args.ckpt_dir) / "step", replace=True)):
+        parser.error(problem)
     try:
         cfg = model_preset(args.preset)
         if args.cost_model:
@@ -451,12 +620,16 @@ def check_args(args) -> None:
             from lrmoe.integrations.hf import hf_config  # imports transformers here, once, before the ranks fork
 
             hf_config(cfg)  # raises when the preset has no HF counterpart
-        if args.data is not None:
-            load_corpus(args.data, max_bytes=args.max_bytes)  # raises when it holds no file or is too small
+        corpus = load_corpus(args.data, max_bytes=args.max_bytes)  # raises when it holds no file or is too small
+        for split in ("train", "val"):
+            if getattr(corpus, split).numel() <= args.seq_len + 1:
+                raise ValueError(f"the {split} split of the corpus holds {getattr(corpus, split).numel()} tokens, "
+                                 f"too few for one window of --seq-len {args.seq_len}")
+        plan_resume(args, world)
     except ImportError as exc:
         raise SystemExit(f"train.py: error: --hf-config needs transformers (pip install 'lrmoe[hf]'): {exc}") from None
     except (ValueError, OSError) as exc:
-        raise SystemExit(f"train.py: error: {exc}") from None
+        parser.error(str(exc))
 
 
 def main(argv=None) -> list[dict]:
@@ -466,11 +639,19 @@ def main(argv=None) -> list[dict]:
         from lrmoe.runtime.distributed.comm import init_process_group_from_env
 
         info = init_process_group_from_env()
+        chosen = [args.run_id]
+        dist.broadcast_object_list(chosen, src=0)  # a new run's id: rank 0's
+        args.run_id = chosen[0]
+        if args.overwrite and info.rank == 0:
+            remove_checkpoints(args)
+        dist.barrier()
         history = worker(info.rank, args)
         dist.destroy_process_group()
         return history
     from lrmoe.runtime.distributed.launch import launch
 
+    if args.overwrite:
+        remove_checkpoints(args)
     # Read the corpus and import what the ranks' optimizers import, once, here: the forked ranks inherit both (a
     # process reads a corpus once) instead of spending seconds on each.
     load_corpus(args.data, max_bytes=args.max_bytes)

@@ -62,7 +62,7 @@ from lrmoe.harness.calibrate_cpu import CLOCKS, calibrate, spec_for_bench, write
 from lrmoe.harness.layer_bench_setup import make_policy, make_traces, memory_model, system_context
 from lrmoe.sim.cost import PHASES as MODEL_PHASES
 from lrmoe.sim.cost import CostModel, cpu_gloo_preset
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, read_results
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args, read_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -295,7 +295,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small benchmark and calibration, about a minute")
     p.add_argument("--seed", type=int, default=0)
     add_tracking_args(p, "outputs/validate_sim.jsonl")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_tracking_args(p, args, "validate_sim")
+    return args
 
 
 def run_bench(args, out_dir: Path) -> Path:

@@ -9,6 +9,7 @@ arithmetic runs in NumPy (on arrays of a few hundred entries torch's per-call ov
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import numpy as np
@@ -39,7 +40,8 @@ def check_fraction(name: str, value: float, upper: float | None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if value < 0 or (upper is not None and value > upper):
-        raise ValueError(f"{name} must be in [0, {upper if upper is not None else 'inf'}), got {value!r}")
+        raise ValueError(f"{name} must be in [0, {upper}], got {value!r}" if upper is not None else
+                         f"{name} must be non-negative, got {value!r}")
     return float(value)
 
 
@@ -69,6 +71,30 @@ def non_negative_fields(obj, *names: str) -> None:
         value = getattr(obj, name)
         if value < 0:
             raise ValueError(f"{type(obj).__name__}.{name} must be non-negative, got {value!r}")
+
+
+# --- command-line types (argparse ``type=``: a bad value is an argparse error naming the flag, never a traceback) ---
+
+def _arg(check, kind: type):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an int' if kind is int else 'a number'}: {text!r}") from None
+        try:
+            return check("value", value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).replace("value ", "", 1)) from None
+    return parse
+
+
+positive_int_arg = _arg(positive_int, int)
+non_negative_int_arg = _arg(non_negative_int, int)
+positive_float_arg = _arg(check_positive_number, float)
+
+
+non_negative_float_arg = _arg(lambda name, value: check_fraction(name, value, None), float)
+fraction_arg = _arg(lambda name, value: check_fraction(name, value, 1.0), float)  # a number in [0, 1]
 
 
 # --- apportionment ----------------------------------------------------------------------------------------------

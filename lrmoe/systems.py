@@ -50,6 +50,9 @@ class SystemContext:
                     system.
     ranks_per_node  consecutive ranks that share a node (None: one node): online replication pushes weights only
                     inside a node.
+    push_cost_rows  one weight push's cost in pairs of the busiest rank's work (the cost model's
+                    :meth:`~lrmoe.sim.cost.CostModel.push_cost_rows`): cost-aware online replication pushes a copy
+                    only when it saves more (None: not priced; only the greedy ``online-greedy`` entries build).
     """
 
     num_experts: int
@@ -62,6 +65,7 @@ class SystemContext:
     symi_headroom: float | None = None
     ranks_per_node: int | None = None
     lrmoe_headroom: float | None = None
+    push_cost_rows: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "num_ranks"):
@@ -80,6 +84,8 @@ class SystemContext:
                                                 or self.num_ranks % self.ranks_per_node):
             raise ValueError(f"SystemContext.ranks_per_node must be a positive int dividing num_ranks="
                              f"{self.num_ranks}, got {self.ranks_per_node!r}")
+        if self.push_cost_rows is not None and not self.push_cost_rows >= 0:
+            raise ValueError(f"SystemContext.push_cost_rows must be non-negative, got {self.push_cost_rows!r}")
         if self.lrmoe_headroom is not None and not (self.lrmoe_headroom > 0 and self.memory is not None
                                                     and self.pairs_per_rank is not None):
             raise ValueError(f"SystemContext.lrmoe_headroom={self.lrmoe_headroom!r} must be positive, with memory "
@@ -198,12 +204,23 @@ class TrimmedFactory:
 @dataclass(frozen=True)
 class OnlineFactory:
     """Online replication (:class:`~lrmoe.planner.online.Online`) with the spare slots SYMI-dropless gets in this
-    context
-    (``fit``: the same memory rule, so both replicate into the same memory), pushing inside the context's nodes."""
+    context (``fit``: the same memory rule, so both replicate into the same memory), pushing inside the context's
+    nodes, a copy only where it saves more than its push costs (the context's ``push_cost_rows``); ``greedy``: any
+    copy that relieves the busiest rank at all (the ablation)."""
 
     fit: SymiFactory = SymiFactory()
+    greedy: bool = False
     family = "online"
     planner = "lrmoe"  # ours, a proxy: its greedy placement + LRMoE's balanced forward, timed as LRMoE's planner
+
+    def push_cost_rows(self, ctx: SystemContext) -> float:
+        if self.greedy:
+            return 0.0
+        if ctx.push_cost_rows is None:
+            raise ValueError("cost-aware online replication needs SystemContext.push_cost_rows (the cost model's "
+                             "CostModel.push_cost_rows(), or a script's --push-cost-rows); the greedy rule is "
+                             "'online-greedy'")
+        return ctx.push_cost_rows
 
     def spare_slots(self, ctx: SystemContext) -> int:
         return self.fit.slots(ctx) - ctx.base_slots
@@ -212,7 +229,8 @@ class OnlineFactory:
         return self.fit.note(ctx)
 
     def __call__(self, ctx: SystemContext) -> Online:
-        return Online(spare_slots=self.spare_slots(ctx), ranks_per_node=ctx.ranks_per_node)
+        return Online(spare_slots=self.spare_slots(ctx), ranks_per_node=ctx.ranks_per_node,
+                      push_cost_rows=self.push_cost_rows(ctx))
 
 
 @dataclass(frozen=True)
@@ -246,10 +264,13 @@ class LRMoEFactory:
 
     def kwargs(self, ctx: SystemContext) -> dict:
         kw = {"eps": ctx.eps, "gamma": ctx.gamma, "extra_slots": ctx.spare_slots, "memory": ctx.memory}
-        if ctx.lrmoe_headroom is not None:  # the headroom rule: at most the slots its planned peak leaves
-            kw["extra_slots"] = spare_at(ctx, ctx.lrmoe_headroom) or 0
         for key, value in self.options:
             kw[key] = value(ctx) if callable(value) else value
+        options = dict(self.options)
+        if ctx.lrmoe_headroom is not None and "extra_slots" not in options:
+            # the headroom rule: at most the slots its planned peak leaves, in its own memory model
+            own = ctx if kw["memory"] is None else replace(ctx, memory=kw["memory"])
+            kw["extra_slots"] = spare_at(own, ctx.lrmoe_headroom) or 0
         return kw
 
     def note(self, ctx: SystemContext) -> str:
@@ -257,6 +278,17 @@ class LRMoEFactory:
 
     def __call__(self, ctx: SystemContext) -> LRMoE:
         return LRMoE(**self.kwargs(ctx))
+
+
+@dataclass(frozen=True)
+class EarlyMemory:
+    """A context-derived option: the context's memory model with early selection at ``rho`` (the forward saves
+    activations only for the pairs the backward keeps), so LRMoE's placement may hold more replicas."""
+
+    rho: float
+
+    def __call__(self, ctx: SystemContext) -> MemoryModel | None:
+        return None if ctx.memory is None else replace(ctx.memory, early_rho=self.rho)
 
 
 def lrmoe(**options) -> LRMoEFactory:
@@ -326,10 +358,12 @@ def _system(name: str, make, label: str, color: str, **kw) -> tuple[str, SystemS
 
 
 def _lrmoe(name: str, label: str, color: str, make: LRMoEFactory | None = None, metric: str = "m2",
-           mode: str = "topk", compact: bool = True, **kw) -> tuple[str, SystemSpec]:
-    """An LRMoE entry: the hand-written backward with this metric, selection mode and compaction."""
+           mode: str = "topk", compact: bool = True, early: bool = False, **kw) -> tuple[str, SystemSpec]:
+    """An LRMoE entry: the hand-written backward with this metric, selection mode, compaction and early
+    selection."""
     return _system(name, make or lrmoe(), label, color,
-                   backward=BackwardConfig(metric=metric, mode=mode, compact=compact), recalibrated=True, **kw)
+                   backward=BackwardConfig(metric=metric, mode=mode, compact=compact, early=early), recalibrated=True,
+                   **kw)
 
 
 RHOS = (0.9, 0.75, 0.6, 0.5)  # the retention budgets of the registry, fixed in advance (never tuned per cell)
@@ -357,12 +391,17 @@ SYSTEMS: dict[str, SystemSpec] = dict([
               f"SYMI-dropless, random trim ρ={rho:g}, 1/p", "#08519c",
               backward=BackwardConfig(metric="random", mode="unbiased"), recalibrated=True) for rho in RHOS],
     # -- online replication (lrmoe.planner.online; the MoonEP / Megatron-Core virtual-expert way): this forward's
-    # hottest
-    # experts copied into SYMI-dropless's spare slots inside a node; optimizer state stays with the home experts.
-    # "online-rho0.75": LRMoE's retention budget (m2, top-k, LRMoE's floor) on top of online replication.
+    # hottest experts copied into SYMI-dropless's spare slots inside a node, each copy only where it saves more
+    # time than its push costs; optimizer state stays with the home experts. "-greedy": every copy that relieves
+    # the busiest rank at all (the first rule, an ablation). "-rho0.75": LRMoE's retention budget (m2, top-k,
+    # LRMoE's floor) on top.
     _system("online", OnlineFactory(), "online replication", "#e6550d", **_UNSHARDED),
     _system("online-rho0.75", TrimmedFactory(OnlineFactory(), 0.75, gamma=None), "online + LRMoE budget ρ=0.75",
             "#fd8d3c", backward=BackwardConfig(metric="m2"), recalibrated=True, **_UNSHARDED),
+    _system("online-greedy", OnlineFactory(greedy=True), "online replication, greedy", "#a63603", **_UNSHARDED),
+    _system("online-greedy-rho0.75", TrimmedFactory(OnlineFactory(greedy=True), 0.75, gamma=None),
+            "online greedy + LRMoE budget ρ=0.75", "#fdae6b", backward=BackwardConfig(metric="m2"),
+            recalibrated=True, **_UNSHARDED),
     # -- LRMoE (DESIGN.md §4): "lrmoe" is the cap-mode configuration (eps), m2 metric, top-k, compacted -------
     _lrmoe("lrmoe", "LRMoE", "#d62728"),
     _lrmoe("lrmoe-m1", "LRMoE, m1 metric", "#ff9896", metric="m1"),
@@ -398,6 +437,15 @@ SYSTEMS: dict[str, SystemSpec] = dict([
         # uniform inclusion at the quota, kept pairs scaled by 1/p: the control of m2 unbiased (DESIGN.md §10)
         _lrmoe(f"lrmoe-rho{rho:g}-random-unbiased", f"LRMoE ρ={rho:g}, random, 1/p", "#c49a6c",
                lrmoe(quota_mode="budget", rho=rho), metric="random", mode="unbiased"))],
+    # Early selection (DESIGN.md §4): the gate chooses in the forward, which saves activations for the kept pairs
+    # alone; the memory model counts the saving, so memory-aware placement may hold more replicas (top-k and
+    # unbiased).
+    *[entry for rho in (0.75, 0.5) for entry in (
+        _lrmoe(f"lrmoe-rho{rho:g}-early", f"LRMoE ρ={rho:g}, early selection (gate)", "#843c39",
+               lrmoe(quota_mode="budget", rho=rho, memory=EarlyMemory(rho)), metric="gate", early=True),
+        _lrmoe(f"lrmoe-rho{rho:g}-early-unbiased", f"LRMoE ρ={rho:g}, early selection (gate), unbiased", "#d6616b",
+               lrmoe(quota_mode="budget", rho=rho, memory=EarlyMemory(rho)), metric="gate", mode="unbiased",
+               early=True))],
 ])
 
 # Names older scripts and results files used, and the system each one is.

@@ -2,6 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -38,6 +43,7 @@ import os
 
 import matplotlib.pyplot as plt
 import pandas as pd
+from matplotlib.patches import Patch
 import seaborn as sns
 import torch
 
@@ -46,6 +52,7 @@ from lrmoe.recal.recalibrate import Recalibration, pair_groups, pair_hook, propo
 from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.recal.scoring import METRICS
 from lrmoe.integrations.traces import zipf_popularity
+from lrmoe.paper_figures import style
 
 QUICK = os.environ.get("LRMOE_NOTEBOOK_QUICK") == "1"  # the tests run every notebook in a small mode
 PRESET = "qwen3-30b-a3b-debug"
@@ -53,6 +60,8 @@ TOKENS = 256 if QUICK else 2048
 RANKS = 4  # simulated source ranks (and expert-parallel ranks for the load panel)
 SEED = 0
 sns.set_theme(style="whitegrid", context="notebook")
+KEPT_COLORS = {"dropped": "#9bb7d4", "kept": "#d62728"}
+LOAD_COLORS = {"forward (dropless)": "#7f7f7f", "backward (retained)": "#1f77b4"}
 cfg = model_preset(PRESET)
 print(f"{PRESET}: D={cfg.hidden}, F={cfg.expert_ffn}, E={cfg.num_experts}, top-{cfg.top_k}; {TOKENS} tokens, "
       f"{RANKS} ranks")
@@ -109,23 +118,42 @@ def per_rank_load(result):
 
 
 def show(metric="m2", rho=0.7, skew=0.8, mode="topk"):
+    rho, skew = round(rho, 2), round(skew, 2)  # a slider's value is a multiple of its step (0.30000000000000004: 0.3)
     result = run(metric, rho, skew, mode)
     rec = result["rec"]
-    scores = rec.scores_P.detach().double()
-    gate = result["aux"].gate_TK.detach().reshape(-1).double()
-    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
-    sns.histplot(x=torch.log10(scores.clamp_min(1e-12)).numpy(), hue=rec.keep_P.numpy(), bins=40, ax=axes[0],
-                 multiple="stack")
-    axes[0].set(title=f"{metric} scores (log10) by kept", xlabel="log10 score")
-    axes[1].scatter(gate, scores, c=rec.keep_P.numpy(), cmap="coolwarm", s=6)
-    axes[1].set(xscale="log", yscale="log", title="kept pairs (red) by gate and score", xlabel="gate g",
-                ylabel="score")
-    sns.histplot(x=result["cos_E"].numpy(), bins=20, ax=axes[2])
-    axes[2].set(title=f"per-expert cosine to full grad (rel err {result['rel_all']:.2f})", xlabel="cosine")
-    sns.barplot(per_rank_load(result), x="rank", y="pairs", hue="pass", ax=axes[3])
-    axes[3].set(title="per-rank load, static placement")
-    fig.suptitle(f"{metric}, {mode}, rho={rho}, Zipf s={skew}")
-    fig.tight_layout()
+    kept = pd.Series(rec.keep_P.numpy()).map({True: "kept", False: "dropped"})
+    if metric == "random":  # no score: the top row says so instead of drawing noise (topk) or one spike (unbiased)
+        layout = [["note", "note"], ["cos", "load"]]
+    else:
+        layout = [["scores", "gate"], ["cos", "load"]]
+    fig, axes = plt.subplot_mosaic(layout, figsize=(10, 6.4), layout="constrained")
+    if metric == "random":
+        style.note(axes["note"], "random ranks nothing: each (source rank, expert) group keeps a uniform random "
+                   "subset of its pairs at its quota,\nso there is no score distribution to show")
+    else:
+        scores = rec.scores_P.detach().double()
+        gate = result["aux"].gate_TK.detach().reshape(-1).double()
+        sns.histplot(x=torch.log10(scores.clamp_min(1e-12)).numpy(), hue=kept, hue_order=list(KEPT_COLORS),
+                     palette=KEPT_COLORS, bins=40, multiple="stack", ax=axes["scores"], legend=False)
+        axes["scores"].set(title=f"{metric} scores", xlabel="log10 score", ylabel="pairs")
+        style.integer_ticks(axes["scores"])
+        axes["gate"].scatter(gate, scores, c=kept.map(KEPT_COLORS), s=6)
+        axes["gate"].set(xscale="log", yscale="log", title="which pairs are kept, by gate and score",
+                         xlabel="gate g", ylabel="score")
+    sns.histplot(x=result["cos_E"].numpy(), bins=20, ax=axes["cos"])
+    axes["cos"].set(title="per-expert cosine to the full gradient\n"
+                    f"(relative error, all experts: {result['rel_all']:.2f})", xlabel="cosine", ylabel="experts")
+    style.integer_ticks(axes["cos"])
+    sns.barplot(per_rank_load(result), x="rank", y="pairs", hue="pass", palette=LOAD_COLORS, ax=axes["load"],
+                legend=False)
+    axes["load"].set(title="per-rank load, static placement\n(any metric: the quotas fix how many pairs are kept)")
+    style.integer_ticks(axes["load"])
+    legend = [("per-rank load", LOAD_COLORS, "outside lower right")]
+    if metric != "random":
+        legend.append(("pairs", KEPT_COLORS, "outside lower left"))
+    for title, colors, where in legend:
+        fig.legend([Patch(color=c) for c in colors.values()], list(colors), title=title, loc=where, ncols=2)
+    fig.suptitle(f"{metric}, {mode}, retention ρ = {rho:.2f}, Zipf s = {skew:.2f}")
     plt.show()
     return result
 
@@ -133,8 +161,8 @@ def show(metric="m2", rho=0.7, skew=0.8, mode="topk"):
 # %% [markdown]
 # ## Explore
 #
-# The controls re-run the experiment on every change. Headless (as in the tests) the widgets are created and the
-# default view below is drawn once.
+# The controls re-run the experiment on every change (each view takes a few seconds). Headless, as in the tests,
+# the widgets are created and the default view is drawn once, into the widget.
 
 # %%
 import ipywidgets as widgets
@@ -149,7 +177,7 @@ explorer = widgets.interactive(show, **controls)
 explorer
 
 # %%
-default = show()
+default = explorer.result  # the explorer's current view (under Run All: the defaults)
 print(f"kept {int(default['rec'].keep_P.sum())} of {default['rec'].keep_P.numel()} pairs; "
       f"relative error of all expert gradients: {default['rel_all']:.3f}")
 
@@ -172,7 +200,10 @@ for eps in [0.0, 0.1, 0.3]:
         rows += [{"eps": eps, "rank": rank, "pass": "forward", "pairs": fwd},
                  {"eps": eps, "rank": rank, "pass": "backward (kept)", "pairs": bwd}]
 loads = pd.DataFrame(rows)
-grid = sns.catplot(loads, x="rank", y="pairs", hue="pass", col="eps", kind="bar", height=3, aspect=1.1)
+grid = sns.catplot(loads, x="rank", y="pairs", hue="pass", col="eps", kind="bar", height=2.8, aspect=1.0)
+grid.set_titles("ε = {col_name}")
+for ax in grid.axes.flat:
+    style.integer_ticks(ax)
 grid.figure.suptitle("LRMoE quotas: per-rank load before and after (Zipf s = 0.8)", y=1.05)
 plt.show()
 
@@ -188,7 +219,9 @@ for metric in METRICS:
         r = run(metric, rho, 0.8, "topk")
         rows.append({"metric": metric, "rho": rho, "rel_err_all": r["rel_all"], "cos_mean": float(r["cos_E"].mean())})
 table = pd.DataFrame(rows)
-ax = sns.lineplot(table, x="rho", y="rel_err_all", hue="metric", marker="o")
-ax.set(title="gradient error against retention (topk)", ylabel="relative error, all experts")
+ax = plt.figure(figsize=(6.4, 3.6)).gca()
+style.metric_lines(ax, table, x="rho", y="rel_err_all")
+ax.set(title="gradient error against retention (topk)", xlabel="retention ρ", ylabel="relative error, all experts")
+style.legend_outside(ax, "metric")
 plt.show()
 table.pivot(index="metric", columns="rho", values="rel_err_all").round(3)

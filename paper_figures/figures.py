@@ -42,10 +42,9 @@ def fidelity(path: str | Path):
     modes = list(dict.fromkeys(data["mode"]))
     fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 3.3), sharey=True, squeeze=False)
     for ax, mode in zip(axes[0], modes):
-        part = data[data["mode"] == mode]
-        sns.lineplot(part, x="rho", y="rel_w_all", hue="metric", marker="o", ax=ax,
-                     palette=style.palette(part.metric.unique()))
+        style.metric_lines(ax, data[data["mode"] == mode], x="rho", y="rel_w_all")
         ax.set(title=f"{mode} selection", xlabel="retention ρ", ylabel="relative error of expert grads")
+    style.legend_outside(axes[0][-1], "metric")
     fig.suptitle(f"Gradient fidelity of backward recalibration, {source} (lower is better)")
     fig.tight_layout()
     return fig, data
@@ -58,11 +57,13 @@ def convergence(path: str | Path):
     data = data[["policy", "step", "val_loss", "time_s"]].reset_index(drop=True)
     fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.4), sharey=True)
     colors = style.palette(data.policy.unique())
-    sns.lineplot(data, x="step", y="val_loss", hue="policy", marker="o", ax=axes[0], palette=colors)
+    sns.lineplot(data, x="step", y="val_loss", hue="policy", marker="o", ax=axes[0], palette=colors, legend=False)
     sns.lineplot(data.assign(time_ms=data.time_s * 1e3), x="time_ms", y="val_loss", hue="policy", marker="o",
-                 ax=axes[1], palette=colors, legend=False)
+                 ax=axes[1], palette=colors)
     axes[0].set(title="equal steps", ylabel="validation loss (nats/byte)")
     axes[1].set(title="equal modelled time", xlabel="modelled MoE-layer time (ms)")
+    style.legend_outside(axes[1], "policy")
+    style.integer_ticks(axes[0], "x")
     fig.suptitle("Convergence: LRMoE against SYMI and dropless expert parallelism")
     fig.tight_layout()
     return fig, data
@@ -72,12 +73,13 @@ def trace_skew(path: str | Path):
     """Skew of the routing traces: Gini and hottest-expert / mean, synthetic and recorded."""
     data = records(path)[["trace", "gini_mean", "max_over_mean_mean", "source"]]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    sns.barplot(data, x="trace", y="gini_mean", hue="source", ax=axes[0], dodge=False)
-    sns.barplot(data, x="trace", y="max_over_mean_mean", hue="source", ax=axes[1], dodge=False, legend=False)
+    sns.barplot(data, x="trace", y="gini_mean", hue="source", ax=axes[0], dodge=False, legend=False)
+    sns.barplot(data, x="trace", y="max_over_mean_mean", hue="source", ax=axes[1], dodge=False)
     axes[0].set(xlabel="", ylabel="Gini of per-expert pairs")
     axes[1].set(xlabel="", ylabel="hottest expert / mean")
+    style.legend_outside(axes[1], "source")
     for ax in axes:
-        ax.tick_params(axis="x", rotation=45)
+        plt.setp(ax.get_xticklabels(), rotation=45, ha="right", rotation_mode="anchor")
     fig.tight_layout()
     return fig, data
 
@@ -153,7 +155,7 @@ def layer_time(path: str | Path):
         ax.set_xticks(range(len(skews)), labels, fontsize=8)
         ax.set(title=f"{model}, {ranks} GPUs, {mem_gb:g} GB", ylabel="time / SYMI-dropless",
                xlabel="skew (generator), measured per-rank max/mean" if measured else "skew (generator)")
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
+    style.legend_outside(axes[0][-1], "system")
     fig.suptitle("MoE-layer time relative to SYMI-dropless (simulated); bars: sensitivity band")
     fig.tight_layout()
     return fig, table
@@ -207,9 +209,7 @@ def ablation_waterfall(path: str | Path, model: str | None = None):
         bx.axvline(0.0, color="grey", lw=0.8)
         bx.set(xlabel="ms LRMoE loses without it", title="each component alone (not additive)")
     else:
-        bx.set_axis_off()
-        bx.text(0.5, 0.5, "LRMoE's components were not simulated here", ha="center", va="center",
-                transform=bx.transAxes)
+        style.note(bx, "LRMoE's components were not simulated here")
     fig.suptitle(f"{model}, {ranks} GPUs, {mem_gb:g} GB, {top} (simulated)")
     fig.tight_layout()
     return fig, table
@@ -254,7 +254,8 @@ def rank_load(path: str | Path, trace: str | None = None):
         sns.barplot(long[long.policy == policy], x="rank", y="pairs", hue="pass", ax=ax,
                     legend=policy == policies[-1])
         ax.set(title=policy, xlabel="rank")
-    axes[0][-1].legend(fontsize=7)
+        style.integer_ticks(ax)
+    style.legend_outside(axes[0][-1], "pass")
     fig.suptitle(f"Per-rank load before and after recalibration (real layer, gloo ranks, no spare slot, {trace})")
     fig.tight_layout()
     return fig, data

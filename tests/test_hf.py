@@ -26,6 +26,7 @@ from lrmoe.config import MoEConfig, cluster_preset, model_preset  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
 from lrmoe.integrations.hf import (EPExperts, gather_trace, hf_config, hf_to_reference, moe_blocks, reference_to_hf,
                                    swap_moe_blocks)
+from lrmoe.runtime.distributed.replica import unflatten_experts  # noqa: E402
 from lrmoe.runtime.reference import swiglu  # noqa: E402
 from lrmoe.sim.simulator import simulate  # noqa: E402
 from lrmoe.sim.systems import simulator_system  # noqa: E402
@@ -110,7 +111,7 @@ def _equal_to_hf(rank: int, family: str, system: str) -> dict:
         torch.testing.assert_close(out.aux_loss, want.aux_loss, **CLOSE)
     out.loss.backward()
     ep.sync_dense_grads(1.0)
-    expert_grads = ep.gather_expert_grads()
+    expert_grads = ep.gather_expert_grads(1.0)
     sum(ref(x, labels=x, output_router_logits=True).loss for x in ids).backward()
     dense = dict(model.named_parameters())
     names = dict(ref.named_parameters())
@@ -247,3 +248,139 @@ def _resume(rank: int, family: str, system: str) -> None:
 @pytest.mark.parametrize("family,system", [("glm", "lrmoe")])
 def test_resuming_from_the_state_dicts_continues_exactly(family, system):
     launch(_resume, RANKS, family, system, timeout_s=120)
+
+
+# -- a plain PyTorch loop: the optimizer object, micro-batches, gradient checkpointing, an LR scheduler ------------
+MICRO = 2
+
+
+def _expert_grads_used(ep) -> dict[str, torch.Tensor]:
+    """The expert gradients the last expert step used (its collected shards), in HF's names."""
+    out = {}
+    for name, layer in zip(ep.names, ep.layers):
+        store = layer.store
+        gate_up, down = reference_to_hf(*unflatten_experts(store.gather_full(store.grad_shards_EW), 32, 16))
+        out[f"{name}.experts.gate_up_proj"], out[f"{name}.experts.down_proj"] = gate_up, down
+    return out
+
+
+def _plain_loop(rank: int, family: str, system: str, ckpt: bool):
+    """Two steps of MICRO micro-batches through ``ep.optimizer`` and a LambdaLR, as a plain PyTorch loop. Returns
+    every gradient each step used, the final logits, and (first step) the reference's mean-loss gradients."""
+    model = tiny_model(family)
+    ref = copy.deepcopy(model)
+    model.train()
+    if ckpt:
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    ep = swap_moe_blocks(model, system)
+    opt = ep.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    steps = []
+    for step in range(2):
+        for m in range(MICRO):
+            x = batches(10 * step + m)[rank]
+            model(x, labels=x).loss.backward()
+        # each forward's decision is kept for its recomputation, and taken by it when the model checkpoints
+        assert all(len(layer.decisions) == (0 if ckpt else MICRO) for layer in ep.layers)
+        opt.step()
+        used = {n: p.grad.clone() for n, p in model.named_parameters()} | _expert_grads_used(ep)
+        steps.append(used)
+        sched.step()
+        opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+    assert opt.expert_group["lr"] == opt.param_groups[0]["lr"] == 2.5e-3  # the scheduler moves both parts
+    assert all(layer.store.adam.lr == 5e-3 for layer in ep.layers)  # the expert Adam ran step 2 at its lr
+    # the reference: the unmodified model, gradient of the mean loss over ranks and micro-batches
+    loss = sum(ref(x, labels=x).loss for m in range(MICRO) for x in batches(m)) / (RANKS * MICRO)
+    loss.backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    with torch.no_grad():
+        logits = model(batches(5)[rank]).logits
+    return steps, logits, want, opt.state_dict()
+
+
+def _loops(rank: int, family: str, system: str):
+    plain, logits, want, state = _plain_loop(rank, family, system, ckpt=False)
+    assert set(plain[0]) == set(want)
+    for name, g in want.items():
+        torch.testing.assert_close(plain[0][name], g, **GRAD, msg=lambda m: f"{name}: {m}")
+    ckpt, logits_ckpt, _, _ = _plain_loop(rank, family, system, ckpt=True)
+    for a, b in zip(plain, ckpt):  # gradient checkpointing: bitwise the same run
+        assert all(torch.equal(a[name], b[name]) for name in a)
+    assert torch.equal(logits, logits_ckpt)
+    assert set(state) == {"dense", "expert_group", "experts"} and state["dense"]["state"]
+    return True
+
+
+@pytest.mark.parametrize("family,system", [("qwen", "lrmoe-no-quotas"), ("glm", "symi-dropless")])
+def test_a_plain_pytorch_loop_with_micro_batches_and_checkpointing(family, system):
+    assert launch(_loops, RANKS, family, system, timeout_s=180) == [True] * RANKS
+
+
+def _defaults_agree(rank: int) -> dict:
+    """Every method that reduces gradients defaults to the gradient of the mean loss over ranks and micro-batches."""
+    model = tiny_model("qwen")
+    ep = swap_moe_blocks(model, "symi-dropless")
+    for m in range(MICRO):
+        x = batches(m)[rank]
+        model(x, labels=x).loss.backward()
+    assert ep.mean_grad_scale() == 1.0 / (RANKS * MICRO)
+    summed = ep.gather_expert_grads(1.0)
+    mean = ep.gather_expert_grads()
+    for name in summed:
+        torch.testing.assert_close(mean[name], summed[name] / (RANKS * MICRO), rtol=1e-6, atol=0)
+    raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ep.sync_dense_grads()
+    ep.expert_step()
+    used = _expert_grads_used(ep)
+    for name, p in model.named_parameters():
+        total = raw[name].clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(p.grad, total / (RANKS * MICRO), rtol=1e-6, atol=1e-9)
+    for name in used:
+        torch.testing.assert_close(used[name], mean[name], rtol=0, atol=0)
+    return True
+
+
+def test_every_gradient_method_defaults_to_the_mean_over_ranks_and_micro_batches():
+    assert launch(_defaults_agree, RANKS, timeout_s=120) == [True] * RANKS
+
+
+@pytest.mark.slow  # about 10 s of CPU, minutes of wall time on a loaded machine: `make test-all`
+@pytest.mark.timeout(600)
+def test_the_readme_example_runs(tmp_path):
+    """README "Use it with transformers": the example (micro-batches, checkpointing, the optimizer object) runs
+    and its checkpoint loads into the unmodified class."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Use it with transformers"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "ep.optimizer(" in code and "gradient_checkpointing_enable()" in code and "MICRO_BATCHES" in code
+    (tmp_path / "example.py").write_text(code)
+    proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 2 loss" in proc.stdout and proc.stdout.strip().endswith("Qwen3MoeExperts")
+
+
+def _nan_input(rank: int) -> str:
+    model = tiny_model("qwen")
+    swap_moe_blocks(model, "lrmoe")
+    ids = batches()[rank]
+    if rank == 1:  # one token's embedding turns NaN on rank 1 only
+        with torch.no_grad():
+            model.model.embed_tokens.weight[ids[0, 0]] = float("nan")
+    try:
+        model(ids, labels=ids).loss.backward()
+    except Exception as exc:  # noqa: BLE001 - the message is what the test reads
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_nan_through_the_drop_in_names_the_block_and_the_rank_not_an_internal_tensor():
+    for rank, message in enumerate(launch(_nan_input, RANKS)):
+        assert message.startswith("NonFiniteError: model.layers.0.mlp") and "rank 1" in message, message
+        assert f"this is rank {rank}" in message and "_P" not in message

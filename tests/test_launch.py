@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +111,88 @@ def test_a_script_whose_rank_fails_exits_non_zero(tmp_path):
     assert proc.returncode != 0
     assert "rank one is broken" in proc.stderr
     assert time.monotonic() - start < 60
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie, dead but not yet reaped by its new parent, does not)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+LAUNCHER = textwrap.dedent("""
+    import os, sys, time
+    from lrmoe.runtime.distributed.launch import launch
+
+    def work(rank):
+        open(os.path.join(sys.argv[1], f"rank{rank}"), "w").write(str(os.getpid()))
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        launch(work, 2, timeout_s=600)
+""")
+
+
+def pids_in(folder: Path, pattern: str) -> list[int]:
+    """The process ids written into the files ``pattern`` of ``folder`` (a process writes its own on start)."""
+    return [int(p.read_text()) for p in folder.glob(pattern) if p.read_text()]
+
+
+def wait_for_pids(folder: Path, pattern: str, count: int, proc: subprocess.Popen) -> list[int]:
+    """Wait (at most a minute) until ``count`` processes have written their ids; those ids."""
+    deadline = time.monotonic() + 60
+    while len(pids := pids_in(folder, pattern)) < count:
+        assert proc.poll() is None and time.monotonic() < deadline, "the processes did not start"
+        time.sleep(0.05)
+    return pids
+
+
+def survivors(pids: list[int], within_s: float = 10.0) -> list[int]:
+    """Those of ``pids`` still running after at most ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def kill_leftovers(proc: subprocess.Popen, pids: list[int]) -> None:
+    """SIGKILL ``proc``'s session and ``pids`` (whatever a failed test left), and reap ``proc``."""
+    import signal
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks through /proc")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_ranks_die_with_their_launcher_and_leave_no_launch_folder(tmp_path, sig):
+    import signal
+    import tempfile
+
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], start_new_session=True)
+    try:
+        ranks = wait_for_pids(tmp_path, "rank*", 2, proc)
+        folders = list(Path(tempfile.gettempdir()).glob(f"lrmoe-launch-{proc.pid}-*"))
+        assert len(folders) == 1
+        os.kill(proc.pid, getattr(signal, sig))  # the launcher only, not its process group
+        proc.wait(timeout=30)
+        assert not survivors(ranks), f"ranks outlived their launcher's {sig}"
+        if sig == "SIGKILL":  # nothing ran on the launcher's way out: the next launch removes its folder
+            assert folders[0].exists()
+            launch(_rank_info, 1, 0)
+        assert not folders[0].exists()
+    finally:
+        kill_leftovers(proc, pids_in(tmp_path, "rank*"))

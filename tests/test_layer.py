@@ -14,7 +14,7 @@ from lrmoe.runtime.distributed.accounting import Accountant, check_accounting, e
 from lrmoe.runtime.distributed.comm import all_gather_rows
 from lrmoe.runtime.distributed.launch import launch
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
-from lrmoe.runtime.layer import EPMoELayer, RecalibratedPlanError, initial_placement
+from lrmoe.runtime.layer import EPMoELayer, NonFiniteError, RecalibratedPlanError, initial_placement
 from lrmoe.planner.plan import LayerPlan, no_flows
 from lrmoe.planner.policies import Capacity, StaticEP, Symi
 from lrmoe.runtime.reference import ReferenceMoE
@@ -115,7 +115,7 @@ def _compare(rank, family, shared, policy, placement, seed, tol):
     (y_ref * w).sum().backward()
     torch.testing.assert_close(y, y_ref[mine], **tol)
     torch.testing.assert_close(x_local.grad, x_ref.grad[mine], **tol)
-    layer.sync_dense_grads()
+    layer.sync_dense_grads(1.0)
     for p, name in zip(layer.dense_parameters(), ["w_router_ED", "w_shared_gate_DF", "w_shared_up_DF",
                                                     "w_shared_down_FD"]):
         torch.testing.assert_close(p.grad, getattr(ref, name).grad, **tol)
@@ -212,13 +212,13 @@ def _training_steps(rank, steps, replica_grad="range"):
         y_ref, _ = ref(x)
         (y_ref * w).sum().backward()
         torch.testing.assert_close(y, y_ref[mine].detach(), rtol=1e-5, atol=1e-5)
-        layer.sync_dense_grads()
+        layer.sync_dense_grads(1.0)
         dense_opt.step()
         dense_opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
         before = layer.placement_NS.clone()
-        after = layer.expert_step()
+        after = layer.expert_step(grad_scale=1.0)
         placements.append(after.clone())
         _check_accounting(layer, acc, info.dispatch, next_placement=after, replica_grad=replica_grad)
         assert torch.equal(info.dispatch.plan.placement_NS, before)
@@ -263,6 +263,40 @@ class HalfRetention:
 
 def test_layer_errors_name_the_problem():
     assert launch(_errors, 2) == [True, True]
+
+
+def _non_finite(rank, where):
+    """A NaN in one rank's input (``where`` "input") or in the gradient into one rank's output ("grad"): every rank
+    raises NonFiniteError naming the layer and that rank, and no weight has moved."""
+    world = dist.get_world_size()
+    ref = _reference("softmax_topk", True)
+    layer = EPMoELayer(ref.export_weights(), K, "softmax_topk", StaticEP(), initial_placement(StaticEP(), world, E),
+                       RangeGroups())
+    layer.name = "layer 7"
+    slots, router = layer.store.slots_SW.detach().clone(), layer.w_router_ED.detach().clone()
+    x = torch.randn(T, D, dtype=torch.float64)
+    if where == "input" and rank == 1:
+        x[3, 2] = float("nan")
+    try:
+        y, _ = layer(x)
+        grad = torch.ones_like(y)
+        if rank == 0:
+            grad[1, 0] = float("inf")
+        y.backward(grad)
+        layer.sync_dense_grads()
+        layer.expert_step()
+        message = "no error"
+    except NonFiniteError as exc:
+        message = str(exc)
+    assert torch.equal(layer.store.slots_SW.detach(), slots) and torch.equal(layer.w_router_ED.detach(), router)
+    return message
+
+
+@pytest.mark.parametrize("where,bad_rank", [("input", 1), ("grad", 0)])
+def test_a_nan_on_one_rank_raises_on_every_rank_before_any_weight_moves(where, bad_rank):
+    messages = launch(_non_finite, 2, where)
+    for rank, message in enumerate(messages):
+        assert "layer 7" in message and f"rank {bad_rank}" in message and f"this is rank {rank}" in message, message
 
 
 # -- the benchmark script --------------------------------------------------------------------------------------

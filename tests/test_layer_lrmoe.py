@@ -48,6 +48,20 @@ def batch(world: int, seed: int):
     return x, torch.randn(world * T, D, generator=g, dtype=torch.float64)
 
 
+def exchange_node(y):
+    """The autograd node of the recalibrated expert exchange behind ``y`` (it holds the forward's saved tensors)."""
+    todo, seen = [y.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "state"):
+            return node
+        todo += [nxt for nxt, _ in node.next_functions]
+    raise AssertionError("no expert exchange in the graph")
+
+
 def gathered_selection(record):
     keep = all_gather_rows(record.keep_TK.double()).view(-1, K) > 0
     return keep, all_gather_rows(record.scale_TK.double()).view(-1, K)
@@ -70,6 +84,7 @@ def run_case(rank, groups, policy, cfg, *, family="softmax_topk", shared=False, 
     mine = slice(rank * T, (rank + 1) * T)
     x_local = x[mine].clone().requires_grad_(input_grad)
     y, info = layer(x_local)
+    saved_rows = exchange_node(y).saved_tensors[2].shape[0]  # the expert side's saved input rows (x_MD)
     (y * w[mine]).sum().backward()
     rec, plan = info.record, info.dispatch.plan
     keep_TK, scale_TK = gathered_selection(rec)
@@ -79,7 +94,7 @@ def run_case(rank, groups, policy, cfg, *, family="softmax_topk", shared=False, 
     torch.testing.assert_close(y, y_ref[mine], **TIGHT)
     if input_grad:
         torch.testing.assert_close(x_local.grad, x_ref.grad[mine], **TIGHT)
-    layer.sync_dense_grads()
+    layer.sync_dense_grads(1.0)
     names = ["w_router_ED"] + (["w_shared_gate_DF", "w_shared_up_DF", "w_shared_down_FD"] if shared else [])
     for p, name in zip(layer.dense_parameters(), names):  # the router and the shared expert: exact
         torch.testing.assert_close(p.grad, getattr(ref, name).grad, **TIGHT)
@@ -112,6 +127,12 @@ def run_case(rank, groups, policy, cfg, *, family="softmax_topk", shared=False, 
     assert record["pairs_retained"] == int(plan.bwd_load_N[rank])
     if plan.bwd_cap_N is not None:
         assert record["pairs_retained"] <= int(plan.bwd_cap_N[rank]) + int(plan.floor_excess_N[rank])
+    mine_G = slice(rank * S, (rank + 1) * S)
+    if cfg.early and plan_selects(plan):  # the forward saved the kept rows alone, and sent one byte per pair
+        assert saved_rows == int(plan.keep_NG[:, mine_G].sum())
+        assert record["early_keep_a2a.sent_bytes"] * D * elem == record["dispatch_a2a.sent_bytes"]
+    else:
+        assert saved_rows == int(plan.fwd_NG[:, mine_G].sum())
     trimmed = int((plan.fwd_NG - plan.keep_NG).sum())
     return {"trimmed": trimmed, "flows": plan.bwd_flows_V4.shape[0], "grads": expert_grads(layer),
             "bytes": record["combine_a2a_bwd.sent_bytes"], "keep_all": bool(rec.keep_P.all())}
@@ -162,6 +183,27 @@ def _lrmoe_cases(rank):
     return summary
 
 
+def _early_cases(rank):
+    groups = RangeGroups()
+    trimmed = []
+    for cfg in (BackwardConfig(metric="gate", early=True), BackwardConfig(metric="gate", mode="unbiased", seed=2,
+                                                                          early=True),
+                BackwardConfig(metric="random", seed=1, early=True)):
+        trimmed.append(run_case(rank, groups, LRMoE(rho=0.6, extra_slots=1), cfg)["trimmed"])
+    # a plan that keeps everything: nothing to select early, every row saved
+    run_case(rank, groups, LRMoE(quotas=False, backward_routing=False), BackwardConfig(metric="gate", early=True))
+    return trimmed
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_early_selection_saves_the_kept_rows_alone_and_equals_the_reference_on_them(world_size):
+    """Early selection (the gate chooses in the forward, top-k and unbiased; random): the expert side saves the
+    activations of the kept rows alone, and the layer equals the reference on the retained pairs."""
+    assert all(t > 0 for t in launch(_early_cases, world_size, timeout_s=120)[0])
+    with pytest.raises(ValueError, match="early"):
+        BackwardConfig(metric="m1", early=True)  # the forward does not know delta
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_lrmoe_layer_equals_the_reference_on_the_retained_pairs(world_size):
     summary = launch(_lrmoe_cases, world_size, timeout_s=120)[0]
@@ -196,11 +238,11 @@ def _training(rank, steps):
         y_ref, _ = ref(x, keep_TK, scale_TK)
         (y_ref * w).sum().backward()
         torch.testing.assert_close(y, y_ref[mine].detach(), rtol=1e-5, atol=1e-6)  # masters are fp32
-        layer.sync_dense_grads()
+        layer.sync_dense_grads(1.0)
         for opt in (dense_opt, ref_opt):
             opt.step()
             opt.zero_grad()
-        placements.append(layer.expert_step().clone())
+        placements.append(layer.expert_step(grad_scale=1.0).clone())
     master = layer.store.full_master()
     want = flatten_experts(ref.w_gate_EDF.detach(), ref.w_up_EDF.detach(), ref.w_down_EFD.detach())
     torch.testing.assert_close(master.double(), want, rtol=1e-5, atol=1e-6)

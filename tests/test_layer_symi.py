@@ -116,7 +116,7 @@ def _symi_steps(rank, cf, backward):
         (y_ref * w).sum().backward()
         torch.testing.assert_close(y, y_ref[mine], **TIGHT)
         torch.testing.assert_close(x_local.grad, x_ref.grad[mine], **TIGHT)
-        layer.sync_dense_grads()
+        layer.sync_dense_grads(1.0)
         torch.testing.assert_close(layer.w_router_ED.grad, ref.w_router_ED.grad, **TIGHT)
         layer.w_router_ED.grad = None
         layer.store.sync_replica_grads()
@@ -125,7 +125,7 @@ def _symi_steps(rank, cf, backward):
             torch.testing.assert_close(g.double(), r, **SHARD)
         elem = torch.tensor([], dtype=torch.float64).element_size()
         before = layer.placement_NS.clone()
-        after = layer.expert_step()
+        after = layer.expert_step(grad_scale=1.0)
         expected = expected_layer(plan, D, F, elem, *((backward.metric, backward.compact) if backward else ()))
         expected.update(expected_step(before, after, E, D, F, elem))
         record = acc.record()

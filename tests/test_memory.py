@@ -240,3 +240,50 @@ def test_planned_view_is_the_plan_view_of_a_uniform_rank():
     assert planned.slot_N.item() == 5 * fp.slot
     assert planned.saved_N.item() == 100 * fp.expert_pair + 80 * fp.home_pair
     assert planned.bwd_N.item() == (2 * 80 + 2 * 100) * fp.row + 100 * fp.bwd_act
+
+
+# -- early selection: the forward saves activations for the kept pairs alone ------------------------------------
+def test_early_selection_saves_the_kept_pairs_activations_alone():
+    """The hand case above with rank 0's slot keeping 2 of its 5 pairs and rank 1's 4 of 6: the expert side saves
+    2 and 4 pairs' rows and activations, the 3 and 2 others are in flight during the forward only; the home side
+    still saves every output row; a plan that moves pairs cannot select early."""
+    fwd_NG = torch.tensor([[3, 1], [2, 5]])
+    keep_NG = torch.tensor([[1, 1], [1, 3]])
+    plan = LayerPlan(placement_NS=torch.tensor([[0], [1]]), fwd_NG=fwd_NG, dropped_NE=torch.zeros(2, 2).long(),
+                     keep_NG=keep_NG, bwd_flows_V4=no_flows(), floor_excess_N=torch.zeros(2).long())
+    fp = Footprint(slot=100.0, row=10.0, expert_act=6.0, bwd_act=4.0, index=1.0)
+    late, early = layer_memory(fp, plan_loads(plan)), layer_memory(fp, plan_loads(plan, early=True))
+    assert plan_loads(plan, early=True).saved_expert_N.tolist() == [2.0, 4.0]
+    assert early.saved_N.tolist() == [2 * 16 + 4 * 10, 4 * 16 + 7 * 10]
+    assert (late.saved_N - early.saved_N).tolist() == [3 * 16, 2 * 16]
+    assert (early.fwd_N - late.fwd_N).tolist() == [3 * 16, 2 * 16]  # transient while the forward runs
+    assert torch.equal(early.bwd_N, late.bwd_N) and torch.equal(early.slot_N, late.slot_N)
+    moved = dataclasses.replace(plan, bwd_flows_V4=torch.tensor([[0, 0, 1, 1]]))
+    with pytest.raises(ValueError, match="early selection"):
+        plan_loads(moved, early=True)
+
+
+def test_early_selection_frees_slots_in_the_planner_and_the_simulator_alike():
+    """Qwen3 on 16 GPUs at a tight budget: memory-aware placement with early selection at rho = 0.75 holds more
+    replica slots than without; the budget plan it makes fits in the simulator's accounting (the one memory model),
+    and the same plan without early selection's saving would not."""
+    model, cluster = model_preset("qwen3-30b-a3b"), cluster_preset("a100-40gb-x8").with_nodes(2)
+    cm = CostModel(model, cluster, mem_budget_bytes=31e9 / model.num_moe_layers)
+    late = cm.memory_model()
+    early = dataclasses.replace(late, early_rho=0.75)
+    pairs = 4096 * 8
+    planned = int(1.1 * pairs)
+    n_late, n_early = late.extra_slots(planned, 8, 8, pairs), early.extra_slots(planned, 8, 8, pairs)
+    assert n_early >= n_late + 3
+    g = torch.Generator().manual_seed(0)
+    pop = torch.arange(1, 129, dtype=torch.float64) ** -0.6
+    counts = torch.stack([torch.bincount(torch.multinomial(pop.expand(4096, -1), 8, generator=g).reshape(-1),
+                                         minlength=128) for _ in range(16)])
+    policy = LRMoE(rho=0.75, memory=early, extra_slots=n_early, eps=0.1)
+    plan = policy.plan(counts, counts.sum(0))
+    assert plan.slots_per_rank == 8 + n_early
+    sim_early = dataclasses.replace(cm, early_selection=True).cost(plan)
+    assert not sim_early.oom and torch.allclose(sim_early.peak_bytes_N, early.plan_peak_bytes(plan))
+    assert cm.cost(plan).oom  # the same replicas without the saving: out of memory
+    with pytest.raises(ValueError, match="early selection"):
+        LRMoE(rho=0.5, memory=early)  # the memory model's rho is the quotas' rho

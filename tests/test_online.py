@@ -91,6 +91,50 @@ def test_online_plan_relieves_the_hot_rank_from_the_current_counts():
     assert 4 in node.placement_NS[3].tolist()
 
 
+def _pushes(placement_NS: torch.Tensor, base: int) -> int:
+    return int((placement_NS[:, base:] >= 0).sum())
+
+
+def test_cost_aware_rule_pushes_a_copy_only_where_it_saves_more_than_its_cost():
+    # 2 ranks, 2 home + 1 spare slot each. Rank 0 hosts experts 0 (100 pairs) and 1 (3 pairs), rank 1 experts 2
+    # and 3 (5 each). A copy of 0 on rank 1: loads (50 + 3, 10 + 50) -> saving 103 - 60 = 43 pairs. Then a copy of
+    # 2 on rank 0 would save 60 - 57.5 = 2.5 pairs: the greedy rule pushes it too.
+    counts = torch.tensor([100, 3, 5, 5])
+    assert online_replicas(counts, 2, 1).tolist() == [[0, 1, 2], [2, 3, 0]]
+    assert online_replicas(counts, 2, 1, push_cost_rows=2.4).tolist() == [[0, 1, 2], [2, 3, 0]]
+    assert online_replicas(counts, 2, 1, push_cost_rows=2.5).tolist() == [[0, 1, -1], [2, 3, 0]]
+    assert online_replicas(counts, 2, 1, push_cost_rows=42.9).tolist() == [[0, 1, -1], [2, 3, 0]]
+    assert _pushes(online_replicas(counts, 2, 1, push_cost_rows=43.0), 2) == 0  # not worth it: stays home
+    # an expert with one routed pair is never worth a push: the greedy rule pushes it if it relieves anything
+    small = torch.tensor([1, 1, 0, 0])
+    assert _pushes(online_replicas(small, 2, 1), 2) == 1
+    assert _pushes(online_replicas(small, 2, 1, push_cost_rows=1.0), 2) == 0
+    with pytest.raises(ValueError, match="push_cost_rows"):
+        Online(spare_slots=1, push_cost_rows=-1.0)
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "glm-4.5-air"])
+def test_cost_aware_rule_pushes_fewer_copies_than_the_greedy_one_on_a_skewed_trace(model):
+    """On a Zipf 0.8 trace at paper scale (2 nodes x 8 A100s, the cost model's push cost), the cost-aware rule
+    pushes fewer copies than the greedy one, and each rank's load stays within the threshold of the greedy's."""
+    from lrmoe.config import cluster_preset, model_preset
+    from lrmoe.integrations.traces import generate_trace
+    from lrmoe.sim.cost import CostModel
+
+    m, c = model_preset(model), cluster_preset("a100-40gb-x8").with_nodes(2)
+    threshold = CostModel(m, c).push_cost_rows()
+    assert 10 < threshold < 1000  # a push is worth tens to hundreds of pairs, not one
+    trace = generate_trace(4, 3, c.num_ranks, m.num_experts, m.top_k, 1024, skew="zipf", skew_param=0.8, seed=0)
+    base = m.num_experts // c.num_ranks
+    greedy_n = aware_n = 0
+    for counts_NE in trace.counts_ILNE.flatten(0, 1):
+        greedy = Online(spare_slots=4, ranks_per_node=8).plan(counts_NE)
+        aware = Online(spare_slots=4, ranks_per_node=8, push_cost_rows=threshold).plan(counts_NE)
+        greedy_n, aware_n = greedy_n + _pushes(greedy.placement_NS, base), aware_n + _pushes(aware.placement_NS, base)
+        assert int(aware.fwd_load_N.max()) <= int(StaticEP().plan(counts_NE).fwd_load_N.max())
+    assert aware_n < greedy_n
+
+
 def test_push_bytes_by_hand():
     # 2 ranks, 2 home + 2 spare slots: rank 1 takes expert 0 from rank 0 (remote) and expert 3 from itself (local);
     # rank 0 takes expert 2 from rank 1 twice (two slots: one message)
@@ -126,7 +170,10 @@ def test_plan_rejects_a_bad_push(src, match):
 
 
 def test_registry_entries():
-    ctx = SystemContext(num_experts=8, num_ranks=4, spare_slots=2)
+    with pytest.raises(ValueError, match="push_cost_rows"):  # the cost-aware rule is priced, or not built
+        get_system("online").make_policy(SystemContext(num_experts=8, num_ranks=4, spare_slots=2))
+    assert get_system("online-greedy").make_policy(SystemContext(8, 4, spare_slots=2)).push_cost_rows == 0.0
+    ctx = SystemContext(num_experts=8, num_ranks=4, spare_slots=2, push_cost_rows=1.0)
     online = get_system("online").make_policy(ctx)
     budget = get_system("online-rho0.75").make_policy(ctx)
     assert isinstance(online, Online) and isinstance(budget, Trimmed) and budget.name == "online-rho0.75"
@@ -138,11 +185,11 @@ def test_registry_entries():
 
 
 # -- distributed -----------------------------------------------------------------------------------------------
-def skewed_base(dtype=torch.float64, skew=True):
-    base = ReferenceMoE(D, F, E, K, "softmax_topk", seed=3, dtype=dtype)
+def skewed_base(dtype=torch.float64, skew=True, experts=E):
+    base = ReferenceMoE(D, F, experts, K, "softmax_topk", seed=3, dtype=dtype)
     if skew:
         with torch.no_grad():
-            base.w_router_ED[:, 0] = torch.linspace(2.0, -1.0, E)
+            base.w_router_ED[:, 0] = torch.linspace(2.0, -1.0, experts)
     return base
 
 
@@ -155,7 +202,7 @@ def batch(world, step, dtype=torch.float64, skew=1.5):
 
 
 def reference_like(layer, base, initial):
-    ref = ReferenceMoE(D, F, E, K, base.router, seed=base.seed, dtype=torch.float64)
+    ref = ReferenceMoE(D, F, layer.num_experts, K, base.router, seed=base.seed, dtype=torch.float64)
     w = base.export_weights()
     if not initial:
         gate, up, down = unflatten_experts(layer.store.full_master().double(), D, F)
@@ -164,21 +211,21 @@ def reference_like(layer, base, initial):
     return ref
 
 
-def _online_steps(rank, ranks_per_node, backward, replica_grad):
+def _online_steps(rank, ranks_per_node, backward, replica_grad, push_cost_rows=0.0, experts=E):
     world = dist.get_world_size()
-    policy = Online(spare_slots=SPARE, ranks_per_node=ranks_per_node)
-    base = skewed_base()
+    policy = Online(spare_slots=SPARE, ranks_per_node=ranks_per_node, push_cost_rows=push_cost_rows)
+    base = skewed_base(experts=experts)
     acc = Accountant()
-    home = initial_placement(policy, world, E)
+    home = initial_placement(policy, world, experts)
     layer = EPMoELayer(base.export_weights(), K, "softmax_topk", policy, home, RangeGroups(), adam=AdamConfig(lr=1e-2),
                        accountant=acc, backward=backward, replica_grad=replica_grad)
     mine = slice(rank * T, (rank + 1) * T)
-    pushed = remote = 0
+    pushed = remote = fewer = 0
     for step in range(STEPS):
         acc.reset()
         # between iterations the slots hold the home placement; the spare slots are empty
         assert torch.equal(layer.placement_NS, home)
-        assert not layer.store.slots_SW.detach()[E // world:].any()
+        assert not layer.store.slots_SW.detach()[experts // world:].any()
         initial = step == 0
         ref = reference_like(layer, base, initial)
         held = (flatten_experts(base.w_gate_EDF, base.w_up_EDF, base.w_down_EFD).detach() if initial
@@ -188,7 +235,8 @@ def _online_steps(rank, ranks_per_node, backward, replica_grad):
         y, info = layer(x_local)
         plan = info.dispatch.plan
         # the plan is the online placement of this forward's counts; the slots now hold it, pushed ones included
-        assert torch.equal(plan.placement_NS, online_replicas(info.counts_E, world, SPARE, ranks_per_node))
+        assert torch.equal(plan.placement_NS, online_replicas(info.counts_E, world, SPARE, ranks_per_node,
+                                                              push_cost_rows))
         assert torch.equal(layer.placement_NS, plan.placement_NS)
         for j, e in enumerate(plan.placement_NS[rank].tolist()):
             if e >= 0:
@@ -199,7 +247,7 @@ def _online_steps(rank, ranks_per_node, backward, replica_grad):
         (y_ref * w).sum().backward()
         torch.testing.assert_close(y, y_ref[mine], **TIGHT)
         torch.testing.assert_close(x_local.grad, x_ref.grad[mine], **TIGHT)
-        layer.sync_dense_grads()
+        layer.sync_dense_grads(1.0)
         torch.testing.assert_close(layer.w_router_ED.grad, ref.w_router_ED.grad, **TIGHT)
         layer.w_router_ED.grad = None
         layer.store.sync_replica_grads()
@@ -208,10 +256,10 @@ def _online_steps(rank, ranks_per_node, backward, replica_grad):
             torch.testing.assert_close(g.double(), r, **SHARD)
         elem = torch.tensor([], dtype=torch.float64).element_size()
         before = layer.placement_NS.clone()
-        after = layer.expert_step()
+        after = layer.expert_step(grad_scale=1.0)
         assert torch.equal(after, home)
         want = expected_layer(plan, D, F, elem, *((backward.metric, backward.compact) if backward else ()))
-        want.update(expected_step(before, after, E, D, F, elem, replica_grad=replica_grad))
+        want.update(expected_step(before, after, experts, D, F, elem, replica_grad=replica_grad))
         for key in ("replica_sync", "grad_collect"):  # run twice here (the test's own sync above)
             want.pop(f"{key}.sent_bytes")
             want.pop(f"{key}.recv_bytes")
@@ -219,7 +267,9 @@ def _online_steps(rank, ranks_per_node, backward, replica_grad):
         check_accounting(record, want, rank)
         pushed += int(plan.pushed_G.sum())
         remote += record.get("weight_push.recv_bytes", 0)
-    return pushed, remote
+        greedy = online_replicas(info.counts_E, world, SPARE, ranks_per_node)
+        fewer += int((greedy >= 0).sum() - (plan.placement_NS >= 0).sum())
+    return pushed, remote, fewer
 
 
 @pytest.mark.parametrize("world_size, ranks_per_node, backward, replica_grad", [
@@ -231,7 +281,17 @@ def _online_steps(rank, ranks_per_node, backward, replica_grad):
 def test_online_layer_equals_the_reference_and_counts_its_push(world_size, ranks_per_node, backward, replica_grad):
     out = launch(_online_steps, world_size, ranks_per_node, backward, replica_grad, timeout_s=120)
     assert out[0][0] > 0  # something was pushed
-    assert sum(r for _, r in out) > 0  # ... and some of it crossed ranks
+    assert sum(r for _, r, _ in out) > 0  # ... and some of it crossed ranks
+
+
+@pytest.mark.parametrize("backward", [None, BackwardConfig()], ids=["autograd", "recal"])
+def test_cost_aware_online_layer_on_three_ranks_equals_the_reference(backward):
+    """The cost-aware rule (a copy only where it relieves the busiest rank by more than 3 pairs) in the real layer on
+    3 ranks and 9 experts: pushes happen, and forward, backward and counted bytes are exact as the greedy rule's."""
+    out = launch(_online_steps, 3, None, backward, "range", 3.0, 9, timeout_s=120)
+    pushed, _, fewer = out[0]
+    assert pushed > 0 and sum(r for _, r, _ in out) > 0  # pushes happened, some across ranks
+    assert fewer > 0  # ... and the threshold held back some copies the greedy rule would have pushed
 
 
 def _training_steps(rank, steps, replica_grad):
@@ -258,7 +318,7 @@ def _training_steps(rank, steps, replica_grad):
         y_ref, _ = ref(x)
         (y_ref * w).sum().backward()
         torch.testing.assert_close(y, y_ref[mine].detach(), rtol=1e-5, atol=1e-5)
-        layer.sync_dense_grads()
+        layer.sync_dense_grads(1.0)
         dense_opt.step()
         dense_opt.zero_grad()
         ref_opt.step()
@@ -266,7 +326,7 @@ def _training_steps(rank, steps, replica_grad):
         plan = info.dispatch.plan
         placements.append(plan.placement_NS.clone())
         before = layer.placement_NS.clone()
-        after = layer.expert_step()
+        after = layer.expert_step(grad_scale=1.0)
         want = expected_layer(plan, D, F, 4)
         want.update(expected_step(before, after, E, D, F, 4, replica_grad=replica_grad))
         check_accounting(acc.record(), want, rank)
@@ -287,7 +347,7 @@ def _budget_case(rank):
     from test_layer_lrmoe import run_case  # one iteration against the reference on the retained pairs
 
     groups = RangeGroups()
-    ctx = SystemContext(num_experts=E, num_ranks=dist.get_world_size(), spare_slots=SPARE)
+    ctx = SystemContext(num_experts=E, num_ranks=dist.get_world_size(), spare_slots=SPARE, push_cost_rows=1.0)
     spec = get_system("online-rho0.75")
     out = run_case(rank, groups, spec.make_policy(ctx), spec.layer_backward(seed=0))
     return out["trimmed"]

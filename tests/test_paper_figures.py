@@ -110,3 +110,17 @@ def test_layer_time_is_each_systems_ratio_to_symi_dropless_with_its_band(tmp_pat
     assert got.loc[("lrmoe", "zipf:0.4"), "lo"] == 0.5 and got.loc[("lrmoe", "zipf:0.4"), "hi"] == 1.5
     plotted = {round(float(y), 9) for ax in fig.axes for line in ax.get_lines() for y in line.get_ydata()}
     assert {round(v, 9) for v in table.ratio} <= plotted
+
+
+@pytest.mark.parametrize("name", sorted(figures.FIGURES))
+def test_no_legend_lies_over_a_panel(name, tmp_path):
+    """Legends sit beside the panels, never on the data: no legend's box overlaps any axes' box."""
+    stem, draw = figures.FIGURES[name]
+    fig, _ = draw(write_results(tmp_path / f"{stem}.jsonl", SAMPLES[stem]))
+    renderer = fig.canvas.get_renderer()
+    fig.canvas.draw()
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + list(fig.legends)
+    for legend in legends:
+        box = legend.get_window_extent(renderer)
+        covered = [ax.get_title() or "untitled" for ax in fig.axes if box.overlaps(ax.get_window_extent(renderer))]
+        assert not covered, f"{name}: the legend {legend.get_title().get_text()!r} lies over {covered}"

@@ -66,7 +66,7 @@ def test_bad_placements_are_rejected():
     with pytest.raises(ValueError, match="long"):
         sync_plan(torch.tensor([[0.0, 1.0]]), E)
     with pytest.raises(ValueError, match="lr"):
-        AdamConfig(lr=0)
+        AdamConfig(lr=-1e-3)
 
 
 def test_ring_model_and_symi_totals():

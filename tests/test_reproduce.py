@@ -3,10 +3,15 @@ stages after it, a measured stage waits for it, the summary keeps the stages' or
 fails the job at once (the real stages: test_resume.py, test_systems.py)."""
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 
+import pytest
 from _scripts import load_experiment
 
 reproduce = load_experiment("reproduce")
@@ -85,3 +90,65 @@ def test_a_background_stage_is_timed_to_its_own_end_not_to_the_next_stage_bounda
     assert reproduce.main(["--out-dir", str(out), "--only", "first", "simulate", "train"], stages=quick) == 0
     seconds = int(re.search(r"\((\d+) s; results", (out / "simulate.done").read_text()).group(1))
     assert seconds <= 2, seconds
+
+
+def test_unknown_stage_names_are_an_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        reproduce.main(["--out-dir", str(tmp_path / "job"), "--only", "trace_stat"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "no stage named trace_stat" in err and "trace_stats" in err
+    assert not (tmp_path / "job").exists()
+
+
+def test_overwrite_removes_only_what_the_job_wrote(tmp_path):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    out = tmp_path / "job"
+    out.mkdir()
+    (out / "notes.md").write_text("mine")
+    (out / "data").mkdir()
+    (out / "data" / "corpus.txt").write_text("mine too")
+    assert reproduce.main(["--out-dir", str(out), "--only", "first"], stages=stages(script)) == 0  # beside them
+    first = times(out, "first")
+    with pytest.raises(SystemExit):  # the job's own results: not replaced unless asked
+        reproduce.main(["--out-dir", str(out), "--only", "first"], stages=stages(script))
+    assert reproduce.main(["--out-dir", str(out), "--only", "first", "--overwrite"], stages=stages(script)) == 0
+    assert times(out, "first") != first
+    assert (out / "notes.md").read_text() == "mine" and (out / "data" / "corpus.txt").read_text() == "mine too"
+
+
+RANKED_STAGE = textwrap.dedent("""
+    import os, sys, time
+    from lrmoe.runtime.distributed.launch import launch
+
+    def work(rank, folder):
+        open(os.path.join(folder, f"rank{rank}.pid"), "w").write(str(os.getpid()))
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        folder = os.path.dirname(sys.argv[sys.argv.index("--out") + 1])
+        open(os.path.join(folder, "stage.pid"), "w").write(str(os.getpid()))
+        launch(work, 2, folder, timeout_s=600)
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the processes through /proc")
+def test_sigterm_of_the_main_job_stops_its_stage_and_the_stage_s_ranks(tmp_path):
+    from test_launch import kill_leftovers, pids_in, survivors, wait_for_pids
+
+    script = tmp_path / "ranked.py"
+    script.write_text(RANKED_STAGE)
+    out = tmp_path / "job"
+    driver = (f"from lrmoe.experiments import reproduce\n"
+              f"reproduce.main(['--out-dir', {str(out)!r}, '--only', 'ranked'], "
+              f"stages=[reproduce.Stage('ranked', {str(script)!r})])\n")
+    job = subprocess.Popen([sys.executable, "-c", driver], start_new_session=True)
+    try:
+        pids = wait_for_pids(out, "*.pid", 3, job)  # the stage and its two ranks
+        os.kill(job.pid, signal.SIGTERM)
+        job.wait(timeout=30)
+        assert not survivors(pids), "the stage or its ranks outlived the main job"
+    finally:
+        kill_leftovers(job, pids_in(out, "*.pid"))

@@ -113,7 +113,9 @@ def test_a_rank_killed_mid_run_resumes_with_each_step_once_and_the_same_losses(t
     assert proc.returncode != 0 and "died" in log, log[-2000:]
     assert failed_after < 30, f"the launch took {failed_after:.0f} s to fail after a rank died"
     left = steps_in(out)
-    checkpoint = train.latest_checkpoint(train.parse_args([*TRAIN, "--ckpt-dir", str(ckpt)]), 2)
+    args = train.parse_args([*TRAIN, "--out", str(out), "--ckpt-dir", str(ckpt)])
+    args.run_id = read_results(out, "run")[0]["run_id"]
+    checkpoint = train.latest_checkpoint(args, 2)
     assert checkpoint is not None and checkpoint < max(left) < 24, (checkpoint, left)  # steps past it to redo
 
     resumed = spawn([*argv, "--resume"], env)

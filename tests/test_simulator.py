@@ -267,18 +267,19 @@ def test_ablation_runner_writes_results_headline_and_figures(tmp_path, capsys):
     assert len(lr["iter_s_corners"]) == 8 * 3 + 3  # 8 corners and the base constants, at 3 micro-batch counts
     assert "overhead_ms_per_layer" in lr and lr["overhead_ms_per_layer"] > 0
     assert (tmp_path / "ablate_ratio_vs_symi.png").exists() and (tmp_path / "ablate_time_split.pdf").exists()
-    with pytest.raises(FileExistsError):
+    with pytest.raises(SystemExit):  # an existing results file: refused before any work
         ablate.main(argv)
 
 
-def test_ablation_rejects_bad_arguments():
+def test_ablation_rejects_bad_arguments(capsys):
+    """argparse's message (exit status 2), never a traceback nor a default in place of a zero."""
     ablate = _ablate_module()
-    with pytest.raises(ValueError, match="--ranks 12"):
-        ablate.parse_args(["--ranks", "12"])
-    with pytest.raises(ValueError, match="--steps"):
-        ablate.parse_args(["--steps", "1"])
-    with pytest.raises(SystemExit):  # argparse: a skew family that does not exist
-        ablate.parse_args(["--skews", "pareto:1.0"])
+    for argv, why in [(["--ranks", "12"], "--ranks 12"), (["--steps", "1"], "--steps"), (["--steps", "0"], "--steps"),
+                      (["--headline-mem-gb", "0"], "--headline-mem-gb"), (["--skews", "pareto:1.0"], "pareto"),
+                      (["--skews", "zipf:inf"], "finite"), (["--mem-gb", "-1"], "--mem-gb")]:
+        with pytest.raises(SystemExit) as exc:
+            ablate.parse_args(argv)
+        assert exc.value.code == 2 and why in capsys.readouterr().err, argv
     assert ablate.parse_args(["--skews", "0.6", "dirichlet:0.5"]).skews == [("zipf", 0.6), ("dirichlet", 0.5)]
 
 

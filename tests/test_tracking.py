@@ -68,10 +68,10 @@ def test_log_table_labels_every_row(tmp_path):
 
 
 # -- resuming ------------------------------------------------------------------------------------------------------
-def killed_run(results, steps, value=lambda s: float(s), torn=True) -> str:
+def killed_run(results, steps, value=lambda s: float(s), torn=True, name="exp") -> str:
     """A run that logged ``steps`` (and a figure and summary record, as a finished run would) and then died while
     writing its next record: the file ends in an unterminated line. Returns its run id."""
-    run = Tracker("exp", {"lr": 0.1}, results=results, wandb=False)
+    run = Tracker(name, {"lr": 0.1}, results=results, wandb=False)
     for s in steps:
         run.log({"loss": value(s)}, step=s)
     run._write({"kind": "figure", "run_id": run.run_id, "name": "f", "paths": []})
@@ -123,7 +123,7 @@ def test_resume_without_a_checkpoint_redoes_the_whole_run(tmp_path):
             run.log({"cell": cell})
     clean = [(r["step"], r["cell"]) for r in read_results(results)]
     killed = tmp_path / "killed.jsonl"
-    killed_run(killed, [0, 1])
+    killed_run(killed, [0, 1], name="sweep")
     with Tracker("sweep", results=killed, resume=True, wandb=False) as run:
         for cell in "abc":
             run.log({"cell": cell})

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 # -- the phase vocabulary, shared by the accountant, the layer bench and the cost model ---------------------------
-FORWARD_PHASES = ("route", "plan", "weight_push", "permute", "dispatch_a2a", "expert_fwd", "shared_fwd",
-                  "combine_a2a", "unpermute")
+FORWARD_PHASES = ("route", "plan", "weight_push", "permute", "early_keep_a2a", "dispatch_a2a", "expert_fwd",
+                  "shared_fwd", "combine_a2a", "unpermute")
 BACKWARD_PHASES = ("recalibrate", "combine_a2a_bwd", "bwd_index_a2a", "expert_bwd", "shared_bwd",
                    "dispatch_a2a_bwd", "unpermute_bwd")
 STEP_PHASES = ("replica_sync", "grad_collect", "adam", "redistribute")
@@ -41,7 +41,9 @@ A2A_PHASES = ("dispatch_a2a", "combine_a2a", "combine_a2a_bwd", "bwd_index_a2a",
 # weight_push: online replication copies expert weights into spare slots before the expert compute
 # (lrmoe.planner.online;
 # its bytes are lrmoe.bytemodel.sync_model.push_bytes)
-BYTE_PHASES = A2A_PHASES + ("weight_push", "replica_sync", "grad_collect", "redistribute")
+BYTE_PHASES = A2A_PHASES + ("weight_push", "replica_sync", "grad_collect", "redistribute", "early_keep_a2a")
+# early_keep_a2a: early selection's keep bit, one byte per pair sent (lrmoe.runtime.backward); not priced by the cost
+# model (a byte beside each dispatched row of D elements)
 COUNTERS = ("pairs_fwd", "pairs_bwd", "pairs_retained", "pairs_recomputed", "pairs_dropped", "token_buffer_bytes",
             "bwd_buffer_bytes")
 

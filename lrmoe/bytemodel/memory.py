@@ -35,6 +35,11 @@ What a rank holds (:func:`layer_memory`), each buffer counted once:
 * **Fixed**: the optimizer shard (fp32 master weights and two Adam moments of E/N experts' worth), when it counts
   against the budget.
 
+* **Early selection** (DESIGN.md §4): when the forward already knows which pairs the backward keeps (a metric of
+  the forward, the gate), the expert side saves the input row and ``expert_act`` of those pairs alone
+  (``LayerLoads.saved_expert_N``); the others' are in flight during the forward only. The home side still saves
+  every computed pair's output row (the router's gradient is exact for every pair).
+
 A model of L MoE layers peaks, on rank n, at Σ_l (slots + resident)_l + max_l (in flight)_l + fixed
 (:func:`model_peak`). With fixed-size capacity buffers (SYMI-cf1, capacity systems) every slot's expert-side
 buffers hold its capacity, however many rows arrive (:func:`plan_loads` with ``slot_capacity``).
@@ -127,25 +132,33 @@ class LayerLoads:
     bwd_gemm_N: Tensor  # backward GEMM rows
     index_N: Tensor  # index entries sent plus received (compact backward)
     moved_N: Tensor  # moved pairs recomputed on the rank
+    saved_expert_N: Tensor | None = None  # early selection: computed pairs whose activations are saved (None: all)
 
     @classmethod
-    def planned(cls, slots, expert_rows, home_rows, num_ranks: int | None = None) -> "LayerLoads":
+    def planned(cls, slots, expert_rows, home_rows, num_ranks: int | None = None,
+                early_rho: float | None = None) -> "LayerLoads":
         """The planner's view of a rank: ``slots`` allocated slots, ``expert_rows`` pairs computed there,
         ``home_rows`` pairs of its tokens, every computed pair retained for the backward where it ran (the forward
-        layout: no index, no moves). Scalars or [N] tensors."""
+        layout: no index, no moves). Scalars or [N] tensors. ``early_rho``: early selection at the retention
+        budget rho, the backward keeps (and the forward saves) min(expert_rows, ceil(rho · home_rows)) pairs,
+        ``home_rows`` standing for the mean load."""
         t = [torch.as_tensor(x, dtype=torch.float64) for x in (slots, expert_rows, home_rows)]
         if num_ranks is not None:
             t = [x.expand(num_ranks) for x in t]
         slots_N, expert_N, home_N = torch.broadcast_tensors(*t)
         zero = torch.zeros_like(expert_N)
-        return cls(slots_N, expert_N, home_N, home_N, home_N, expert_N, expert_N, expert_N, zero, zero)
-
+        if early_rho is None:
+            return cls(slots_N, expert_N, home_N, home_N, home_N, expert_N, expert_N, expert_N, zero, zero)
+        level_N = torch.ceil(early_rho * home_N - 1e-9)
+        kept_N, sent_N = torch.minimum(expert_N, level_N), torch.minimum(home_N, level_N)
+        return cls(slots_N, expert_N, home_N, sent_N, sent_N, kept_N, kept_N, kept_N, zero, zero, kept_N)
 
     def scaled(self, factor: float) -> "LayerLoads":
         """The same buffers with ``factor`` times the rows (slots unchanged): a margin on a planned load."""
         if factor == 1.0:
             return self
-        return LayerLoads(self.slots_N, *(getattr(self, f.name) * factor for f in fields(self)[1:]))
+        return LayerLoads(self.slots_N, *(None if getattr(self, f.name) is None else getattr(self, f.name) * factor
+                                          for f in fields(self)[1:]))
 
 
 def _per_rank(x_G: Tensor, num_ranks: int) -> Tensor:
@@ -160,13 +173,17 @@ def slot_capacity(plan, cf: float) -> int:
 
 
 def plan_loads(plan, compact: bool = True, slot_capacity_rows: int | None = None,
-               input_grad: bool = True) -> LayerLoads:
+               input_grad: bool = True, early: bool = False) -> LayerLoads:
     """The rows of every buffer of one layer-iteration executing ``plan`` (the layout of :mod:`lrmoe.bytemodel.layout`).
 
     ``compact``: the backward's compaction switch. ``slot_capacity_rows``: fixed-size capacity buffers; each
     non-empty slot's expert-side buffers (forward and backward) hold that many rows. ``input_grad=False``: no
-    input gradients travel back.
+    input gradients travel back. ``early``: early selection, the expert side saves the activations of the pairs
+    the plan keeps (``keep_NG``) alone; a plan that moves pairs between replicas cannot select early.
     """
+    if early and plan.bwd_flows_V4.numel():
+        raise ValueError("early selection keeps each retained pair where its forward ran: the plan moves pairs "
+                         "between replicas (bwd_flows_V4), switch its backward routing off")
     N, S = plan.num_ranks, plan.slots_per_rank
     send_NG, gemm_NG, index_NG = backward_counts(plan, compact)  # the GEMM's rows are the rows returned
     ret_NG = gemm_NG * int(input_grad)
@@ -186,7 +203,8 @@ def plan_loads(plan, compact: bool = True, slot_capacity_rows: int | None = None
     return LayerLoads(slots_N=torch.full((N,), float(S), dtype=dtype), expert_N=expert_N,
                       home_N=plan.fwd_NG.sum(1).to(dtype), bwd_home_send_N=send_NG.sum(1).to(dtype),
                       bwd_home_recv_N=ret_NG.sum(1).to(dtype), bwd_expert_recv_N=exp_recv_N,
-                      bwd_expert_send_N=exp_send_N, bwd_gemm_N=gemm_N, index_N=index_N, moved_N=moved_N)
+                      bwd_expert_send_N=exp_send_N, bwd_gemm_N=gemm_N, index_N=index_N, moved_N=moved_N,
+                      saved_expert_N=_per_rank(plan.keep_NG.sum(0), N).to(dtype) if early else None)
 
 
 # -- bytes ----------------------------------------------------------------------------------------------------------
@@ -214,17 +232,20 @@ def layer_memory(fp: Footprint, loads: LayerLoads, combine: bool = True) -> Laye
     """Bytes of one layer-iteration per rank (the module doc's rules). ``combine=False``: the plan does not
     select, so no metric columns ride on the combine rows."""
     combine_row = fp.row + (fp.combine_extra if combine else 0.0)
-    saved_N = loads.expert_N * fp.expert_pair + loads.home_N * combine_row
-    fwd_N = loads.home_N * fp.row + loads.expert_N * combine_row
+    kept_N = loads.expert_N if loads.saved_expert_N is None else loads.saved_expert_N
+    saved_N = kept_N * fp.expert_pair + loads.home_N * combine_row
+    # early selection: the activations of the pairs not kept live only while the forward runs
+    fwd_N = loads.home_N * fp.row + loads.expert_N * combine_row + (loads.expert_N - kept_N) * fp.expert_pair
     rows_N = loads.bwd_home_send_N + loads.bwd_home_recv_N + loads.bwd_expert_recv_N + loads.bwd_expert_send_N
     bwd_N = (rows_N * fp.row + loads.index_N * fp.index + loads.bwd_gemm_N * fp.bwd_act
              + loads.moved_N * fp.recompute)
     return LayerMemory(slot_N=loads.slots_N * fp.slot, saved_N=saved_N, fwd_N=fwd_N, bwd_N=bwd_N)
 
 
-def plan_memory(fp: Footprint, plan, compact: bool = True, slot_capacity_rows: int | None = None) -> LayerMemory:
+def plan_memory(fp: Footprint, plan, compact: bool = True, slot_capacity_rows: int | None = None,
+                early: bool = False) -> LayerMemory:
     """:func:`layer_memory` of a plan (metric columns ride on the combine only when the plan selects)."""
-    return layer_memory(fp, plan_loads(plan, compact, slot_capacity_rows), combine=plan_selects(plan))
+    return layer_memory(fp, plan_loads(plan, compact, slot_capacity_rows, early=early), combine=plan_selects(plan))
 
 
 def model_peak(resident_LN: Tensor, inflight_LN: Tensor, fixed_N: Tensor | float = 0.0,

@@ -21,9 +21,11 @@ from lrmoe.integrations.traces import generate_trace, load_trace
 def system_context(args, num_ranks: int, num_experts: int, memory: MemoryModel, tokens: int,
                    top_k: int) -> SystemContext:
     """What every system is built from: ``--spare-slots`` replica slots per rank beyond E/N (SYMI uses them,
-    LRMoE derives its replica slots and memory cap from ``memory``), LRMoE's eps and gamma."""
+    LRMoE derives its replica slots and memory cap from ``memory``), LRMoE's eps and gamma, and the push cost of
+    cost-aware online replication (``--push-cost-rows``; runs recorded before it had none)."""
     return SystemContext(num_experts=num_experts, num_ranks=num_ranks, spare_slots=args.spare_slots, eps=args.eps,
-                         gamma=args.gamma, memory=memory, pairs_per_rank=tokens * top_k)
+                         gamma=args.gamma, memory=memory, pairs_per_rank=tokens * top_k,
+                         push_cost_rows=getattr(args, "push_cost_rows", None))
 
 
 def make_policy(name: str, ctx: SystemContext):

@@ -11,10 +11,18 @@ dispatches and computes the experts, and the router gradient flows back through 
 
     dist.init_process_group(...)                     # every rank, then the same model on every rank
     ep = swap_moe_blocks(model, "lrmoe")             # each rank keeps its slots and optimizer shard of the experts
-    opt = torch.optim.AdamW(ep.dense_parameters())   # everything HF has, minus the routed experts
-    loss = model(input_ids, labels=labels).loss; loss.backward()
-    ep.step(opt)                                     # dense all-reduce + step, expert Adam + redistribution, GLM bias
+    opt = ep.optimizer(torch.optim.AdamW, lr=1e-3)   # a torch Optimizer: HF's dense parameters and the experts
+    for ids in micro_batches:                        # gradient accumulation: k micro-batches, one step
+        model(ids, labels=ids).loss.backward()
+    opt.step(); opt.zero_grad()                      # dense all-reduce + AdamW, expert Adam + redistribution, GLM bias
     model.save_pretrained(path, is_main_process=rank == 0)   # every rank: the experts are gathered
+
+**One gradient convention.** Every method here that reduces gradients (:meth:`HFExpertParallel.sync_dense_grads`,
+:meth:`~HFExpertParallel.expert_step`, :meth:`~HFExpertParallel.gather_expert_grads`, :meth:`~HFExpertParallel.step`
+and the optimizer object's ``step``) defaults to the gradient of the *mean* loss over the ranks and the step's
+micro-batches: the summed gradients times 1 / (ranks x micro-batches), the micro-batches being the training
+forwards since the last step. A loop that already divides each micro-batch's loss by their number (HF's Trainer,
+Accelerate) passes ``grad_scale=1 / ranks``; ``grad_scale=1.0`` gives the plain sum.
 
 Weights. HF fuses the experts as ``gate_up_proj`` [E, 2F, D] (gate rows first: ``linear(x, W).chunk(2)``) and
 ``down_proj`` [E, D, F]; the layer keeps the reference layout ``w_gate_EDF``, ``w_up_EDF``, ``w_down_EFD``
@@ -30,13 +38,15 @@ Planning state. A forward with gradients is a training forward: it plans with th
 the layer's state (previous counts, the plan whose next placement :meth:`~HFExpertParallel.expert_step` moves to).
 A forward without gradients (evaluation, generation) computes every pair on the placement the slots hold and
 leaves that state as it was. Every rank must run the same number of forwards (they are collective): generate
-with ``synced_gpus=True``. One forward and backward per optimizer step (no gradient accumulation over micro-batches
-and no gradient checkpointing: the layer plans once per iteration).
+with ``synced_gpus=True``. Several training forwards before a step are micro-batches of one iteration (their
+gradients accumulate; the placement holds until the step, :mod:`lrmoe.runtime.layer`). Gradient checkpointing
+(``model.gradient_checkpointing_enable()``, non-reentrant as HF's default) works: the recomputed forward replays the
+plan its original forward made.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -44,7 +54,7 @@ from torch import nn
 
 from lrmoe.config import MoEConfig
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
-from lrmoe.runtime.layer import EPMoELayer
+from lrmoe.runtime.layer import EPMoELayer, grad_flags, raise_on_grad_flags
 from lrmoe.integrations.load_stats import load_stats
 from lrmoe.planner.plan import LayerPlan, Policy
 from lrmoe.planner.policies import initial_placement
@@ -53,7 +63,7 @@ from lrmoe.runtime.routing import RouterOutput, update_expert_bias
 from lrmoe.systems import SystemContext, SystemSpec, get_system
 from lrmoe.integrations.traces import RouterRecorder, Trace, join_ranks
 
-__all__ = ["FAMILIES", "EPExperts", "HFExpertParallel", "gather_trace", "hf_config", "hf_to_reference",
+__all__ = ["FAMILIES", "EPExperts", "EPOptimizer", "HFExpertParallel", "gather_trace", "hf_config", "hf_to_reference",
            "moe_blocks", "reference_to_hf", "swap_moe_blocks"]
 
 DEFAULT_BIAS_RATE = 1e-3  # aux-loss-free bias update speed (DeepSeek-V3 §2.1.2; GLM-4.5 trains with it)
@@ -191,11 +201,7 @@ class EPExperts(nn.Module):
         routing = RouterOutput(top_k_index, top_k_weights, None)
         if torch.is_grad_enabled():
             return layer(hidden_TD, routing=routing)[0]
-        saved = (layer.prev_counts_E, layer.last_plan, layer.last_dispatch)
-        try:
-            return layer(hidden_TD, policy=_HeldPlacement(layer.placement_NS), routing=routing)[0]
-        finally:
-            layer.prev_counts_E, layer.last_plan, layer.last_dispatch = saved
+        return layer(hidden_TD, policy=_HeldPlacement(layer.placement_NS), routing=routing)[0]  # changes no state
 
     # -- HF's weights in and out of the replica store ----------------------------------------------------------
     def gather_hf_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,11 +275,6 @@ def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: System
     family = _family(model.config)
     if not dist.is_initialized():
         raise ValueError("swap_moe_blocks needs an initialised default process group (gloo or NCCL)")
-    flag = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
-            else "is_gradient_checkpointing")  # renamed in transformers 5.x
-    if getattr(model, flag, False):
-        raise ValueError("gradient checkpointing re-runs the MoE forward in the backward; the expert-parallel layer "
-                         "plans once per iteration: call model.gradient_checkpointing_disable() first")
     blocks = moe_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no {family.block} block to swap")
@@ -306,6 +307,7 @@ def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: System
                            dtype=dtype, device=device, adam=adam or AdamConfig(), accountant=accountant,
                            kernel_backend=kernel_backend, backward=layer_backward, replica_grad=replica_grad)
         layer.w_router_ED.requires_grad_(False)  # HF's gate routes; the layer's copy never enters the loss
+        layer.name = block_name  # errors name the block (e.g. a non-finite input)
         block.experts = EPExperts(layer)  # HF's full expert tensors are released here
         swapped.append(block_name)
     return HFExpertParallel(model, swapped, [b for _, b in blocks], family, name)
@@ -322,7 +324,11 @@ class HFExpertParallel:
       the placement the policy planned for the next iteration);
     * :meth:`update_expert_bias`: GLM's aux-loss-free update of ``e_score_correction_bias`` from the step's global
       counts (identical on every rank);
-    * :meth:`step`: all four in order.
+    * :meth:`step`: all four in order;
+    * :meth:`optimizer`: the same as one ``torch.optim.Optimizer`` (:class:`EPOptimizer`), for loops written for
+      plain PyTorch and for LR schedulers.
+
+    Gradients: the mean loss over ranks and micro-batches by default (module doc).
     """
 
     def __init__(self, model: nn.Module, names: list[str], blocks: list[nn.Module], family: Family, system: str):
@@ -344,9 +350,19 @@ class HFExpertParallel:
         """Every trainable parameter of the model (no collective)."""
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def sync_dense_grads(self, grad_scale: float = 1.0) -> None:
-        """Sum every dense gradient over the ranks (one flat all-reduce per dtype), times ``grad_scale``. A missing
-        gradient counts as zeros, so every rank reduces the same tensors."""
+    def mean_grad_scale(self) -> float:
+        """1 / (ranks x micro-batches since the last step): the default ``grad_scale`` of every method (module
+        doc). No collective."""
+        return self.layers[0].mean_grad_scale()
+
+    def _scale(self, grad_scale: float | None) -> float:
+        return self.mean_grad_scale() if grad_scale is None else grad_scale
+
+    def sync_dense_grads(self, grad_scale: float | None = None) -> None:
+        """Sum every dense gradient over the ranks (one flat all-reduce per dtype), times ``grad_scale`` (default:
+        the gradient of the mean loss over ranks and micro-batches). A missing gradient counts as zeros, so every
+        rank reduces the same tensors."""
+        scale = self._scale(grad_scale)
         params = self.dense_parameters()
         for p in params:
             if p.grad is None:
@@ -354,44 +370,60 @@ class HFExpertParallel:
         by_dtype: dict[tuple, list[nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+        N, layers = self.num_ranks, self.layers
         for group in by_dtype.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in group])
-            if self.num_ranks > 1:
+            finite = torch.stack([torch.isfinite(p.grad).all() for p in group]).all()
+            flags = grad_flags(layers, self.rank, N, finite).to(group[0].grad)  # the gradient check (runtime.layer)
+            flat = torch.cat([*(p.grad.reshape(-1) for p in group), flags])
+            if N > 1:
                 dist.all_reduce(flat)
-            flat.mul_(grad_scale)
+            raise_on_grad_flags(flat[-N:], layers, self.rank)
+            flat = flat[:-N].mul_(scale)
             offset = 0
             for p in group:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
 
-    def expert_step(self, grad_scale: float = 1.0) -> None:
-        """Every swapped layer's expert optimizer step, into the next placement its plan chose."""
+    def expert_step(self, grad_scale: float | None = None) -> None:
+        """Every swapped layer's expert optimizer step, into the next placement its plans chose, with the
+        gradient times ``grad_scale`` (default: the gradient of the mean loss over ranks and micro-batches)."""
+        scale = self._scale(grad_scale)
         for layer in self.layers:
-            layer.expert_step(grad_scale=grad_scale)
+            layer.expert_step(grad_scale=scale)
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float = DEFAULT_BIAS_RATE) -> None:
         """GLM: nudge each gate's ``e_score_correction_bias`` by ``rate`` towards balance, from the global counts of
-        the last training forward (no collective: the counts are already global). A no-op for Qwen3-MoE."""
+        the iteration (its micro-batches summed; after :meth:`expert_step`, of the iteration it ended). No
+        collective: the counts are already global. A no-op for Qwen3-MoE."""
         if not self.family.biased or not rate:
             return
         for block, layer in zip(self.blocks, self.layers):
-            if layer.prev_counts_E is None:
+            counts = layer.iteration_counts_NE.sum(0) if layer.iteration_counts_NE is not None else layer.prev_counts_E
+            if counts is None:
                 raise ValueError("update_expert_bias needs a training forward first")
             bias = block.gate.e_score_correction_bias
-            bias.copy_(update_expert_bias(bias, layer.prev_counts_E.to(bias.device), rate))
+            bias.copy_(update_expert_bias(bias, counts.to(bias.device), rate))
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: float | None = None,
              bias_rate: float = DEFAULT_BIAS_RATE) -> None:
-        """One optimizer step after the backward: dense gradients all-reduced and ``optimizer`` stepped, the
+        """One optimizer step after the backward(s): dense gradients all-reduced and ``optimizer`` stepped, the
         experts stepped and redistributed, GLM's bias updated; then every gradient cleared. ``grad_scale``
-        (default 1/N) turns the ranks' summed gradients into the gradient of the mean of their losses."""
-        scale = 1.0 / self.num_ranks if grad_scale is None else grad_scale
+        defaults to the gradient of the mean loss over ranks and micro-batches."""
+        scale = self._scale(grad_scale)
         self.sync_dense_grads(scale)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.expert_step(scale)
         self.update_expert_bias(bias_rate)
+
+    def optimizer(self, dense_optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
+                  grad_scale: float | None = None, bias_rate: float = DEFAULT_BIAS_RATE,
+                  **kwargs) -> "EPOptimizer":
+        """One ``torch.optim.Optimizer`` for the whole swapped model (:class:`EPOptimizer`): ``dense_optimizer(
+        self.dense_parameters(), **kwargs)`` for the dense part, the replica store's sharded Adam for the experts
+        (its ``lr``, ``betas`` and ``eps`` those of ``kwargs`` when given). No collective."""
+        return EPOptimizer(self, dense_optimizer, grad_scale=grad_scale, bias_rate=bias_rate, **kwargs)
 
     def zero_grad(self) -> None:
         """Clear the dense and the expert slots' gradients (no collective)."""
@@ -400,14 +432,16 @@ class HFExpertParallel:
             layer.store.slots_SW.grad = None
 
     # -- inspection ----------------------------------------------------------------------------------------------
-    def gather_expert_grads(self, grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    def gather_expert_grads(self, grad_scale: float | None = None) -> dict[str, torch.Tensor]:
         """The routed experts' gradients in HF's layout and names (``<block>.experts.gate_up_proj``, ...), summed
-        over replicas and ranks as the expert step would use them (collective; every rank gets all)."""
+        over replicas and ranks, times ``grad_scale`` (default: the gradient of the mean loss over ranks and
+        micro-batches, what :meth:`expert_step` would use). Collective; every rank gets all."""
+        scale = self._scale(grad_scale)
         out = {}
         for name, layer in zip(self.names, self.layers):
             store = layer.store
             store.sync_replica_grads()
-            flat_EW = store.gather_full(store.collect_grad_shards(grad_scale))
+            flat_EW = store.gather_full(store.collect_grad_shards(scale))
             gate_up, down = reference_to_hf(*unflatten_experts(flat_EW, store.hidden, store.ffn))
             out[f"{name}.experts.gate_up_proj"], out[f"{name}.experts.down_proj"] = gate_up, down
         return out
@@ -450,8 +484,84 @@ class HFExpertParallel:
             store.placement_NS = state["placement_NS"].clone()
             store.adam_steps = state["adam_steps"]
             layer.prev_counts_E, layer.last_plan = state["prev_counts_E"], None
+            layer.iteration_counts_NE, layer.micro_batches, layer.decisions = None, 0, []
             if layer.bwd_generator is not None and state["bwd_generator"] is not None:
                 layer.bwd_generator.set_state(state["bwd_generator"])
+
+
+class EPOptimizer(torch.optim.Optimizer):
+    """A swapped model's optimizer as one ``torch.optim.Optimizer``, so that a loop written for plain PyTorch
+    (``loss.backward(); opt.step(); opt.zero_grad()``, any number of micro-batches in between) and torch's LR
+    schedulers work unchanged.
+
+    ``param_groups`` are the dense optimizer's groups (the same dicts) followed by one group of the experts' slots,
+    whose ``lr``, ``betas`` and ``eps`` the experts' sharded Adam reads at every step (so a scheduler moves both
+    learning rates). :meth:`step` (collective) runs :meth:`HFExpertParallel.step`'s order: dense all-reduce, the
+    dense step, the expert step and redistribution, GLM's bias update; gradients scaled by ``grad_scale`` (default:
+    the mean loss over ranks and micro-batches, module doc). :meth:`zero_grad` clears both parts;
+    :meth:`state_dict` holds the dense optimizer's state and this rank's expert state (per rank, like the
+    experts' optimizer shards: save one per rank).
+
+    Not for ``transformers.Trainer`` or Accelerate: they wrap the model in DistributedDataParallel, which all-reduces
+    the dense gradients itself (this step would reduce them twice) and assumes every rank holds every parameter
+    (each rank holds only its expert slots and optimizer shard). Write the loop by hand (README, "Use it with
+    transformers"): micro-batches, gradient checkpointing and LR schedulers all work in it.
+    """
+
+    def __init__(self, ep: HFExpertParallel, dense_optimizer: type[torch.optim.Optimizer], *,
+                 grad_scale: float | None = None, bias_rate: float = DEFAULT_BIAS_RATE, **kwargs):
+        if not (isinstance(dense_optimizer, type) and issubclass(dense_optimizer, torch.optim.Optimizer)):
+            raise ValueError(f"dense_optimizer must be a torch.optim.Optimizer class (e.g. torch.optim.AdamW), got "
+                             f"{dense_optimizer!r}")
+        self.ep, self.grad_scale, self.bias_rate = ep, grad_scale, bias_rate
+        self.dense = dense_optimizer(ep.dense_parameters(), **kwargs)
+        adam = ep.layers[0].store.adam
+        betas = kwargs.get("betas", (adam.beta1, adam.beta2))
+        experts = {"params": [layer.store.slots_SW for layer in ep.layers], "lr": kwargs.get("lr", adam.lr),
+                   "betas": tuple(betas), "eps": kwargs.get("eps", adam.eps), "weight_decay": adam.weight_decay,
+                   "experts": True}
+        super().__init__([*self.dense.param_groups, experts], self.dense.defaults)
+        self.param_groups = [*self.dense.param_groups, self.param_groups[-1]]  # the dense groups themselves
+        self.state = self.dense.state
+
+    @property
+    def expert_group(self) -> dict:
+        return self.param_groups[-1]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        ep, group = self.ep, self.expert_group
+        scale = ep._scale(self.grad_scale)
+        ep.sync_dense_grads(scale)
+        self.dense.step()
+        beta1, beta2 = group["betas"]
+        for layer in ep.layers:
+            layer.store.adam = replace(layer.store.adam, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                                       eps=group["eps"])
+        ep.expert_step(scale)
+        ep.update_expert_bias(self.bias_rate)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dense.zero_grad(set_to_none=set_to_none)
+        for layer in self.ep.layers:
+            layer.store.slots_SW.grad = None
+
+    def state_dict(self) -> dict:
+        group = {k: v for k, v in self.expert_group.items() if k != "params"}
+        return {"dense": self.dense.state_dict(), "expert_group": group, "experts": self.ep.expert_state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if set(state_dict) != {"dense", "expert_group", "experts"}:
+            raise ValueError(f"not an EPOptimizer state dict: keys {sorted(state_dict)}, expected dense, "
+                             f"expert_group and experts")
+        self.dense.load_state_dict(state_dict["dense"])
+        self.expert_group.update(state_dict["expert_group"])
+        self.ep.load_expert_state_dict(state_dict["experts"])
 
 
 def gather_trace(recorder: RouterRecorder, **meta) -> Trace:

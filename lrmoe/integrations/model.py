@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lrmoe.config import MoEConfig
 from lrmoe.runtime.routing import load_balancing_loss
@@ -92,6 +93,7 @@ class MoETransformer(nn.Module):
     def __init__(self, cfg: MoEConfig, moe_factory: Callable[[int], nn.Module], seed: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.activation_checkpointing = False  # recompute each block in the backward (torch's non-reentrant checkpoint)
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(seed)  # the dense parameters are identical on every rank for a given seed
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
@@ -112,8 +114,11 @@ class MoETransformer(nn.Module):
     def forward(self, ids_BT: torch.Tensor, targets_BT: torch.Tensor | None = None, aux_coef: float = 0.0):
         x = self.embed(ids_BT)
         infos = []
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            x, info = block(x)
+            # activation checkpointing: a block's activations are recomputed in the backward (the MoE layer
+            # replays its recorded plan, lrmoe.runtime.layer)
+            x, info = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
             if block.is_moe:
                 infos.append(info)
         logits = self.head(self.norm(x))

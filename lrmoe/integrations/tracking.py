@@ -43,7 +43,7 @@ import time
 import uuid
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Callable
 
 _PACKAGES = ("torch", "triton", "numpy", "wandb", "lrmoe")
 
@@ -88,12 +88,20 @@ def wandb_mode() -> tuple[str, str]:
     explicit = os.environ.get("WANDB_MODE")
     if explicit:
         return explicit, "WANDB_MODE is set"
+    login = wandb_login()
+    if login:
+        return "online", login
+    return "offline", "no W&B login was found"
+
+
+def wandb_login() -> str | None:
+    """Where this process's W&B API key comes from (None: it has none)."""
     if os.environ.get("WANDB_API_KEY"):
-        return "online", "WANDB_API_KEY is set"
+        return "WANDB_API_KEY is set"
     netrc = Path.home() / ".netrc"
     if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
-        return "online", "a W&B login was found in ~/.netrc"
-    return "offline", "no W&B login was found"
+        return "a W&B login was found in ~/.netrc"
+    return None
 
 
 def _jsonable(value: Any) -> Any:
@@ -126,20 +134,26 @@ def portable_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see either the old file or the whole new one, never a part: a
-    temporary file in the same folder, fsynced, then renamed over ``path``."""
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` so that readers see either the old file or the whole new one, never a part, and the new one
+    survives a power cut once this returns: ``write(f)`` fills a temporary file in the same folder, which is fsynced,
+    renamed over ``path``, and the folder fsynced."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """:func:`atomic_write` of ``text`` (UTF-8)."""
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -172,6 +186,23 @@ def _parse(path: Path, lines: list[str]) -> list[dict]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}, line {i}: not a JSON record ({exc})") from None
     return records
+
+
+def new_run_id(name: str) -> str:
+    """A fresh run id: the script's name, the time and a random suffix."""
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def check_resumable(path: Path, name: str, headers: list[dict], has_lines: bool) -> None:
+    """Raise ``ValueError`` unless ``--resume`` of script ``name`` may rewrite the results file ``path``: its last
+    run header names that script (a resume supersedes records, so it must never touch another script's file, nor a
+    file that no Tracker wrote)."""
+    if headers and headers[-1].get("name") != name:
+        raise ValueError(f"--resume: results file {path} holds a run of {headers[-1].get('name')!r}, not of {name!r}: "
+                         f"give this run its own --out")
+    if has_lines and not headers:
+        raise ValueError(f"--resume: {path} holds no run header (no lrmoe script wrote it): give this run its own "
+                         f"--out")
 
 
 class _FileLock:
@@ -209,7 +240,7 @@ class Tracker:
     def __init__(self, name: str, config: dict | None = None, results: str | os.PathLike | None = None,
                  *, seed: int | None = None, overwrite: bool = False, resume: bool = False,
                  resume_step: int | None = None, wandb: bool = True, project: str = "lrmoe",
-                 group: str | None = None, quiet: bool = False):
+                 group: str | None = None, quiet: bool = False, run_id: str | None = None):
         if overwrite and resume:
             raise ValueError("Tracker: overwrite=True and resume=True contradict each other; choose one")
         self.name = name
@@ -225,7 +256,7 @@ class Tracker:
         self.wandb_run = None
         self.wandb_dir: Path | None = None
         try:
-            self.run_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+            self.run_id = run_id or new_run_id(name)
             self.attempt = 1
             self.resumed_from_step = None
             self._wandb_logged_to = -1  # W&B already holds every step up to this one (an earlier attempt's)
@@ -233,13 +264,12 @@ class Tracker:
             self._last_step = 0
             if resume and self.results.exists():
                 self._supersede(resume_step)
-            self._file = open(self.results, "a" if resume else "w", encoding="utf-8")
-            header = {"kind": "run", "run_id": self.run_id, "name": name, "config": self.config, "seed": seed,
+            self._mode = "a" if resume else "w"
+            self._header = {"kind": "run", "run_id": self.run_id, "name": name, "config": self.config, "seed": seed,
                       "git_commit": git_commit(), "versions": package_versions(), "device": device_description(),
                       "argv": portable_argv(sys.argv), "time": time.time(), "attempt": self.attempt}
             if self.attempt > 1:
-                header["resumed_from_step"] = self.resumed_from_step
-            self._write(header)
+                self._header["resumed_from_step"] = self.resumed_from_step
             if wandb:
                 self._init_wandb(project, group)
         except BaseException:
@@ -252,10 +282,11 @@ class Tracker:
         lines = _complete_lines(self.results)
         records = _parse(self.results, lines)
         headers = [r for r in records if r.get("kind") == "run"]
+        check_resumable(self.results, self.name, headers, bool(records))
         if headers:
             self.run_id = headers[-1]["run_id"]
             self.attempt = sum(h.get("run_id") == self.run_id for h in headers) + 1
-        else:  # a file with no header (not written by a Tracker): a new run that replaces its records
+        else:  # an empty file
             self.attempt = 1
 
         def kept(rec: dict) -> bool:
@@ -303,6 +334,11 @@ class Tracker:
 
     # -- records ------------------------------------------------------------------------------------------
     def _write(self, record: dict) -> None:
+        if self._file is None:  # the first record: the file (and its run header) is written only now, so a run
+            # that fails before it has anything to say leaves no header-only file behind (nor replaces the old one)
+            self._file = open(self.results, self._mode, encoding="utf-8")
+            header, self._header = self._header, None
+            self._write(header)
         self._file.write(json.dumps(_jsonable(record), sort_keys=False) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
@@ -382,3 +418,98 @@ def add_tracking_args(parser, default_results: str) -> None:
                         help="continue the run in an existing results file: records past the point it resumes "
                              "from (its checkpoint, else the start) are replaced, never duplicated")
     parser.add_argument("--no-wandb", action="store_true", help="do not log to W&B")
+
+
+def output_problem(flag: str, path: str | os.PathLike, replace: bool) -> str | None:
+    """Why the script could not write a file at ``path`` (given as ``flag``), or None: it is a folder, it exists and
+    ``replace`` is false, or no writable folder would hold it."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{flag} {path} is a folder, not a file"
+    if path.exists() and not replace:
+        return f"{flag} {path} exists; pass --overwrite to replace it"
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{flag} {path}: {folder} is a file, not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{flag} {path}: the folder {folder} is not writable"
+    return None
+
+
+_REPORT_MARK = "<!-- lrmoe report of "  # the first line of every report: the results file it belongs to
+
+
+def report_path(results: str | os.PathLike) -> Path:
+    """Where the Markdown report of a results file goes: beside it, ``.md`` for its suffix."""
+    return Path(results).with_suffix(".md")
+
+
+def report_problem(results: str | os.PathLike, replace: bool, name: str) -> str | None:
+    """Why script ``name`` could not write the report of ``results``, or None: it would be the results file itself,
+    or a file there is not this script's report (neither marked as a report nor beside a results file of ``name``:
+    never replaced, even with --overwrite), or it exists and ``replace`` is false."""
+    results = Path(results)
+    report = report_path(results)
+    if report.resolve() == results.resolve():
+        return f"--out {results}: the report would overwrite the results file; give --out a .jsonl name"
+    if report.is_file():
+        with open(report, encoding="utf-8", errors="replace") as f:
+            ours = f.readline().startswith(_REPORT_MARK)
+        if not ours and results.is_file():
+            try:
+                headers = [r for r in _parse(results, _complete_lines(results)) if r.get("kind") == "run"]
+            except ValueError:  # not a results file
+                headers = []
+            ours = bool(headers) and headers[-1].get("name") == name
+        if not ours:
+            return f"--out {results}: its report {report} exists and is not a report of this package; move it or " \
+                   f"choose another --out"
+        if not replace:
+            return f"--out {results}: its report {report} exists; pass --overwrite to replace it"
+    return None
+
+
+def write_report(results: str | os.PathLike, text: str) -> Path:
+    """Write the Markdown report of ``results`` (atomically, marked as a report of that file); its path."""
+    report = report_path(results)
+    atomic_write_text(report, f"{_REPORT_MARK}{Path(results).name} -->\n{text}")
+    return report
+
+
+def check_tracking_args(parser, args, name: str, outputs: dict[str, Any] | None = None, report: bool = False) -> None:
+    """Check the flags of :func:`add_tracking_args` and the script's other output files (``outputs``: flag ->
+    path or None) before any work starts, with ``parser.error`` (argparse's message and exit status 2): the results
+    file is new unless --overwrite / --resume, its folder writable, not another script's file when resuming, not
+    locked by a live writer; with ``report``, its report (:func:`report_problem`) can be written; an online W&B has
+    a key."""
+    if args.overwrite and args.resume:
+        parser.error("--overwrite and --resume contradict each other; choose one")
+    replace = args.overwrite or args.resume
+    if args.out:
+        out = Path(args.out)
+        if out.is_file() and not replace:
+            parser.error(f"results file {out} exists; pass --overwrite to replace it or --resume to continue the run "
+                         f"it holds")
+        if problem := output_problem("--out", out, replace=True):
+            parser.error(problem)
+        if args.resume and out.is_file():
+            try:
+                records = _parse(out, _complete_lines(out))
+                check_resumable(out, name, [r for r in records if r.get("kind") == "run"], bool(records))
+            except ValueError as exc:
+                parser.error(str(exc))
+        if out.parent.is_dir():
+            try:
+                _FileLock(out).release()
+            except (RuntimeError, OSError) as exc:
+                parser.error(str(exc))
+    for flag, path in (outputs or {}).items():
+        if path and (problem := output_problem(flag, path, replace)):
+            parser.error(problem)
+    if report and args.out and (problem := report_problem(args.out, replace, name)):
+        parser.error(problem)
+    if not args.no_wandb and wandb_mode()[0] == "online" and not wandb_login():
+        parser.error("W&B is online (WANDB_MODE=online) but has no API key: set WANDB_API_KEY or run `wandb login`, "
+                     "or set WANDB_MODE=offline, or pass --no-wandb")

@@ -7,10 +7,14 @@ replicas. The home layout never moves:
 
 * every rank has the E/N home slots of static expert parallelism plus ``spare_slots`` spare slots, empty between
   iterations (:meth:`Online.placement`, the slots' content and the plan's ``next_placement_NS``);
-* :func:`online_replicas`, greedy and deterministic: while the most loaded rank (loads estimated with each
-  expert's pairs split evenly over its replicas) hosts an expert whose extra replica, on the least loaded rank of
-  that expert's home node with a free spare slot, lowers the larger of the two ranks' loads, place it (the
-  hottest such expert per replica first); stop when the most loaded rank cannot be relieved;
+* :func:`online_replicas`, deterministic: while the most loaded rank (loads estimated with each expert's pairs
+  split evenly over its replicas) hosts an expert whose extra replica, on the least loaded rank of that expert's
+  home node with a free spare slot, lowers the larger of the two ranks' loads by more than ``push_cost_rows``
+  pairs, place it (the hottest such expert per replica first); stop when no copy pays for itself. The threshold
+  is the push's own cost on its link in pairs of the busiest rank's work (the cost model's
+  :meth:`~lrmoe.sim.cost.CostModel.push_cost_rows`): a copy is pushed only when the time it saves on the busiest
+  rank exceeds what its push costs (spill only when necessary). ``push_cost_rows=0`` is the greedy rule (any
+  relief at all), kept as an ablation (``online-greedy`` in the registry);
 * the plan pushes each replica's weights from the expert's home slot (``LayerPlan.push_src_G``; only inside one
   node of ``ranks_per_node`` ranks, the anchor's NVLink domain) and routes the forward ``"balanced"`` over the
   replicas (:func:`lrmoe.planner.replica_routing.route_forward`);
@@ -29,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.checks import non_negative_int, positive_int
+from lrmoe.checks import check_fraction, non_negative_int, positive_int
 from lrmoe.planner.placement import replica_table, static_placement
 from lrmoe.planner.plan import LayerPlan
 from lrmoe.planner.replica_routing import FORWARD_MODES, check_counts, forward_on
@@ -41,12 +45,15 @@ def home_placement(num_experts: int, num_ranks: int, spare_slots: int) -> Tensor
     return torch.cat([home, torch.full((num_ranks, spare_slots), -1, dtype=torch.long)], 1)
 
 
-def online_replicas(counts_E: Tensor, num_ranks: int, spare_slots: int, ranks_per_node: int | None = None) -> Tensor:
+def online_replicas(counts_E: Tensor, num_ranks: int, spare_slots: int, ranks_per_node: int | None = None,
+                    push_cost_rows: float = 0.0) -> Tensor:
     """[N, E/N + spare] the home placement with this forward's replicas in the spare slots (module doc).
 
     ``counts_E``: this forward's routed pairs per expert (all ranks). A replica of e only goes to a rank of e's
     home node (``ranks_per_node``; None: one node), never to a rank that already hosts e, and fills that rank's
-    first free spare slot. Ties: the lowest rank, then the lowest expert."""
+    first free spare slot, and only when it lowers the busiest of the two ranks' loads by more than
+    ``push_cost_rows`` pairs (0: by anything, the greedy rule). Ties: the lowest rank, then the lowest expert."""
+    push_cost_rows = check_fraction("push_cost_rows", push_cost_rows, None)
     counts = check_counts(torch.as_tensor(counts_E).view(1, -1)).numpy()[0].astype(np.float64)
     E, N = len(counts), num_ranks
     placement = home_placement(E, N, spare_slots)
@@ -69,7 +76,9 @@ def online_replicas(counts_E: Tensor, num_ranks: int, spare_slots: int, ranks_pe
             if not ok_N.any():
                 continue
             m = int(np.argmin(np.where(ok_N, load_N, np.inf)))
-            if load_N[m] + counts[e] / (replicas_E[e] + 1) < load_N[h]:
+            new_share = counts[e] / (replicas_E[e] + 1)  # every host of e, the new one too, computes this much
+            saving = load_N[h] - max(load_N[h] - share_E[e] + new_share, load_N[m] + new_share)
+            if saving > push_cost_rows:
                 placement[m, base + spare_slots - free_N[m]] = int(e)
                 hosts_NE[m, e], free_N[m] = True, free_N[m] - 1
                 replicas_E[e] += 1
@@ -98,11 +107,14 @@ class Online:
     spare_slots     replica slots per rank beside the E/N home slots (empty between iterations).
     ranks_per_node  the push stays inside nodes of this many consecutive ranks (None: all ranks are one node).
     forward         "balanced" (min-max, as LRMoE's) or "even" routing over the replicas.
+    push_cost_rows  a copy is pushed only when it relieves the busiest rank by more than this many pairs (the
+                    push's cost in the busiest rank's work; 0: the greedy rule, any relief).
     """
 
     def __init__(self, spare_slots: int = 1, ranks_per_node: int | None = None, forward: str = "balanced",
-                 balance_iters: int = 8):
+                 balance_iters: int = 8, push_cost_rows: float = 0.0):
         self.spare_slots = non_negative_int("spare_slots", spare_slots)
+        self.push_cost_rows = check_fraction("push_cost_rows", push_cost_rows, None)
         self.ranks_per_node = None if ranks_per_node is None else positive_int("ranks_per_node", ranks_per_node)
         if forward not in FORWARD_MODES:
             raise ValueError(f"forward={forward!r} is not one of {FORWARD_MODES}")
@@ -128,7 +140,8 @@ class Online:
         N, E = counts_NE.shape
         self._check_ranks(E, N)
         home_NS = home_placement(E, N, self.spare_slots)
-        placement_NS = online_replicas(counts_NE.sum(0), N, self.spare_slots, self.ranks_per_node)
+        placement_NS = online_replicas(counts_NE.sum(0), N, self.spare_slots, self.ranks_per_node,
+                                       self.push_cost_rows)
         fwd_NG = forward_on(counts_NE, replica_table(placement_NS, E), self.forward, self.balance_iters)
         return LayerPlan.dropless(placement_NS, fwd_NG, E, policy=self.name, next_placement_NS=home_NS,
                                   push_src_G=push_sources(placement_NS, home_NS))

@@ -180,6 +180,9 @@ class MemoryModel:
                    ``Footprint.slot_and_pair(slot_bytes, pair_bytes)``;
     num_layers     MoE layers sharing the budget; the planner assumes they all look like the layer it plans;
     fixed_bytes    bytes outside the layers that count against the budget (the optimizer shard, when it does).
+    early_rho      early selection at the retention budget rho (DESIGN.md §4): the forward saves activations only for
+                   the pairs the backward keeps, min(load, ceil(rho · mean)) per rank, so more slots fit (None: the
+                   forward saves every computed pair's).
 
     Build it from a model with :meth:`for_model`; :meth:`peak_bytes` is the whole model's peak that the simulator
     checks, so "the planner says it fits" and "the simulator reports no OOM" are one statement (tests/test_memory.py).
@@ -191,8 +194,11 @@ class MemoryModel:
     footprint: Footprint | None = None
     num_layers: int = 1
     fixed_bytes: float = 0.0
+    early_rho: float | None = None
 
     def __post_init__(self) -> None:
+        if self.early_rho is not None and not 0 < self.early_rho <= 1:
+            raise ValueError(f"MemoryModel.early_rho must be in (0, 1], got {self.early_rho!r}")
         for name in ("budget_bytes", "slot_bytes", "pair_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"MemoryModel.{name} must be positive, got {getattr(self, name)!r}")
@@ -201,7 +207,8 @@ class MemoryModel:
             raise ValueError(f"MemoryModel.fixed_bytes must be non-negative, got {self.fixed_bytes!r}")
         if self.footprint is None:
             object.__setattr__(self, "footprint", Footprint.slot_and_pair(self.slot_bytes, self.pair_bytes))
-        elif (self.footprint.slot, self.footprint.expert_pair) != (self.slot_bytes, self.pair_bytes):
+        elif ((self.footprint.slot, self.footprint.expert_pair) != (self.slot_bytes, self.pair_bytes)
+              and self.footprint != Footprint.slot_and_pair(self.slot_bytes, self.pair_bytes)):  # replace() of one
             raise ValueError(f"MemoryModel.slot_bytes / pair_bytes ({self.slot_bytes}, {self.pair_bytes}) disagree "
                              f"with its footprint ({self.footprint.slot}, {self.footprint.expert_pair}); build it "
                              f"with MemoryModel.for_model")
@@ -217,12 +224,14 @@ class MemoryModel:
         """float64, like the inputs: the model's peak on a rank with ``slots_per_rank`` slots, ``expert_rows`` pairs
         computed and ``home_rows`` pairs of its own tokens (default ``expert_rows``) in every layer, all retained."""
         home = expert_rows if home_rows is None else home_rows
-        return uniform_peak(layer_memory(self.footprint, LayerLoads.planned(slots_per_rank, expert_rows, home)),
+        loads = LayerLoads.planned(slots_per_rank, expert_rows, home, early_rho=self.early_rho)
+        return uniform_peak(layer_memory(self.footprint, loads),
                             self.num_layers, self.fixed_bytes)
 
     def plan_peak_bytes(self, plan, compact: bool = True, slot_capacity_rows: int | None = None) -> Tensor:
         """float64 [N]: the model's peak if every layer ran ``plan`` (the simulator's accounting of it)."""
-        return uniform_peak(plan_memory(self.footprint, plan, compact, slot_capacity_rows), self.num_layers,
+        early = self.early_rho is not None
+        return uniform_peak(plan_memory(self.footprint, plan, compact, slot_capacity_rows, early), self.num_layers,
                             self.fixed_bytes)
 
     def spare_slots_for(self, plans_with: Callable[[int], object], base_slots: int, max_spare: int, *,
@@ -245,7 +254,7 @@ class MemoryModel:
             resident, inflight, expert = [], [], []
             for plan in plans:
                 cap = None if capacity_cf is None else slot_capacity(plan, capacity_cf)
-                loads = plan_loads(plan, compact, cap).scaled(1.0 + load_margin)
+                loads = plan_loads(plan, compact, cap, early=self.early_rho is not None).scaled(1.0 + load_margin)
                 mem = layer_memory(self.footprint, loads, plan_selects(plan))
                 resident.append(mem.resident_N)
                 inflight.append(mem.inflight_N)
@@ -289,9 +298,11 @@ class MemoryModel:
         # budget left beside the activations every layer saves and the home side's backward buffers; the slots of
         # every layer and the expert side's backward buffers (grad row in, dX row out, gate / up gradients, index)
         # per retained pair are memory_cap_pairs's two terms
-        besides = n_l * (load * fp.expert_pair + home * fp.home_pair) + home * (2 * fp.row + fp.index)
+        # early selection: a retained pair also holds its saved activations in every layer, a trimmed one none
+        saved = 0.0 if self.early_rho is not None else 1.0
+        besides = n_l * (saved * load * fp.expert_pair + home * fp.home_pair) + home * (2 * fp.row + fp.index)
         cap = memory_cap_pairs(self.budget_bytes - self.fixed_bytes - besides, slots_per_rank, n_l * fp.slot,
-                               2 * fp.row + fp.bwd_act + fp.index)
+                               2 * fp.row + fp.bwd_act + fp.index + (1.0 - saved) * n_l * fp.expert_pair)
         return int(cap) if fwd_load_N is None and home_pairs_N is None else cap
 
 

@@ -205,6 +205,11 @@ class LRMoE:
             raise ValueError(f"mem_cap_pairs_N must be non-negative, got {mem_cap_pairs_N!r}")
         if backward_routing is None:
             backward_routing = quota_mode == "cap"
+        early = None if memory is None else memory.early_rho
+        if early is not None and (quota_mode != "budget" or early != self.rho or backward_routing or not quotas):
+            raise ValueError(f"a memory model with early selection at rho={early} needs the budget mode at that rho, "
+                             f"its quotas and no backward routing (got quota_mode={quota_mode!r}, rho={self.rho!r}, "
+                             f"backward_routing={backward_routing}, quotas={quotas})")
         self.extra_slots, self.memory, self.mem_cap_pairs_N = extra_slots, memory, mem_cap_pairs_N
         self.quotas, self.backward_routing, self.forward = bool(quotas), bool(backward_routing), forward
         self.balance_iters, self.backward_rounds = int(balance_iters), int(backward_rounds)

@@ -13,6 +13,8 @@ import torch
 from lrmoe.recal.scoring import METRICS
 from lrmoe.recal.selection import DEFAULT_UNIFORM_MIX, MODES
 
+FORWARD_METRICS = ("gate", "random")  # known before the backward's delta: early selection can use them
+
 
 @dataclass(frozen=True)
 class BackwardConfig:
@@ -24,6 +26,8 @@ class BackwardConfig:
                 more bytes and GEMM rows).
     seed        seeds the generator of the random metric and of unbiased draws (offset by the rank).
     uniform_mix the unbiased mode's zero-score guard (:func:`lrmoe.recal.selection.select`).
+    early       early selection (DESIGN.md §4): the forward selects, with a metric it already knows (the gate, or
+                random), and the expert side saves activations for the kept pairs alone.
     """
 
     metric: str = "m1"
@@ -31,8 +35,14 @@ class BackwardConfig:
     compact: bool = True
     seed: int = 0
     uniform_mix: float = DEFAULT_UNIFORM_MIX
+    early: bool = False
 
     def __post_init__(self) -> None:
+        if self.early and not self.compact:
+            raise ValueError("BackwardConfig.early needs compact=True: the padded layout sends every forward row")
+        if self.early and self.metric not in FORWARD_METRICS:
+            raise ValueError(f"BackwardConfig.early selects in the forward, which knows only the metrics "
+                             f"{FORWARD_METRICS}, not {self.metric!r}")
         if self.metric not in METRICS:
             raise ValueError(f"BackwardConfig.metric={self.metric!r} is not one of {METRICS}")
         if self.mode not in MODES:

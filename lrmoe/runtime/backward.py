@@ -27,6 +27,11 @@ Backward, on every rank (DESIGN.md §4 steps 4–8):
    (dX, dW), weight gradients into the slots.
 4. *Input gradients home.* Only retained rows travel back; they are scatter-added into token order.
 
+*Early selection* (``BackwardConfig.early``, DESIGN.md §4): with a metric the forward already knows (the gate, or
+random), step 1 runs in the forward, before the dispatch; one byte per pair (kept or not) rides to the experts
+(phase ``early_keep_a2a``), which save the activations of the kept rows alone. The backward then runs steps 2–4 on
+that choice, unchanged (the compact layout: a staying row's index points into the kept rows).
+
 A plan that keeps every computed pair and moves none is the plain backward: the forward layout, every row, no
 selection (bitwise what autograd through the forward would give). The byte layout of every packet is
 :mod:`lrmoe.bytemodel.layout`'s. The ablations of DESIGN.md §4 map onto :class:`BackwardConfig` (metric → ``"random"``,
@@ -150,7 +155,7 @@ class Saved:
 
     x_TD: Tensor  # the local tokens: input rows of the pairs the backward moves
     slots_SW: Tensor  # the slot weights the forward used
-    act: Activations  # the local slots' activations, slot-major (slot, source, forward order)
+    act: Activations  # the local slots' activations, slot-major (slot, source, forward order); early: kept rows
     h_norm_M: Tensor | None  # ‖h‖ of each pair at home (metric m2)
     o_MD: Tensor | None  # the pairs' outputs at home (metric m3)
 
@@ -175,10 +180,18 @@ class ExpertExchange:
         self.metric = get_metric(config.metric)
         self.compact = config.compact and self.selects  # plans that keep everything use the forward layout
         self.extra_cols = self.metric.combine_cols if self.selects else 0  # e.g. ‖h‖ rides home on the combine
+        self.early = config.early and self.selects
+        if self.early and (not self.compact or self.plan.bwd_flows_V4.numel()):
+            raise ValueError("early selection saves the kept rows' activations alone: it needs the compact backward "
+                             "and a plan that moves no pair between replicas")
+        self.chosen = None  # early selection: the forward's (keep_M, scale_M, bwd_M)
+        self.saved_row_R = None  # early selection: each slot-major row's place among the kept rows (-1: not kept)
 
     # -- forward -----------------------------------------------------------------------------------------------
     def forward(self, x_TD: Tensor, slots_SW: Tensor) -> tuple[Tensor, Saved]:
         d, comm = self.dispatch, self.comm
+        if self.early:
+            keep_slot_R = self._select_early(x_TD)
         x_slot_RD, held = self.dispatcher.dispatch(x_TD, d)
         with comm.phase("expert_fwd"):
             offs_S = slot_offsets(d.rows_per_slot_S, x_TD.device)
@@ -186,14 +199,28 @@ class ExpertExchange:
             extra_RC = None
             if self.extra_cols:  # the metric's per-pair scalars from the expert side (‖h‖)
                 extra_RC = torch.linalg.vector_norm(act.h_MF, dim=1)[:, None]
+            if self.early:  # the activations of the kept rows alone outlive the forward
+                kept_R = keep_slot_R.nonzero().squeeze(1)
+                act = Activations(*(t.index_select(0, kept_R) for t in act))
+                self.saved_row_R = torch.cumsum(keep_slot_R.long(), 0) - 1
         o_MD, extra_MC, held_back = self.dispatcher.combine(y_slot_RD, d, extra_RC)
         comm.count_bytes("token_buffer_bytes", *held, *held_back)
         keep_o = self.selects and self.metric.save_output
         h_norm_M = extra_MC[:, 0] if extra_MC is not None else None
         return o_MD, Saved(x_TD, slots_SW, act, h_norm_M, o_MD if keep_o else None)
 
+    def _select_early(self, x_TD: Tensor) -> Tensor:
+        """Early selection, in the forward: choose at home with the forward's metric, send each pair's keep bit
+        with it to its expert; returns the kept mask of this rank's slot-major rows."""
+        d, comm = self.dispatch, self.comm
+        with comm.phase("recalibrate"):
+            self.chosen = self.select(x_TD.new_empty((d.compact.pair_M.numel(), 0)))
+        keep_recv = comm.exchange(self.chosen[0].to(torch.uint8)[:, None], d.send_splits, d.recv_splits,
+                                  "early_keep_a2a")
+        return keep_recv[:, 0].index_select(0, d.to_slot_R).bool()
+
     # -- backward, at home: the selection ----------------------------------------------------------------------
-    def select(self, grad_o_MD: Tensor, saved: Saved) -> tuple[Tensor, Tensor | None, Tensor]:
+    def select(self, grad_o_MD: Tensor, saved: Saved | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
         """keep_M, scale_M (None: all ones) and the backward slot of every forward row (-1: not kept), in the
         forward's packed order; the same per local pair into the record. The metric scores on the data's device;
         only the [M] scores go to the host, where the selection's integer work runs."""
@@ -206,7 +233,8 @@ class ExpertExchange:
             rec.keep_P, rec.scale_P = d.slot_P >= 0, (d.slot_P >= 0).to(grad_o_MD.dtype)
             rec.scores_P, rec.bwd_slot_P, rec.selected = torch.full((P,), float("nan")), d.slot_P.clone(), False
             return torch.ones_like(slot_M, dtype=torch.bool), None, slot_M
-        parts = PairParts(grad_o_MD, o_MD=saved.o_MD, h_norm_M=saved.h_norm_M,
+        parts = PairParts(grad_o_MD, o_MD=None if saved is None else saved.o_MD,
+                          h_norm_M=None if saved is None else saved.h_norm_M,
                           gate_M=self.gate_P.index_select(0, pair_M))
         scores_M = self.metric.score(parts, self.generator, cfg.mode).cpu()
         at = pair_M.cpu()
@@ -229,7 +257,9 @@ class ExpertExchange:
         comm, d, plan = self.comm, self.dispatch, self.plan
         rank, S = comm.rank, plan.slots_per_rank
         with comm.phase("recalibrate"):
-            keep_M, scale_M, bwd_M = self.select(grad_o_MD, saved)
+            keep_M, scale_M, bwd_M = self.chosen if self.early else self.select(grad_o_MD, saved)
+            if scale_M is not None:
+                scale_M = scale_M.to(grad_o_MD)
             moved_M = keep_M & (bwd_M != d.slot_P.to(grad_o_MD.device)[d.compact.pair_M])
             send_NN, ret_NN, index_NN = (pair_matrix_NN(x, S) for x in backward_counts(plan, self.compact))
             if self.compact:
@@ -345,6 +375,8 @@ class ExpertExchange:
             mv = (kind_X == MOVED).nonzero().squeeze(1)
             parts = [t.new_empty((B,) + t.shape[1:]) for t in act_saved]
             rows = saved_R[at_X[st]]
+            if self.saved_row_R is not None:  # early selection: the saved arrays hold the kept rows alone
+                rows = self.saved_row_R.index_select(0, rows)
             for dst, src in zip(parts, act_saved):
                 dst.index_copy_(0, st, src.index_select(0, rows))
             if mv.numel():  # the k-th moved gradient row (receive order) owns the k-th carried input row

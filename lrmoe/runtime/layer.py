@@ -11,8 +11,32 @@ One forward, on every rank (DESIGN.md §4, the data flows one way):
 Every rank runs the same policy on the same all-gathered counts, so all ranks hold the same plan without further
 communication, and each derives its all-to-all split sizes from it. The layer never looks at which policy made the
 plan: static EP, capacity with drops, SYMI or LRMoE placements all arrive as a :class:`~lrmoe.planner.plan.LayerPlan`.
-The plan is made once per iteration; :meth:`EPMoELayer.expert_step` moves the weights into the placement it
-planned for the next iteration.
+
+**Iterations and micro-batches.** An iteration is every training forward (one with gradients) between two
+:meth:`EPMoELayer.expert_step` calls: one, or k micro-batches whose gradients accumulate. Within an iteration the
+placement is fixed (what SYMI and LRMoE plan from the previous iteration's counts): each micro-batch's forward
+routes and plans its own pairs on it (forward routing, capacity, retention quotas; the backward selects its own
+pairs), the slots' weight gradients accumulate over the micro-batches, and the replica-gradient sum, the sharded
+Adam and the redistribution run once, in :meth:`~EPMoELayer.expert_step`. Every policy plans from
+``prev_counts_E``, the previous iteration's global counts summed over its micro-batches, and the next placement
+comes from this iteration's summed counts (``iteration_counts_NE``): SYMI's and LRMoE's placements from those
+proportions (LRMoE's memory rule sizes its slots for one micro-batch's pairs), static EP and capacity stay put.
+Online replication (:mod:`lrmoe.planner.online`) plans its replicas from each micro-batch's own counts, as it does
+per forward: before a later micro-batch pushes, the spare slots of the previous one are emptied and their
+gradients kept per expert (:meth:`~lrmoe.runtime.distributed.replica.ReplicaStore.unpush`), so they join the
+iteration's one replica-gradient sum.
+
+**One gradient convention.** :meth:`~EPMoELayer.sync_dense_grads` and :meth:`~EPMoELayer.expert_step` default to
+the gradient of the *mean* loss over the ranks and the iteration's micro-batches: they scale the summed gradients
+by 1 / (ranks x micro-batches), the micro-batches counted by the layer. A loop that already divides each
+micro-batch's loss by k passes ``grad_scale=1 / ranks``; ``grad_scale=1.0`` gives the plain sum.
+
+**Activation checkpointing.** A training forward records what it decided (the routed experts, the counts, the
+plan and the dispatch). When the forward runs again inside the backward (torch's non-reentrant
+``torch.utils.checkpoint``, what HF's ``gradient_checkpointing_enable`` runs by default), the layer replays that
+record instead of planning again: no counts all-gather, no policy call, no push; the router's gates are
+recomputed (they are differentiable), the routed experts must be the recorded ones. So the recomputed activations
+are those of the original plan, bit for bit.
 
 The layer keeps the routing, the shared expert and the orchestration. The data path is the dispatcher's
 (:mod:`lrmoe.runtime.dispatch`); the backward is the expert exchange's (:mod:`lrmoe.runtime.backward`), one code path
@@ -21,6 +45,11 @@ plan: with ``backward=None`` it is the plain backward (plans that trim or move b
 :class:`~lrmoe.runtime.backward.BackwardConfig` the recalibrated one (metric and selection at home, compacted packets).
 The per-pair expert outputs come home as one tensor ``o_MD`` before the weighted un-permute
 ``y_t = Σ_j g_tj · o_tj``, so the router gradient (through g) is exact for every pair.
+
+Non-finite values fail loudly, on every rank, before any weight moves: each rank's "my input holds a NaN or inf"
+rides as one extra entry in the counts all-gather the plan needs anyway, and each rank's "a gradient into my layer
+(or my dense gradients) holds one" as one entry per rank in the dense-gradient all-reduce (:func:`grad_flags`,
+:func:`raise_on_grad_flags`). Either raises :class:`NonFiniteError` naming the layer and the rank.
 """
 
 from __future__ import annotations
@@ -44,10 +73,40 @@ from lrmoe.planner.policies import initial_placement
 from lrmoe.runtime.reference import EXPERT_WEIGHTS, SHARED_WEIGHTS, swiglu
 from lrmoe.runtime.routing import RouterOutput, route
 
-__all__ = ["EPMoELayer", "EPMoEInfo", "RecalibratedPlanError", "check_layer_plan", "initial_placement", "Dispatch",
-           "assign_pairs", "source_to_slot_major"]
+__all__ = ["Decision", "EPMoELayer", "EPMoEInfo", "RecalibratedPlanError", "NonFiniteError", "grad_flags",
+           "raise_on_grad_flags", "check_layer_plan", "initial_placement", "Dispatch", "assign_pairs",
+           "recomputing", "source_to_slot_major"]
 
 PLAIN_BACKWARD = BackwardConfig()  # what a layer built with backward=None runs: plans that select are refused
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or inf in a layer's input or in a gradient, raised on every rank (the message names the layer and the
+    ranks where it arose)."""
+
+
+def grad_flags(layers, rank: int, num_ranks: int, dense_finite: torch.Tensor) -> torch.Tensor:
+    """This rank's entries of the gradient check, to ride in the dense-gradient all-reduce: [num_ranks] zeros but
+    at ``rank``: 1 + the index of the first of ``layers`` whose output gradient held a NaN or inf, else
+    len(layers) + 1 when only this rank's dense gradients did (``dense_finite`` False), else 0. No host sync."""
+    device = dense_finite.device
+    codes = [torch.where(layer.grad_finite, 0.0, float(i + 1)).to(device) for i, layer in enumerate(layers)
+             if layer.grad_finite is not None]
+    codes.append(torch.where(dense_finite, 0.0, float(len(layers) + 1)))
+    codes_C = torch.stack(codes)
+    code = codes_C[(codes_C > 0).float().argmax()]  # the first non-zero (0 when none)
+    return torch.zeros(num_ranks, device=device).index_put_((torch.tensor([rank], device=device),), code.view(1))
+
+
+def raise_on_grad_flags(flags_N: torch.Tensor, layers, rank: int) -> None:
+    """After the all-reduce: raise :class:`NonFiniteError` (on every rank alike) when any rank flagged a gradient."""
+    flags = flags_N.cpu().round().long()
+    if not bool(flags.any()):
+        return
+    where = [f"rank {r} (gradient into {layers[c - 1].name if c <= len(layers) else 'the dense parameters'})"
+             for r, c in enumerate(flags.tolist()) if c]
+    raise NonFiniteError(f"non-finite gradient (NaN or inf) on {', '.join(where)}; stopped on every rank before any "
+                         f"weight was updated (this is rank {rank})")
 
 
 class RecalibratedPlanError(ValueError):
@@ -70,6 +129,23 @@ def check_layer_plan(plan: LayerPlan, counts_NE: torch.Tensor, placement_NS: tor
 
 
 @dataclass(frozen=True)
+class Decision:
+    """What one training forward decided, kept until the iteration's expert step so that a recomputation of the
+    forward (activation checkpointing) replays it instead of planning again."""
+
+    idx_TK: torch.Tensor  # the routed experts of the local tokens
+    counts_NE: torch.Tensor  # the all-gathered counts the plan was made from
+    plan: LayerPlan
+    dispatch: Dispatch
+
+
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass with gradients on: the recomputation of a non-reentrant
+    activation checkpoint (the autograd engine is executing a graph task)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+
+
+@dataclass(frozen=True)
 class EPMoEInfo:
     """What the forward returns beside y (the model's auxiliary loss reads ``scores_TE`` and ``counts_E``)."""
 
@@ -87,7 +163,9 @@ class EPMoELayer(nn.Module):
     Build it on every rank with the same full ``weights`` (the reference layer's layout, e.g.
     ``ReferenceMoE.export_weights()``); each rank keeps only its slots and its shard of the optimizer state.
     The router and shared-expert weights are data-parallel: :meth:`sync_dense_grads` all-reduces their gradients.
-    Every rank must run the forward and a backward through its output each iteration (they are collective).
+    Every rank must run each forward and a backward through its output (they are collective); any number of
+    training forwards (micro-batches) may precede :meth:`expert_step` (with online replication, each one's backward
+    before the next forward: the next one pushes other replicas into the slots).
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], top_k: int, router: str, policy: Policy | None,
@@ -128,9 +206,15 @@ class EPMoELayer(nn.Module):
             raise ValueError(f"backward must be a BackwardConfig or None, got {type(backward).__name__}")
         self.backward_config = backward
         self.bwd_generator = backward.generator(self.rank) if backward is not None else None
-        self.prev_counts_E: torch.Tensor | None = None
+        self.prev_counts_E: torch.Tensor | None = None  # the previous iteration's global counts: every plan's input
+        self.iteration_counts_NE: torch.Tensor | None = None  # this iteration's counts, summed over micro-batches
+        self.micro_batches = 0  # training forwards since the last expert step
+        self.decisions: list[Decision] = []  # this iteration's, for recomputation (module doc)
+        self.name = "EPMoELayer"  # how errors name this layer (a model sets e.g. "layer 3")
+        self.grad_finite: torch.Tensor | None = None  # whether this iteration's output gradients are finite
         self.last_plan: LayerPlan | None = None
         self.last_dispatch: Dispatch | None = None
+        self._iteration_policy = None
 
     # -- parameters --------------------------------------------------------------------------------------------
     @property
@@ -168,7 +252,11 @@ class EPMoELayer(nn.Module):
         """y_TD and an :class:`EPMoEInfo`. ``policy`` overrides the layer's own for this call; ``routing``
         replaces the router's choice (trace replay: its idx_TK and weight_TK are used as given);
         ``pair_hook(o_MD, dispatch)`` sees the per-pair expert outputs at home and must keep their values.
-        With the recalibrated backward, ``info.record`` says which pairs the backward kept, once it has run."""
+        With the recalibrated backward, ``info.record`` says which pairs the backward kept, once it has run.
+
+        A forward with gradients is a micro-batch of the current iteration (module doc): it plans from
+        ``prev_counts_E`` and adds its counts to the iteration's; one without gradients plans the same way and
+        changes no state. Run inside the backward (activation checkpointing), it replays its recorded decision."""
         if x_TD.dim() != 2 or x_TD.shape[1] != self.hidden:
             raise ValueError(f"x_TD must have shape [tokens, {self.hidden}], got {tuple(x_TD.shape)}")
         if x_TD.dtype != self.store.dtype:
@@ -190,15 +278,30 @@ class EPMoELayer(nn.Module):
                                       routed.scores_TE)
             gate_TK = routed.weight_TK.to(x_TD.dtype)
 
-        with comm.phase("plan"):
-            counts_NE = comm.all_gather_counts(torch.bincount(routed.idx_TK.reshape(-1), minlength=self.num_experts))
-            plan = policy.plan(counts_NE, self.prev_counts_E)
-            check_layer_plan(plan, counts_NE, self.placement_NS, recalibrated=self.backward_config is not None)
-        if plan.push_src_G is not None:  # online replication: weights into the spare slots before the compute
-            self.store.push(plan.placement_NS, plan.push_src_G)
-
-        with comm.phase("permute"):
-            dispatch = make_dispatch(routed.idx_TK, gate_TK, plan, counts_NE, self.rank, x_TD.device)
+        replay = self._replayed(routed.idx_TK) if recomputing() else None
+        training = torch.is_grad_enabled() and replay is None
+        if replay is not None:  # a recomputation: the original forward's plan and dispatch, no collective
+            counts_NE, plan, dispatch = replay.counts_NE, replay.plan, replay.dispatch
+        else:
+            with comm.phase("plan"):
+                # detached: no autograd node (isfinite's abs would save x_TD, and a recomputation, which skips
+                # this check, would then save fewer tensors than the forward it replays)
+                bad = (~torch.isfinite(x_TD.detach()).all()).long().view(1)  # rides in the counts' all-gather
+                gathered_NE = comm.all_gather_counts(torch.cat([torch.bincount(routed.idx_TK.reshape(-1),
+                                                                               minlength=self.num_experts), bad]))
+                if gathered_NE[:, -1].any():
+                    ranks = ", ".join(f"rank {r}" for r in gathered_NE[:, -1].nonzero().flatten().tolist())
+                    raise NonFiniteError(f"{self.name}: non-finite input (NaN or inf) on {ranks}; stopped on every "
+                                         f"rank before any weight was updated (this is rank {self.rank})")
+                counts_NE = gathered_NE[:, :-1]
+                if self.store.pushed:
+                    self.store.unpush()  # online replication: the previous micro-batch's replicas make room
+                plan = policy.plan(counts_NE, self.prev_counts_E)
+                check_layer_plan(plan, counts_NE, self.placement_NS, recalibrated=self.backward_config is not None)
+            if plan.push_src_G is not None:  # online replication: weights into the spare slots before the compute
+                self.store.push(plan.placement_NS, plan.push_src_G)
+            with comm.phase("permute"):
+                dispatch = make_dispatch(routed.idx_TK, gate_TK, plan, counts_NE, self.rank, x_TD.device)
         record = BackwardRecord(top_k=K)
         state = ExpertExchange(self.dispatcher, dispatch, gate_TK, self.backward_config or PLAIN_BACKWARD,
                                self.bwd_generator, record, self.experts)
@@ -207,34 +310,106 @@ class EPMoELayer(nn.Module):
         if self.shared:
             with comm.phase("shared_fwd"):
                 y_TD = y_TD + swiglu(x_TD, self.w_shared_gate_DF, self.w_shared_up_DF, self.w_shared_down_FD)[0]
+        if y_TD.requires_grad:  # the gradient check's local half (grad_flags; no host sync)
+            if training and not self.micro_batches:  # an iteration's first micro-batch
+                self.grad_finite = None
+            y_TD.register_hook(self._note_grad)  # also when recomputed: checkpointing wants the same graph
 
-        R = int(dispatch.recv_counts_NS.sum())
-        comm.count("pairs_fwd", R)
-        # the experts' activations gate, up and h of the R computed rows (held until the backward)
-        comm.count("token_buffer_bytes", 3 * R * self.expert_ffn * x_TD.element_size())
-        comm.count("pairs_dropped", int((dispatch.slot_P < 0).sum()))
-        self.prev_counts_E = counts_NE.sum(0)
-        self.last_plan, self.last_dispatch = plan, dispatch
-        return y_TD, EPMoEInfo(scores_TE=routed.scores_TE, counts_E=self.prev_counts_E, gate_TK=gate_TK,
+        if replay is None:
+            R = int(dispatch.recv_counts_NS.sum())
+            comm.count("pairs_fwd", R)
+            # the experts' activations gate, up and h of the R computed rows (held until the backward)
+            comm.count("token_buffer_bytes", 3 * R * self.expert_ffn * x_TD.element_size())
+            comm.count("pairs_dropped", int((dispatch.slot_P < 0).sum()))
+        if replay is None and not training and plan.push_src_G is not None:
+            self.store.unpush(keep_grads=False)  # a forward without gradients leaves the slots as it found them
+        if training:
+            self.iteration_counts_NE = counts_NE if self.iteration_counts_NE is None else \
+                self.iteration_counts_NE + counts_NE
+            self.micro_batches += 1
+            self._iteration_policy = policy
+            self.decisions.append(Decision(routed.idx_TK.detach().clone(), counts_NE, plan, dispatch))
+            self.last_plan, self.last_dispatch = plan, dispatch
+        return y_TD, EPMoEInfo(scores_TE=routed.scores_TE, counts_E=counts_NE.sum(0), gate_TK=gate_TK,
                                dispatch=dispatch, record=record if self.backward_config is not None else None)
 
+    def _replayed(self, idx_TK: torch.Tensor) -> Decision:
+        """The recorded decision of the forward being recomputed: the latest of this iteration that routed the
+        local tokens to the same experts (backward order is the reverse of forward order); taken off the list."""
+        for i in range(len(self.decisions) - 1, -1, -1):
+            d = self.decisions[i]
+            if d.idx_TK.shape == idx_TK.shape and torch.equal(d.idx_TK, idx_TK.to(d.idx_TK.device)):
+                if not torch.equal(d.plan.placement_NS, self.placement_NS):
+                    raise RuntimeError("a recomputed forward finds other replicas in the slots than its original "
+                                       "forward (online replication pushed again in between): run each micro-batch's "
+                                       "backward before the next micro-batch's forward")
+                return self.decisions.pop(i)
+        raise RuntimeError(f"a forward ran inside the backward (activation checkpointing) but matches none of the "
+                           f"{len(self.decisions)} training forwards of this iteration: use torch's non-reentrant "
+                           f"checkpoint (use_reentrant=False; the reentrant one runs the first forward without "
+                           f"gradients, which plans nothing), and keep the router deterministic")
+
+    def planning_state(self) -> tuple:
+        """What a training forward advances (counts, micro-batches, recorded decisions, the last plan): for a side
+        forward that must leave no trace, e.g. a benchmark's reference gradient (:meth:`restore_planning_state`)."""
+        return (self.prev_counts_E, self.iteration_counts_NE, self.micro_batches, list(self.decisions),
+                self.last_plan, self.last_dispatch, self._iteration_policy)
+
+    def restore_planning_state(self, state: tuple) -> None:
+        """Back to a :meth:`planning_state`, with the replicas a side forward pushed emptied (no gradient kept)."""
+        (self.prev_counts_E, self.iteration_counts_NE, self.micro_batches, self.decisions, self.last_plan,
+         self.last_dispatch, self._iteration_policy) = state
+        self.store.unpush(keep_grads=False)
+
+    def _note_grad(self, grad_TD: torch.Tensor) -> None:
+        finite = torch.isfinite(grad_TD).all()  # over the iteration's micro-batches: all of them finite
+        self.grad_finite = finite if self.grad_finite is None else self.grad_finite & finite
+
     # -- after the backward --------------------------------------------------------------------------------------
-    def sync_dense_grads(self, grad_scale: float = 1.0) -> None:
-        """All-reduce (sum) the router's and shared expert's gradients over all ranks, times ``grad_scale``."""
-        for p in self.dense_parameters():
+    def mean_grad_scale(self) -> float:
+        """1 / (ranks x micro-batches of this iteration): what turns the summed gradients into the gradient of the
+        mean loss (module doc: the default of every method that reduces gradients)."""
+        return 1.0 / (self.num_ranks * max(self.micro_batches, 1))
+
+    def sync_dense_grads(self, grad_scale: float | None = None) -> None:
+        """All-reduce (sum) the router's and shared expert's gradients over all ranks, times ``grad_scale``
+        (default :meth:`mean_grad_scale`: the gradient of the mean loss over ranks and micro-batches), in one flat
+        all-reduce that carries the gradient check (NonFiniteError on every rank)."""
+        scale = self.mean_grad_scale() if grad_scale is None else grad_scale
+        params = self.dense_parameters()
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if self.num_ranks > 1:
-                dist.all_reduce(p.grad)
-            p.grad.mul_(grad_scale)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flags = grad_flags([self], self.rank, self.num_ranks, torch.isfinite(flat).all()).to(flat)
+        flat = torch.cat([flat, flags])
+        if self.num_ranks > 1:
+            dist.all_reduce(flat)
+        raise_on_grad_flags(flat[-self.num_ranks:], [self], self.rank)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad)).mul_(scale)
+            offset += p.numel()
 
     def next_placement(self) -> torch.Tensor:
-        """The placement the layer's policy planned for the next iteration, in this iteration's plan."""
-        return (self.placement_NS if self.last_plan is None else self.last_plan.next_placement_NS).clone()
+        """The placement for the next iteration: one micro-batch's plan carries it; after several, the iteration's
+        policy places from their summed counts (for the pairs of one micro-batch, as the plans did)."""
+        plan, policy = self.last_plan, self._iteration_policy
+        if plan is None:
+            return self.placement_NS.clone()
+        if self.micro_batches > 1 and hasattr(policy, "placement"):
+            return policy.placement(self.iteration_counts_NE.sum(0), self.num_ranks, int(plan.routed_NE.sum()))
+        return plan.next_placement_NS.clone()
 
-    def expert_step(self, next_placement_NS: torch.Tensor | None = None, grad_scale: float = 1.0) -> torch.Tensor:
+    def expert_step(self, next_placement_NS: torch.Tensor | None = None,
+                    grad_scale: float | None = None) -> torch.Tensor:
         """The experts' optimizer step on the replica substrate, then their weights into the next placement
-        (default: :meth:`next_placement`). Returns the placement the slots now hold."""
+        (default: :meth:`next_placement`), and the end of the iteration: its summed counts become
+        ``prev_counts_E``. ``grad_scale`` defaults to :meth:`mean_grad_scale` (the gradient of the mean loss over
+        ranks and micro-batches). Returns the placement the slots now hold."""
         nxt = self.next_placement() if next_placement_NS is None else next_placement_NS
-        self.store.step(nxt, grad_scale)
+        self.store.step(nxt, self.mean_grad_scale() if grad_scale is None else grad_scale)
+        if self.iteration_counts_NE is not None:
+            self.prev_counts_E = self.iteration_counts_NE.sum(0)
+        self.iteration_counts_NE, self.micro_batches, self.decisions = None, 0, []
         return self.placement_NS

@@ -109,7 +109,8 @@ def system_context(cell: Cell, cm: CostModel, rules: CellRules,
                          spare_slots=base if rules.max_extra is None else rules.max_extra, eps=rules.eps,
                          gamma=rules.gamma, memory=cm.memory_model(), pairs_per_rank=cell.tokens * m.top_k,
                          symi_headroom=headrooms["symi"] if planned else rules.symi_headroom,
-                         lrmoe_headroom=headrooms["lrmoe"] if planned else None, ranks_per_node=c.ranks_per_node)
+                         lrmoe_headroom=headrooms["lrmoe"] if planned else None, ranks_per_node=c.ranks_per_node,
+                         push_cost_rows=cm.push_cost_rows())
 
 
 def build_systems(cell: Cell, names: list[str], rules: CellRules,

@@ -386,6 +386,7 @@ class CostModel:
     optimizer_traffic_per_param: float = 32.0  # HBM bytes Adam reads and writes per parameter (ours)
     recompute_fraction: float = 2 / 3  # share of forward FLOPs a moved pair recomputes (gate and up GEMMs)
     mem_budget_bytes: float | None = None  # one layer's share of a rank's memory; None: cluster's / MoE layers
+    early_selection: bool = False  # the forward saves activations only for the pairs the plan keeps (DESIGN.md §4)
     optimizer_in_budget: bool = False  # count the optimizer shard against the budget (ours: no, see the module doc)
     sync_groups: str = "range"  # "range": the layer's consecutive-range groups; "hosts": only the hosting ranks
     replica_grad: str = "range"  # "range": SYMI's group all-reduce + collection; "shard": straight to the owners
@@ -447,6 +448,19 @@ class CostModel:
         fixed = float(self.state_bytes_N().max()) if self.optimizer_in_budget else 0.0
         n_l = self.model.num_moe_layers
         return MemoryModel.for_model(self.footprint, self.mem_budget_bytes * n_l, n_l, fixed)
+
+    def push_cost_rows(self) -> float:
+        """One online-replication push's cost in pairs of the busiest rank's work (ours): a whole expert's weights
+        on NVLink with its latency, over the seconds one more pair costs the rank that computes it (its forward and
+        backward GEMM rows at ``eff_max`` of peak, and its four all-to-all rows on the link that bounds them when
+        the sources are spread evenly over the ranks). The threshold of :class:`~lrmoe.planner.online.Online`."""
+        m, c = self.model, self.cluster
+        push_s = m.expert_params * m.dtype_bytes / c.intra_bw + c.intra_latency
+        n, rpn = c.num_ranks, c.ranks_per_node
+        row = m.hidden * m.dtype_bytes
+        link_s = max((rpn - 1) / n / c.intra_bw, (n - rpn) / n / c.inter_bw)  # per byte, the bounding link
+        pair_s = (m.pair_fwd_flops + m.pair_bwd_flops) / (self.gemm.eff_max * c.peak_flops) + 4 * row * link_s
+        return push_s / pair_s
 
     def slot_capacity_rows(self, plan) -> int | None:
         """Rows of each slot's fixed-size buffer, or None (dropless, or capacity buffers not charged)."""
@@ -546,7 +560,7 @@ class CostModel:
         modes = REPLICA_GRAD_MODES if self.sharded_optimizer else ("range",)
         steps = {mode: step_bytes(placement_NS, placement_NS, e, m.expert_params, self.grad_bytes, m.dtype_bytes,
                                   mode, self.sync_groups) for mode in modes}
-        loads = plan_loads(plan, self.compaction, cap)
+        loads = plan_loads(plan, self.compaction, cap, early=self.early_selection)
         memory = layer_memory(self.footprint, loads, combine=plan_selects(plan))
         planner_s = 0.0
         if "planning" in self.overheads:

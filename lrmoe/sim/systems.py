@@ -26,7 +26,8 @@ def cost_options(spec: SystemSpec) -> dict:
     cf = getattr(spec.make, "cf", None)  # fixed-size capacity buffers (SYMI-cf1, capacity systems)
     return {"planner": spec.planner, "quota_stage": spec.quota_stage, "metric": spec.backward.metric,
             "mode": spec.backward.mode, "sync_groups": spec.sync_groups,
-            **({"capacity_cf": cf} if cf is not None else {})}
+            **({"capacity_cf": cf} if cf is not None else {}),
+            **({"early_selection": True} if spec.backward.early else {})}
 
 
 def simulator_system(spec: SystemSpec, ctx: SystemContext) -> System:
@@ -39,7 +40,7 @@ def work_key(spec: SystemSpec) -> tuple:
     """Equal for two systems that make the same plans and run the same work on them (so the same simulated time):
     the same factory, compaction, optimizer sharding and sync groups, and, for a system whose plans select, the
     same metric and selection mode (they are priced apart: :mod:`lrmoe.sim.overheads`)."""
-    selection = (spec.backward.metric, spec.backward.mode) if spec.recalibrated else None
+    selection = (spec.backward.metric, spec.backward.mode, spec.backward.early) if spec.recalibrated else None
     return spec.make, spec.backward.compact, spec.sharded_optimizer, spec.sync_groups, selection
 
 

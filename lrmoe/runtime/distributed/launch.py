@@ -10,6 +10,10 @@ reason ``preload`` names modules the ranks would each import lazily (torch impor
 rank builds its first ``torch.optim`` optimizer): the parent imports them once, before forking, and every rank
 inherits them. Fork needs two precautions, both taken here: no CUDA context may exist in the parent (it does not
 survive a fork), and each child uses one intra-op thread (the machine's cores are shared by all ranks).
+
+No rank outlives its launcher, whatever ends it: each rank asks the kernel for SIGKILL when its parent dies
+(:func:`die_with_parent`), a SIGTERM of the launcher kills the ranks and removes the launch folder on its way out,
+and a launch folder left by a launcher killed outright (SIGKILL) is removed by the next launch.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -38,7 +44,34 @@ class LaunchError(RuntimeError):
         self.rank = rank
 
 
-def _child(fn, rank: int, world_size: int, rdzv: str, pg_timeout_s: float, conn, args, kw) -> None:
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+
+
+def die_with_parent(parent: int) -> None:
+    """Make this process die when ``parent`` (the process that started it) dies, however it dies: Linux's
+    parent-death signal (SIGKILL from the kernel), else a thread that polls the parent's id twice a second."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0
+        except (OSError, AttributeError):
+            pass
+    if not armed:
+        threading.Thread(target=_exit_when_orphaned, args=(parent,), name="lrmoe-parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _child(fn, rank: int, world_size: int, rdzv: str, pg_timeout_s: float, conn, args, kw, parent: int) -> None:
+    die_with_parent(parent)
     try:
         torch.set_num_threads(1)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -97,14 +130,16 @@ def launch(fn, world_size: int, *args, timeout_s: float = 60.0, pg_timeout_s: fl
     for name in preload:
         importlib.import_module(name)
     ctx = mp.get_context("fork")
-    tmp = tempfile.mkdtemp(prefix="lrmoe-launch-")
+    _remove_orphaned_folders()
+    tmp = tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-")
     rdzv = os.path.join(tmp, "rendezvous")
     procs, conns = [], {}
+    restore = terminate_on_sigterm()
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(fn, rank, world_size, rdzv, pg_timeout_s, child_end, args, kw),
-                            name=f"lrmoe-rank{rank}", daemon=True)
+            p = ctx.Process(target=_child, args=(fn, rank, world_size, rdzv, pg_timeout_s, child_end, args, kw,
+                                                 os.getpid()), name=f"lrmoe-rank{rank}", daemon=True)
             p.start()
             child_end.close()
             procs.append(p)
@@ -113,6 +148,40 @@ def launch(fn, world_size: int, *args, timeout_s: float = 60.0, pg_timeout_s: fl
     finally:
         _kill(procs)
         shutil.rmtree(tmp, ignore_errors=True)
+        restore()
+
+
+_FOLDER_PREFIX = "lrmoe-launch-"  # + the launcher's pid + "-": a launch folder names the process that owns it
+
+
+def _remove_orphaned_folders() -> None:
+    """Remove the launch folders of launchers that no longer run (killed by SIGKILL: nothing ran on their way out)."""
+    for folder in os.scandir(tempfile.gettempdir()):
+        pid = folder.name[len(_FOLDER_PREFIX):].split("-", 1)[0]
+        if not (folder.name.startswith(_FOLDER_PREFIX) and pid.isdigit() and folder.is_dir(follow_symlinks=False)):
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder.path, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            pass
+
+
+def terminate_on_sigterm():
+    """While a launch runs, SIGTERM raises SystemExit (status 143) in the launcher, so its ``finally`` kills the ranks
+    and removes the launch folder (Python's default would end the process on the spot). Returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_DFL:  # the program handles SIGTERM itself
+        return lambda: None
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _fail(procs, conns: dict, world_size: int, rank: int, tb: str) -> None:

@@ -34,7 +34,13 @@ the all-gather, the shard mode keeps the fp32 sum: they differ by that one round
 
 Online replication (:mod:`lrmoe.planner.online`) adds a step 0 before the forward, :meth:`ReplicaStore.push`: copies of
 resident slots fill empty ones (the plan's ``push_src_G``), the replicas' gradients join steps 1-2 like any other,
-and the redistribution into a next placement without them empties them again.
+and the redistribution into a next placement without them empties them again. With several micro-batches per
+step, each pushes its own replicas: :meth:`ReplicaStore.unpush` first empties the previous micro-batch's, adding
+their slots' gradients to a per-expert sum that the rank's local sum of step 1 includes; the ranks that held a
+replica of an expert at any micro-batch of the step are its hosts in steps 1-2.
+
+The gradient is scaled by the ``grad_scale`` given, 1 by default: this substrate has no convention of its own
+(the layer's methods default to the mean loss over ranks and micro-batches, :mod:`lrmoe.runtime.layer`).
 
 The pure helpers (who talks to whom, and how many bytes) live in :mod:`lrmoe.bytemodel.sync_model` and are re-exported
 here;
@@ -73,8 +79,8 @@ class AdamConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"AdamConfig.lr must be positive, got {self.lr}")
+        if not self.lr >= 0:  # 0 as torch's Adam allows it: a warm-up schedule's first step
+            raise ValueError(f"AdamConfig.lr must be non-negative, got {self.lr}")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"AdamConfig.{name} must be in [0, 1), got {getattr(self, name)}")
@@ -202,6 +208,9 @@ class ReplicaStore(nn.Module):
                 if e >= 0:
                     self.slots_SW[j].copy_(flat_EW[e].to(self.dtype))
         self.adam_steps = 0
+        self.resident_NS: torch.Tensor | None = None  # while replicas are pushed: the placement without them
+        self.unpushed_grads: dict[int, torch.Tensor] = {}  # e -> gradient of this step's emptied replicas of e
+        self.unpushed_hosts_NE: torch.Tensor | None = None  # bool [N, E]: hosts of this step's emptied replicas
         self.grad_shards_EW: torch.Tensor | None = None  # the last collected gradient shards (fp32, scaled)
         self._reduced: dict[int, torch.Tensor] = {}  # range mode: e -> reduced gradient, between sync and collect
         self._received: list[tuple[list[int], torch.Tensor]] | None = None  # shard mode: per host, its parts
@@ -218,6 +227,19 @@ class ReplicaStore(nn.Module):
 
     def local_slot_expert(self) -> list[int]:
         return self.placement_NS[self.rank].tolist()
+
+    @property
+    def pushed(self) -> bool:
+        """Whether some slots hold pushed replicas (online replication) beside the resident placement."""
+        return self.resident_NS is not None
+
+    def sync_placement(self) -> torch.Tensor:
+        """The placement whose hosts steps 1-2 sum over: the slots' placement, or, after :meth:`unpush` in this
+        step, [N, E] with expert e in column e of every rank that held e at some micro-batch."""
+        if self.unpushed_hosts_NE is None:
+            return self.placement_NS
+        hosts_NE = self.unpushed_hosts_NE | hosts_mask(self.placement_NS, self.num_experts)
+        return torch.where(hosts_NE, torch.arange(self.num_experts), -1)
 
     def _phase(self, name: str):
         return self.accountant.phase(name) if self.accountant is not None else nullcontext()
@@ -243,11 +265,15 @@ class ReplicaStore(nn.Module):
         returned as it is (a view, read-only by contract): the sum of one row, exactly, without a copy."""
         slots = (self.placement_NS[self.rank] == e).nonzero().flatten().tolist()
         grad_SW = self.slots_SW.grad
-        if not slots or grad_SW is None:
+        if grad_SW is None:
+            slots = []
+        parts = ([self.unpushed_grads[e]] if e in self.unpushed_grads else []) + [grad_SW[j] for j in slots]
+        if not parts:
             return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        if len(slots) == 1:
-            return grad_SW[slots[0]]
-        return grad_SW[slots].to(torch.promote_types(self.dtype, torch.float32)).sum(0).to(self.dtype)
+        if len(parts) == 1:
+            return parts[0]
+        acc = torch.promote_types(self.dtype, torch.float32)
+        return torch.stack(parts).to(acc).sum(0).to(self.dtype)
 
     # -- 1. replica gradient sync ------------------------------------------------------------------------------
     def sync_replica_grads(self) -> None:
@@ -261,8 +287,8 @@ class ReplicaStore(nn.Module):
                 self._sync_shard()
 
     def _sync_range(self) -> None:
-        plan = sync_plan(self.placement_NS, self.num_experts)
-        hosts_NE = hosts_mask(self.placement_NS, self.num_experts)
+        plan = sync_plan(self.sync_placement(), self.num_experts)
+        hosts_NE = hosts_mask(self.sync_placement(), self.num_experts)
         self._reduced = {}
         for e in range(self.num_experts):  # the same order on every rank: collectives never cross
             lo, hi = plan.span_E2[e].tolist()
@@ -288,7 +314,7 @@ class ReplicaStore(nn.Module):
         return self._exchange("replica_sync", mine.repeat(h), [chunks[me]] * h, chunks, group)
 
     def _sync_shard(self) -> None:
-        hosted = [hosted_experts(self.placement_NS, n) for n in range(self.num_ranks)]
+        hosted = [hosted_experts(self.sync_placement(), n) for n in range(self.num_ranks)]
         mine = hosted[self.rank]
         # owner-major [owner q: H × shard_q]: each local sum written straight into its place, one strided copy per
         # run of equal-width shards (the first P mod N shards are one longer), no stacking and no repacking
@@ -316,7 +342,7 @@ class ReplicaStore(nn.Module):
         return shards_EW
 
     def _collect_range(self) -> torch.Tensor:
-        src_NE = sync_plan(self.placement_NS, self.num_experts).source_NE
+        src_NE = sync_plan(self.sync_placement(), self.num_experts).source_NE
         elem = torch.tensor([], dtype=self.dtype).element_size()
         send, recv_numel, recv_experts = {}, {}, {}
         for peer in range(self.num_ranks):
@@ -402,7 +428,8 @@ class ReplicaStore(nn.Module):
                     self.slots_SW[j].zero_()
             self._bytes("redistribute", sum(b.numel() for b in send.values()) * elem,
                         sum(recv_numel.values()) * elem)
-        self.placement_NS = nxt
+        self.placement_NS, self.resident_NS = nxt, None
+        self.unpushed_grads, self.unpushed_hosts_NE = {}, None
         self.slots_SW.grad = None
 
     # -- 0. weight push (online replication) ------------------------------------------------------------------
@@ -454,7 +481,36 @@ class ReplicaStore(nn.Module):
                     self.slots_SW[j].copy_(got[q][i * self.numel:(i + 1) * self.numel])
             self._bytes("weight_push", sum(b.numel() for b in send.values()) * elem,
                         sum(recv_numel.values()) * elem)
+        if self.resident_NS is None:
+            self.resident_NS = self.placement_NS
         self.placement_NS = tgt
+
+    @torch.no_grad()
+    def unpush(self, keep_grads: bool = True) -> None:
+        """Empty the pushed slots (back to the resident placement) between two micro-batches of one step, keeping
+        their gradients: each emptied slot's gradient is added to its expert's ``unpushed_grads`` (in fp32 or
+        wider, then the slots' dtype), which the replica-gradient sum of :meth:`step` includes. No collective:
+        every rank knows every rank's pushed slots from the plans. ``keep_grads=False``: after a forward without
+        gradients, whose replicas hold none."""
+        if self.resident_NS is None:
+            return
+        if not keep_grads:
+            self.placement_NS, self.resident_NS = self.resident_NS, None
+            return
+        emptied_G = (self.placement_NS != self.resident_NS).reshape(-1)
+        hosts_NE = hosts_mask(torch.where(emptied_G.view_as(self.placement_NS), self.placement_NS, -1),
+                              self.num_experts)
+        self.unpushed_hosts_NE = hosts_NE if self.unpushed_hosts_NE is None else self.unpushed_hosts_NE | hosts_NE
+        grad_SW = self.slots_SW.grad
+        acc = torch.promote_types(self.dtype, torch.float32)
+        for j, e in enumerate(self.placement_NS[self.rank].tolist()):
+            if not bool(emptied_G[self.rank * self.slots_per_rank + j]) or grad_SW is None:
+                continue
+            held = self.unpushed_grads.get(e)
+            total = grad_SW[j].to(acc, copy=True) if held is None else held.to(acc) + grad_SW[j].to(acc)
+            self.unpushed_grads[e] = total.to(self.dtype)  # a copy: the slot's gradient is zeroed next
+            grad_SW[j].zero_()
+        self.placement_NS, self.resident_NS = self.resident_NS, None
 
     def step(self, next_placement_NS: torch.Tensor | None = None, grad_scale: float = 1.0) -> None:
         """The whole optimizer step of the experts: sync, collect, Adam, redistribute."""

@@ -1,0 +1,239 @@
+"""Where memory binds: every system simulated at a grid of per-rank MoE budgets, from the smallest that holds the
+E/N home slots beside the buffers of the mean load up to 80 GB (lrmoe.sim.memory_sweep.budget_grid: one point per
+replica slot's worth of memory while systems can still gain one, then coarse ones). Per budget, each system's
+slots per rank, peak memory, time per iteration (with the sensitivity band) and whether it fits; then the budget
+range where memory binds, each system's out-of-memory line, and each placement (LRMoE's, online's, SYMI's) without
+and with the retention budget rho side by side.
+
+    python experiments/memory_sweep.py                 # both models on two 8-GPU nodes, low and high skew
+    python experiments/memory_sweep.py --quick         # the main job's: Qwen3, high skew, three budgets
+    python experiments/memory_sweep.py --resume        # continue a killed sweep from its last finished group
+
+Skews (``--skews``; ours, until the frontier's regimes fix matched values): Zipf 0.2 stands for production-like
+auxiliary-loss balancing (low skew: Gini 0.10, hottest expert 2.1x the mean) and Zipf 0.8 for weakly balanced
+routing (high skew: Gini 0.50, 14.6x; DESIGN.md §5.7). Each (model, skew) is one run of experiments/ablate.py
+through its command line, over every budget of the grid (the same systems, memory model, headroom rule, overheads
+and sensitivity corners, priced at every budget), on fewer layers (``--layers``: their mean stands for the rest) and
+iterations than the ablation to afford the grid; its results file goes to ``--work-dir``, and with ``--resume`` a
+finished one is read, not run again. Traces are synthetic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import pandas as pd
+from tqdm import tqdm
+
+from lrmoe.config import cluster_preset, model_preset
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, atomic_write_text, read_results
+from lrmoe.sim.cells import TOKENS
+from lrmoe.sim.memory_sweep import (EARLY, PLACEMENTS, binding_range, budget_grid, early_selection_gain, fit_gb,
+                                    placement_table)
+from lrmoe.systems import system_arg, system_names_help
+
+SYSTEMS = ["static-ep", "symi-cf1", "symi-dropless", "symi-dropless-rho0.75", "lrmoe", "lrmoe-rho0.75",
+           "lrmoe-rho0.75-early", "online", "online-rho0.75", "online-greedy"]
+MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
+SKEWS = ["zipf:0.2", "zipf:0.8"]  # low (production-like aux-loss balancing) and high (weakly balanced) skew
+ABLATE = Path(__file__).resolve().parent / "ablate.py"
+QUICK_SPARE = (1, 3, 6)  # quick mode: the budgets that hold the home slots and this many spare slots at the mean load
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a small sweep for the main job (Qwen3, Zipf 0.8, 3 budgets)")
+    p.add_argument("--models", nargs="+", default=MODELS)
+    p.add_argument("--cluster", default="a100-40gb-x8", help="cluster preset (its node is replicated)")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--skews", nargs="+", default=None,
+                   help=f"routing skews, family:param as experiments/ablate.py takes them; default {' '.join(SKEWS)}")
+    p.add_argument("--max-gb", type=float, default=80.0, help="largest per-rank MoE budget")
+    p.add_argument("--step-gb", type=float, default=None,
+                   help="budget step while systems gain replicas (default: one replica slot's worth per model)")
+    p.add_argument("--coarse-step-gb", type=float, default=10.0, help="budget step beyond that, up to --max-gb")
+    p.add_argument("--mem-gb", nargs="+", type=float, default=None, help="these budgets instead of the grid")
+    p.add_argument("--systems", nargs="+", type=system_arg, default=SYSTEMS, help=system_names_help())
+    p.add_argument("--layers", type=int, default=4, help="simulated MoE layers per cell (their mean stands for all)")
+    p.add_argument("--steps", type=int, default=3, help="iterations per cell (the first is warm-up)")
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--no-band", action="store_true", help="skip the sensitivity corners")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", default="outputs/memory_sweep",
+                   help="experiments/ablate.py's results file of each (model, skew) goes here")
+    add_tracking_args(p, "outputs/memory_sweep.jsonl")
+    args = p.parse_args(argv)
+    args.skews = args.skews or (["zipf:0.8"] if args.quick else SKEWS)
+    if args.quick:
+        args.models = ["qwen3-30b-a3b"] if args.models == MODELS else args.models
+        args.layers, args.steps, args.no_band = min(args.layers, 2), 2, True
+    for name in ("nodes", "layers", "micro_batches"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.steps < 2:
+        raise ValueError(f"--steps must be at least 2 (the first is warm-up), got {args.steps}")
+    if not args.max_gb > 0:
+        raise ValueError(f"--max-gb must be positive, got {args.max_gb}")
+    return args
+
+
+def budgets(args, model_name: str) -> list[float]:
+    """The budgets of one model: ``--mem-gb``, quick mode's three, or the grid."""
+    model, cluster = model_preset(model_name), cluster_preset(args.cluster).with_nodes(args.nodes)
+    tokens = TOKENS.get(model_name, 2048)
+    if args.mem_gb:
+        return sorted(args.mem_gb)
+    if args.quick:
+        return [round(fit_gb(model, cluster, tokens, spare, 1.2) + 0.005, 2) for spare in QUICK_SPARE]
+    return budget_grid(model, cluster, tokens, max_gb=args.max_gb, fine_step_gb=args.step_gb,
+                       coarse_step_gb=args.coarse_step_gb)
+
+
+def ablate_argv(args, model: str, skew: str, mem_gb: list[float], out: Path) -> list[str]:
+    """experiments/ablate.py's arguments for one (model, skew) over its budgets: its defaults (memory model, headroom
+    rule, overheads), the sensitivity corners priced at every budget."""
+    return ["--models", model, "--cluster", args.cluster, "--ranks", str(args.nodes * 8), "--skews", skew,
+            "--mem-gb", *[f"{b:g}" for b in mem_gb], "--steps", str(args.steps), "--layers", str(args.layers),
+            "--micro-batches", str(args.micro_batches), "--systems", *args.systems, "--band-every-budget",
+            "--seed", str(args.seed), "--no-wandb", "--out", str(out), *(["--no-band"] if args.no_band else []),
+            *(["--resume"] if out.exists() else [])]
+
+
+def finished(path: Path) -> bool:
+    """Whether an ablation results file holds a finished run (its summary, written last)."""
+    try:
+        return bool(read_results(path, "summary"))
+    except FileNotFoundError:
+        return False
+
+
+def simulate_group(args, model: str, skew: str, out: Path) -> list[dict]:
+    """One (model, skew) over its budgets: experiments/ablate.py in a process of its own, unless its results file
+    is finished; its records."""
+    if out.exists() and not (args.resume or args.overwrite):
+        raise SystemExit(f"memory_sweep.py: error: {out} exists; pass --resume to reuse or continue it, or "
+                         f"--overwrite to redo it")
+    if args.overwrite or not finished(out):
+        if args.overwrite:
+            out.unlink(missing_ok=True)
+        argv = ablate_argv(args, model, skew, budgets(args, model), out)
+        code = subprocess.run([sys.executable, str(ABLATE), *argv]).returncode
+        if code:
+            raise SystemExit(f"memory_sweep.py: error: ablate.py {' '.join(argv)} exited with {code}")
+    return [r for r in read_results(out) if "system" in r]
+
+
+def plot(table: pd.DataFrame, run: Tracker) -> list:
+    """Time per iteration against the budget per system (a band where the sensitivity corners were priced; a
+    system is drawn only where it fits), and slots per rank against the budget, one column per model and skew."""
+    ok = table[table["fits"].astype(bool) & table["iter_s"].notna()] if "iter_s" in table else table.iloc[0:0]
+    panels = sorted(ok.groupby(["model", "skew_label"]).groups) if len(ok) else []
+    if not panels:
+        return []
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 6.4), squeeze=False)
+    colors = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(table["system"]))}
+    for col, (model, skew) in enumerate(panels):
+        cell = ok[(ok.model == model) & (ok.skew_label == skew)]
+        for name, df in cell.groupby("system", sort=False):
+            df = df.sort_values("mem_gb")
+            axes[0, col].plot(df.mem_gb, df.iter_s, marker=".", color=colors[name], label=name)
+            if "iter_s_corners" in df and df["iter_s_corners"].notna().all():  # the constants' corners, this run's
+                mb = [{k: v for k, v in c.items() if k.endswith(f"|mb={m}")} for c, m in  # micro-batches
+                      zip(df.iter_s_corners, df.micro_batches)]
+                lo, hi = [min(c.values()) for c in mb], [max(c.values()) for c in mb]
+                axes[0, col].fill_between(df.mem_gb, lo, hi, color=colors[name], alpha=0.12, lw=0)
+            axes[1, col].step(df.mem_gb, df.slots_per_rank, where="post", color=colors[name], label=name)
+        axes[0, col].set(title=f"{model}, {skew}", ylabel="s per iteration (MoE layers)", yscale="log")
+        axes[1, col].set(xlabel="per-rank MoE budget (GB)", ylabel="filled slots per rank")
+    axes[0, -1].legend(fontsize=7, loc="upper right")
+    fig.suptitle("Memory pressure (simulated): a system appears from the budget at which it fits; bands: GEMM "
+                 "efficiency, half-efficiency rows and link bandwidth at their corners", fontsize=9)
+    fig.tight_layout()
+    paths = run.log_figure("time_vs_memory", fig)
+    plt.close(fig)
+    return paths
+
+
+def fmt(value) -> str:
+    return "—" if value is None or (isinstance(value, float) and pd.isna(value)) else (
+        f"{value:.3g}" if isinstance(value, float) else str(value))
+
+
+HEADLINE_GB = 40.0  # the ablation's headline budget (an A100-40GB's memory)
+
+
+def early_table(args) -> list[str]:
+    """Markdown: what early selection at rho = 0.75 frees per layer and the spare slots it buys (uncapped), at the
+    headline budget and at each model's smallest budget."""
+    lines = ["## Early selection (ρ = 0.75, buffers planned for 1.1 x the mean load)\n",
+             "| model | GB | freed MB per layer | freed GB, all layers | one slot, GB | spare slots without / with |",
+             "|---|---|---|---|---|---|"]
+    cluster = cluster_preset(args.cluster).with_nodes(args.nodes)
+    for name in args.models:
+        for gb in sorted({budgets(args, name)[0], HEADLINE_GB}):
+            g = early_selection_gain(model_preset(name), cluster, TOKENS.get(name, 2048), gb)
+            lines.append(f"| {name} | {gb:g} | {g['freed_mb_per_layer']:.1f} | {g['freed_gb_all_layers']:.2f} | "
+                         f"{g['slot_gb']:.2f} | {fmt(g['spare_without'])} / {fmt(g['spare_with'])} |")
+    return lines
+
+
+def report(records: list[dict], run: Tracker, args) -> str:
+    """The Markdown tables: where memory binds (and each system's out-of-memory line), each placement with and
+    without rho as time / SYMI-dropless per budget, fastest named, and what early selection frees."""
+    bind = binding_range(records)
+    lines = ["## Where memory binds\n", "| model | ranks | skew | budgets | binds from GB | to GB | "
+             "fits from GB (per system) |", "|---|---|---|---|---|---|---|"]
+    for r in bind:
+        oom = "; ".join(f"{k.split(':')[0]} {fmt(v)}" for k, v in r.items() if k.endswith(":fits_from_gb"))
+        lines.append(f"| {r['model']} | {r['ranks']} | {r['skew']} | {r['budgets']} | {fmt(r['binds_from_gb'])} | "
+                     f"{fmt(r['binds_to_gb'])} | {oom} |")
+    rows = placement_table(records)
+    labels = [f"{p}{s}" for p in PLACEMENTS for s in ("", " + ρ")]
+    labels += [EARLY[0]] if any(EARLY[0] in r for r in rows) else []
+    lines += ["", "## Which placement wins: time / SYMI-dropless (slots per rank; where SYMI-dropless does not fit, "
+              "seconds per iteration)\n",
+              "| model | skew | GB | " + " | ".join(labels) + " | fastest |",
+              "|---|---|---|" + "---|" * (len(labels) + 1)]
+    for r in rows:
+        cells = [f"{fmt(r[k])} ({fmt(r[k + ' slots'])})" if r.get(k) is not None else
+                 f"{fmt(r[k + ' s'])} s ({fmt(r[k + ' slots'])})" if r.get(k + " s") is not None else "does not fit"
+                 for k in labels]
+        lines.append(f"| {r['model']} | {r['skew']} | {r['mem_gb']:g} | " + " | ".join(cells)
+                     + f" | {fmt(r['fastest'])} |")
+    lines += [""] + early_table(args)
+    run.log_summary({"binding": bind})
+    return "\n".join(lines)
+
+
+def main(argv=None) -> pd.DataFrame:
+    args = parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    groups = [(m, skew) for m in args.models for skew in args.skews]
+    config = {**vars(args), "budgets": {m: budgets(args, m) for m in args.models}}
+    with Tracker("memory_sweep", config, results=args.out, seed=args.seed, overwrite=args.overwrite,
+                 resume=args.resume, wandb=not args.no_wandb) as run:
+        records = []
+        for model, skew in tqdm(groups, desc="model x skew", disable=None):
+            out = work / f"{Path(args.out).stem}_{model}_{skew.replace(':', '')}.jsonl"
+            for rec in simulate_group(args, model, skew, out):
+                rec = {k: v for k, v in rec.items() if k not in ("kind", "run_id", "step")}
+                run.log(rec)
+                records.append(rec)
+        text = report(records, run, args)
+        print(text)
+        atomic_write_text(run.results.with_suffix(".md"), text + "\n")
+        figs = plot(pd.DataFrame(records), run)
+        print(f"\nresults: {args.out}" + (f"; figure: {figs[0]}" if figs else ""))
+    return pd.DataFrame(records)
+
+
+if __name__ == "__main__":
+    main()

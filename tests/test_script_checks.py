@@ -1,0 +1,91 @@
+"""Every check before the work: the experiment scripts refuse bad values, existing or unwritable outputs and an
+unusable W&B setting with argparse's message (exit status 2) before any rank starts or any record is written, and
+leave no file behind."""
+
+import pytest
+from _scripts import load_experiment
+
+from lrmoe.integrations.tracking import Tracker
+
+pytestmark = pytest.mark.timeout(120)
+train = load_experiment("train")
+layer_bench = load_experiment("layer_bench")
+metric_fidelity = load_experiment("metric_fidelity")
+
+TRAIN = ["--ranks", "2", "--batch", "2", "--seq-len", "32", "--steps", "2", "--max-bytes", "300000", "--quiet",
+         "--no-wandb"]
+
+
+def refuses(capsys, main, argv) -> str:
+    """``main(argv)`` exits with argparse's status 2; its message."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2, exc.value.code
+    return capsys.readouterr().err
+
+
+def test_train_checks_paths_data_and_wandb_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    out, taken = tmp_path / "r.jsonl", tmp_path / "taken.npz"
+    taken.write_text("an earlier trace")
+    assert "--trace-out" in refuses(capsys, train.main, [*TRAIN, "--out", str(out), "--trace-out", str(taken)])
+    (tmp_path / "file").write_text("")
+    assert "is a file" in refuses(capsys, train.main, [*TRAIN, "--out", str(out), "--ckpt-dir",
+                                                        str(tmp_path / "file" / "ck")])
+    err = refuses(capsys, train.main, [*TRAIN, "--out", str(out), "--seq-len", "400000"])
+    assert "split of the corpus" in err and "--seq-len 400000" in err
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login
+    argv = [a for a in TRAIN if a != "--no-wandb"]
+    assert "WANDB_API_KEY" in refuses(capsys, train.main, [*argv, "--out", str(out)])
+    assert not out.exists() and not (tmp_path / "r.ckpt").exists(), "a failed start left files"
+    out.write_text("")
+    assert "--overwrite" in refuses(capsys, train.main, [*TRAIN, "--out", str(out)])
+
+
+def test_layer_bench_and_metric_fidelity_check_before_measuring(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    out.write_text("earlier measurements\n")
+    assert "--overwrite" in refuses(capsys, layer_bench.main, ["--out", str(out), "--no-wandb"])
+    assert out.read_text() == "earlier measurements\n"
+    for bad in (["--ranks", "0"], ["--steps", "-1"], ["--tokens-per-rank", "x"], ["--skew-param", "inf"]):
+        assert "error: argument --" in refuses(capsys, layer_bench.main, [*bad, "--out", str(tmp_path / "new.jsonl")])
+    for bad in (["--rhos", "1.5"], ["--rhos", "nan"]):
+        assert "error: argument --rhos" in refuses(capsys, metric_fidelity.main, bad)
+    assert not (tmp_path / "new.jsonl").exists()
+
+
+def test_a_run_that_fails_before_its_first_record_leaves_no_file(tmp_path):
+    results = tmp_path / "r.jsonl"
+    with pytest.raises(RuntimeError), Tracker("exp", results=results, wandb=False):
+        raise RuntimeError("the ranks failed to start")
+    assert not results.exists()
+    results.write_text('{"kind": "run", "run_id": "old", "name": "exp"}\n')
+    with pytest.raises(RuntimeError), Tracker("exp", results=results, overwrite=True, wandb=False):
+        raise RuntimeError("a failed --overwrite start")
+    assert results.read_text() == '{"kind": "run", "run_id": "old", "name": "exp"}\n', "the old results were lost"
+
+
+def test_a_report_never_shares_a_path_with_results_nor_replaces_an_unrelated_file(tmp_path, capsys):
+    frontier = load_experiment("frontier")
+    err = refuses(capsys, frontier.main, ["--out", str(tmp_path / "x.md"), "--no-wandb"])
+    assert "overwrite the results file" in err
+    notes = tmp_path / "notes.md"
+    notes.write_text("mine")
+    err = refuses(capsys, frontier.main, ["--out", str(tmp_path / "notes.jsonl"), "--overwrite", "--no-wandb"])
+    assert "not a report" in err and notes.read_text() == "mine"
+    assert not (tmp_path / "notes.jsonl").exists()
+
+
+def test_a_report_beside_its_own_results_file_is_replaced_only_when_asked(tmp_path):
+    from lrmoe.integrations.tracking import report_problem, write_report
+
+    results = tmp_path / "f.jsonl"
+    with Tracker("frontier", results=results, wandb=False) as run:
+        run.log({"x": 1.0}, step=0)
+    (tmp_path / "f.md").write_text("# an earlier report, unmarked\n")
+    assert "--overwrite" in report_problem(results, False, "frontier")
+    assert report_problem(results, True, "frontier") is None
+    assert "not a report" in report_problem(results, True, "ablate")  # another script's results: not its report
+    write_report(tmp_path / "g.jsonl", "text\n")  # marked: its own, even without a results file
+    assert report_problem(tmp_path / "g.jsonl", True, "frontier") is None
