@@ -28,6 +28,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
+from lrmoe.analysis.claims import claim_table, gap_table
+from lrmoe.analysis.protocol import REFERENCES, endpoint
 from lrmoe.analysis.runs import last_per_step, per_run, summarise, time_to_reach
 from lrmoe.config import model_preset
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
@@ -81,7 +83,7 @@ def train_argv(args, policy: str, seed: int, results: Path) -> list[str]:
     folder = results.parent
     return ["--preset", args.preset, "--policy", policy, "--ranks", str(args.ranks),
             "--steps", str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-            "--eval-every", str(args.eval_every), "--seed", str(seed),
+            "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches), "--seed", str(seed),
             "--lr-schedule", args.lr_schedule, "--warmup", str(min(args.warmup, args.steps - 1)),
             "--extra-slots", str(args.lrmoe_extra_slots if lrmoe else args.extra_slots),
             "--eps", str(args.lrmoe_eps), "--aux-coef", str(args.aux_coef), "--micro-batches", str(args.micro_batches),
@@ -108,6 +110,8 @@ def parse_args(argv=None):
     parser.add_argument("--micro-batches", type=positive_int_arg, default=1, help="train.py's: micro-batches per step")
     parser.add_argument("--activation-checkpointing", action="store_true", help="train.py's: recompute activations")
     parser.add_argument("--eval-every", type=positive_int_arg, default=20)
+    parser.add_argument("--eval-batches", type=positive_int_arg, default=4,
+                        help="validation batches per rank per evaluation (the frontier protocol's 16: DESIGN.md §10.3)")
     parser.add_argument("--seed", type=int, default=0, help="one seed (ignored when --seeds is given)")
     parser.add_argument("--seeds", type=non_negative_int_arg, nargs="+", default=None,
                         help="several seeds, one run each")
@@ -137,6 +141,19 @@ def parse_args(argv=None):
     args.policies = args.policies or (QUICK_POLICIES if args.quick else POLICIES)
     args.seeds = list(dict.fromkeys(args.seeds or [args.seed]))
     return args
+
+
+def protocol_claims(curves: pd.DataFrame) -> pd.DataFrame | None:
+    """The claim table of DESIGN.md §10.4 over these runs (each run's endpoint: the mean validation loss over its
+    last three evaluations; the reference: the mean of static EP and SYMI-dropless, seed by seed; whole seeds
+    only), or None without both references. Claims whose arms did not run are listed as "not run"."""
+    val = curves.dropna(subset=["val_loss"]).sort_values("step")
+    last = int(curves.step.max())
+    rows = [{"seed": int(seed), "arm": policy, "endpoint": endpoint(run.step, run.val_loss, last_step=last)}
+            for (policy, seed), run in val.groupby(["policy", "seed"], sort=False)]
+    if not all(any(r["arm"] == ref for r in rows) for ref in REFERENCES):
+        return None
+    return claim_table(gap_table(rows))
 
 
 def plot(curves: pd.DataFrame, args):
@@ -179,8 +196,10 @@ def main(argv=None) -> pd.DataFrame:
                          and not (args.slim and k.startswith("load/"))}, step=None)
         curves = pd.concat(frames, ignore_index=True)
         table, reach = summarise(curves), time_to_reach(curves, args.target_step)
+        claims = protocol_claims(curves)
         run.log_summary({"table": table.to_dict("records"), "per_run": per_run(curves).to_dict("records"),
-                         "time_to_reach": reach.to_dict("records")})
+                         "time_to_reach": reach.to_dict("records"),
+                         "claims": None if claims is None else claims.to_dict("records")})
         figure = run.log_figure("curves", plot(curves, args))
         print("Equal quality: the step and modelled time at which each system first reaches static EP's "
               "validation loss at step T (mean over the seeds that reach it)\n")
@@ -189,6 +208,11 @@ def main(argv=None) -> pd.DataFrame:
         print(table[["policy", "seeds", "steps", "val_loss", "val_loss_std", "gap_pct", "gap_pct_min", "gap_pct_max",
                      "last20_drop_pct", "hot_rank_bwd_cut_pct", "dropped_pct", "modelled_ms_per_step"]]
               .to_markdown(index=False, floatfmt=".3f"))
+        if claims is not None:
+            print("\nClaims (DESIGN.md §10.4; endpoint: mean of the last three evaluations; gaps to the mean of static "
+                  "EP and SYMI-dropless; estimates in points, 95 % intervals, Holm-adjusted p)\n")
+            cols = ["claim", "seeds", "estimate", "ci_low", "ci_high", "bound_high", "p_holm", "word"]
+            print(claims[[c for c in cols if c in claims.columns]].to_markdown(index=False, floatfmt=".3f"))
         print(f"results: {out}; figure: {figure[0]}; recorded traces in {work}")
         (work / "summary.json").write_text(json.dumps(table.to_dict("records"), indent=1))
     return table

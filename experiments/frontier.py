@@ -1,22 +1,26 @@
-"""Time against quality: the retention budget's frontier, from two scales.
+"""Time against quality: the retention budget's frontier.
 
-Loss comes from the convergence sweep (experiments/convergence.py: the debug model trained on 4 CPU ranks, several
-seeds); time comes from the simulator at paper scale (lrmoe.sim: the full model's MoE layers on a GPU cluster
-preset, a synthetic Zipf routing trace). The two are joined by system name only: the paper-scale time of a system
-is what its plans cost there, and its loss is what the same policy did to the small model's training. Neither
-scale measures the other quantity.
+With ``--regime`` (DESIGN.md §10), the protocol's frontier of one regime: loss from the protocol's training runs
+(experiments/frontier_sweep.py: gaps to the mean of static EP and SYMI-dropless, seed by seed), time from the
+simulator at paper scale with the regime's own settings (slots per home slot, eps, gamma; a system the memory model
+gives other slots is an error) on synthetic traces whose Zipf skew is matched to the runs' static-EP slowest rank ÷
+mean (both shown; a mismatch over 5 % is an error). Writes the frontier's points with 95 % intervals on both axes
+(training seeds; trace seeds), the claim table (estimate, interval, Holm-adjusted p, holds / fails / undecided),
+the time claim, and a figure and a Markdown report. ``--time-only``: the time axis alone.
 
-Writes a results file (per system: modelled time ÷ SYMI-dropless and ÷ SYMI-cf1, validation-loss gap to dropless
-static EP over seeds, the equal-quality time to reach static EP's loss at step T, and the headline), and a figure
-(PNG + PDF): x modelled time ÷ SYMI-dropless, y loss gap, one point per system and rho, error bars the seed spread.
+Without it, the earlier frontier from two scales: loss from a convergence sweep, time from the simulator at a
+chosen skew, joined by system name only (kept to read the earlier results; DESIGN.md §10 says why it cannot decide
+a claim).
 
+    python experiments/frontier.py --regime production --runs paper_figures/results/frontier_protocol_sweep.jsonl
+    python experiments/frontier.py --regime weak --time-only --runs paper_figures/results/frontier_protocol_pilot.jsonl
     python experiments/frontier.py --convergence outputs/convergence.jsonl
-    python experiments/frontier.py --quick --convergence outputs/quick/convergence.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -28,6 +32,9 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
+from lrmoe.analysis import protocol
+from lrmoe.analysis.claims import MARGIN, arm_gaps, claim_table, gap_table, time_claim, time_ratios
+from lrmoe.analysis.skew import Scale, check_matched, match_zipf, runs_imbalance, side_by_side
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.analysis.runs import BASELINE, last_per_step, per_run, summarise, time_to_reach
 from lrmoe.sim.cells import TOKENS, Cell, CellRules, build_systems, cost_kwargs
@@ -184,11 +191,11 @@ def modelled_times(policies: list[str], args, known: list[dict] = ()) -> tuple[d
     scale = {"model": m.name, "cluster": c.name, "ranks": c.num_ranks, "nodes": c.num_nodes, "skew": args.skew,
              "tokens_per_rank": args.tokens_per_rank, "layers_simulated": layers, "sim_steps": args.sim_steps,
              "micro_batches": args.micro_batches, "mem_gb": mem_gb, "eps": args.eps, "gamma": args.gamma,
-             "headroom_rule": "planned", "sim_seed": args.sim_seed,
+             "headroom_rule": "planned", "sim_seed": args.sim_seed, "max_extra": args.max_extra,
              "replica_grad": "best"}  # each system priced in range and shard mode, reported in its faster one
     reuse = {r["policy"]: r for r in known if all(r.get(k) == v for k, v in scale.items())}
     cell = Cell(m, c, ("zipf", args.skew), mem_gb, args.tokens_per_rank)
-    sweep = CellRules(eps=args.eps, gamma=args.gamma)  # the ablation's rules, at this cell
+    sweep = CellRules(eps=args.eps, gamma=args.gamma, max_extra=args.max_extra)  # the ablation's rules, at this cell
     # one iteration more than timed: the first is the planners' reference (the planned-headroom rule)
     trace = generate_trace(args.sim_steps + 1, layers, c.num_ranks, m.num_experts, m.top_k, args.tokens_per_rank,
                            skew="zipf", skew_param=args.skew, seed=args.sim_seed, model=m.name)
@@ -311,6 +318,147 @@ def markdown_report(table: pd.DataFrame, h: dict, scale: dict, curves: pd.DataFr
     ])
 
 
+# -- the protocol's frontier (DESIGN.md §10): one regime, both axes at its settings, the claims decided -----------
+def regime_times(arms: list[str], regime, zipf_s: float, args) -> tuple[pd.DataFrame, list[dict]]:
+    """Modelled paper-scale time per iteration of each arm (ms; rows: trace seed, columns: arms) at the regime's
+    settings (its slots per home slot, eps, gamma) and the matched Zipf s, on ``args.sim_seeds`` trace seeds. Every
+    replicating system must get the regime's slots: one the memory model leaves with fewer is an error (the two axes
+    would describe different systems)."""
+    m, c = model_preset(args.model), cluster_preset(args.cluster, args.nodes)
+    spare = regime.spare_slots(m.num_experts, c.num_ranks)
+    slots = m.num_experts // c.num_ranks + spare
+    times, sims = {}, []
+    for seed in range(args.sim_seeds):
+        at = argparse.Namespace(**{**vars(args), "skew": zipf_s, "sim_seed": seed, "eps": regime.eps,
+                                   "gamma": regime.gamma, "max_extra": spare})
+        t, rows = modelled_times(arms, at)
+        wrong = {r["policy"]: r["slots_per_rank"] for r in rows
+                 if get_system(r["policy"]).family != "static-ep" and r["slots_per_rank"] != slots}
+        if wrong:
+            raise SystemExit(f"frontier.py: error: regime {regime.name} gives every replicating system {slots} slots "
+                             f"per rank; at this scale {wrong}: the two axes would describe different systems")
+        times[seed] = t
+        sims += [{**r, "regime": regime.name, "sim_seed": seed} for r in rows]
+    return pd.DataFrame.from_dict(times, orient="index")[list(arms)], sims
+
+
+def protocol_plot(points: pd.DataFrame, regime, zipf_s: float, seeds: int):
+    """The regime's frontier: x modelled time ÷ SYMI-dropless, y loss gap to the reference, both with 95 %
+    intervals (x over trace seeds, y over training seeds)."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for _, r in points.iterrows():
+        d = describe(r.arm)
+        color = point_color(pd.Series({**d, "policy": r.arm}))
+        xerr = [[max(r.time_mean - r.time_ci_low, 0)], [max(r.time_ci_high - r.time_mean, 0)]] \
+            if r.time_ci_low == r.time_ci_low else None
+        yerr = [[max(r.gap_mean - r.gap_ci_low, 0)], [max(r.gap_ci_high - r.gap_mean, 0)]] \
+            if r.gap_ci_low == r.gap_ci_low else None
+        ax.errorbar(r.time_mean, r.gap_mean, xerr=xerr, yerr=yerr, fmt=MARKERS.get(d["selection"], "D"),
+                    color=color, ms=6, capsize=2, lw=0.8)
+        ax.annotate(r.arm.replace("lrmoe-", "").replace("symi-dropless-", "symi-dl-"), (r.time_mean, r.gap_mean),
+                    fontsize=6, xytext=(4, -2), textcoords="offset points")
+    ax.axhline(0, color="0.5", lw=0.6)
+    ax.axhline(MARGIN, color="0.3", lw=0.6, ls="--")
+    ax.axvline(1, color="0.7", lw=0.6, ls=":")
+    ax.set(xlabel=f"modelled MoE time per iteration ÷ SYMI-dropless (95 % interval over trace seeds; Zipf "
+                  f"{zipf_s:.3f}, matched)",
+           ylabel=f"validation-loss gap to the reference (%)\n(95 % interval over {seeds} seeds)",
+           title=f"regime {regime.name}: {regime.description}")
+    ax.title.set_fontsize(8)
+    fig.tight_layout()
+    return fig
+
+
+def protocol_report(regime, claims: pd.DataFrame, c5: list[dict], points: pd.DataFrame, imbalance: list[dict],
+                    zipf_s: float, seeds: int, planned: int, figure: str) -> str:
+    label = "final" if seeds >= planned else f"interim: {seeds} of {planned} planned seeds"
+    cols = ["claim", "text", "seeds", "estimate", "ci_low", "ci_high", "bound_high", "p", "p_holm", "word"]
+    return "\n".join([
+        f"# Frontier, regime {regime.name} ({label})", "", f"![frontier]({figure})", "",
+        f"Protocol: DESIGN.md §10. Regime: {regime.description}; both axes at {regime.spare_per_home:g} spare slots "
+        f"per home slot, ε {regime.eps:g}, γ {regime.gamma:g}. Loss: the debug model on 4 CPU ranks, {seeds} whole "
+        f"seeds. Time: the simulator at paper scale, Zipf s {zipf_s:.3f}, matched to the runs' static-EP slowest "
+        "rank ÷ mean.", "",
+        "Routing imbalance of both axes (static EP):", "",
+        pd.DataFrame(imbalance).to_markdown(index=False, floatfmt=".3f"), "",
+        "Claims (estimates in percentage points; 95 % intervals unadjusted; p Holm-adjusted over the family):", "",
+        claims[[c for c in cols if c in claims.columns]].to_markdown(index=False, floatfmt=".3f"), "",
+        "Time claim (C5, a model output: outside the Holm family):", "",
+        pd.DataFrame(c5).to_markdown(index=False, floatfmt=".3f") if c5 else "no arm to price", "",
+        "Frontier points:", "", points.to_markdown(index=False, floatfmt=".3f"), ""])
+
+
+def matched_times(rows: list[dict], regime, arms: list[str], args):
+    """The time axis of a regime: the Zipf s matched to the runs' static-EP slowest ÷ mean, the arms' times on
+    ``args.sim_seeds`` traces at it, and both axes' imbalance side by side (SystemExit when the simulated traces
+    miss the runs' by more than the tolerance)."""
+    m, c = model_preset(args.model), cluster_preset(args.cluster, args.nodes)
+    runs_imb = runs_imbalance(rows)
+    match = match_zipf(runs_imb["rank_max_over_mean"], Scale(c.num_ranks, m.num_experts, m.top_k,
+                                                              args.tokens_per_rank))
+    times, sims = regime_times(arms, regime, match.zipf_s, args)
+    # the simulated traces themselves: static EP's forward imbalance in the simulator, beside the runs'
+    simulated = {**match.simulated, "rank_max_over_mean": float(np.mean(
+        [r["fwd_imbalance"] for r in sims if r["policy"] == "static-ep"]))}
+    try:
+        check_matched(runs_imb, simulated)
+    except ValueError as exc:
+        raise SystemExit(f"frontier.py: error: {exc}") from None
+    return match, times, sims, side_by_side(runs_imb, simulated)
+
+
+def protocol_main(args) -> pd.DataFrame:
+    regime = protocol.get_regime(args.regime)
+    rows = [json.loads(line) for path in args.runs for line in Path(path).read_text().splitlines() if line.strip()]
+    # the claims read the sweep's runs only; the time axis alone (--time-only) may match the pilot's routing
+    rows = [r for r in rows if r["regime"] == regime.name and (args.time_only or r.get("stage") == "sweep")]
+    arms = list(protocol.ARMS) if args.time_only else [a for a in protocol.ARMS if any(r["arm"] == a for r in rows)]
+    if not rows:
+        raise SystemExit(f"frontier.py: error: {args.runs} hold no {'' if args.time_only else 'sweep '}run of regime "
+                         f"{regime.name}")
+    if not args.time_only:
+        gaps = gap_table(rows, arms)
+        if len(gaps) < 2:
+            raise SystemExit(f"frontier.py: error: {len(gaps)} whole seed(s) of regime {regime.name}: a claim needs "
+                             "two")
+    match, times, sims, imbalance = matched_times(rows, regime, arms, args)
+    ratios = time_ratios(times)
+    with Tracker("frontier", vars(args), results=args.out, seed=0, overwrite=args.overwrite, resume=args.resume,
+                 wandb=not args.no_wandb) as run:
+        run.log_table("simulated", sims)
+        summary = {"regime": regime.name, "zipf_s": match.zipf_s, "imbalance": imbalance,
+                   "runs_matched": len([r for r in rows if r["arm"] == "static-ep"])}
+        if args.time_only:
+            for rec in ratios.to_dict("records"):
+                run.log({k: v for k, v in rec.items() if v == v}, step=None)
+            run.log_summary(summary)
+            text = "\n".join([
+                f"# Time axis, regime {regime.name} (no loss axis: --time-only)", "",
+                f"Zipf s {match.zipf_s:.3f}, matched to the static-EP runs' slowest rank ÷ mean; both axes:", "",
+                pd.DataFrame(imbalance).to_markdown(index=False, floatfmt=".3f"), "",
+                f"Modelled time ÷ SYMI-dropless, mean and 95 % interval over {args.sim_seeds} trace seeds:", "",
+                ratios.to_markdown(index=False, floatfmt=".3f"), ""])
+            print(text)
+            Path(args.out).with_suffix(".md").write_text(text)
+            return ratios
+        claims = claim_table(gaps)
+        points = arm_gaps(gaps).merge(ratios, on="arm")
+        c5 = time_claim(claims, ratios)
+        for rec in points.to_dict("records"):
+            run.log({k: v for k, v in rec.items() if v == v}, step=None)
+        run.log_table("claims", claims.to_dict("records"))
+        run.log_table("gaps", gaps.reset_index().to_dict("records"))
+        run.log_summary({**summary, "time_claim": c5, "seeds": int(len(gaps)), "planned_seeds": args.planned_seeds})
+        figure = run.log_figure("frontier", protocol_plot(points, regime, match.zipf_s, len(gaps)))
+        text = protocol_report(regime, claims, c5, points, imbalance, match.zipf_s, len(gaps), args.planned_seeds,
+                               figure[0].name)
+        print(text)
+        report = Path(args.out).with_suffix(".md")
+        report.write_text(text)
+        print(f"results: {args.out}; figure: {figure[0]}; report: {report}")
+    return claims
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--convergence", nargs="+", default=["outputs/convergence.jsonl"],
@@ -318,9 +466,9 @@ def parse_args(argv=None):
     parser.add_argument("--target-step", type=positive_int_arg, default=None,
                         help="equal-quality step T (default: the last)")
     parser.add_argument("--max-gap-pct", type=positive_float_arg, default=MAX_GAP_PCT)
-    parser.add_argument("--model", default="qwen3-30b-a3b")
-    parser.add_argument("--cluster", default="a100-40gb-x8")
-    parser.add_argument("--nodes", type=positive_int_arg, default=2)
+    parser.add_argument("--model", default=protocol.SIM_MODEL)
+    parser.add_argument("--cluster", default=protocol.SIM_CLUSTER)
+    parser.add_argument("--nodes", type=positive_int_arg, default=protocol.SIM_NODES)
     parser.add_argument("--skew", type=non_negative_float_arg, default=0.8, help="Zipf s of the synthetic trace")
     parser.add_argument("--tokens-per-rank", type=positive_int_arg, default=None,
                         help="tokens per rank per micro-batch (default: the ablation's for the model)")
@@ -329,27 +477,45 @@ def parse_args(argv=None):
     parser.add_argument("--sim-steps", type=positive_int_arg, default=3,
                         help="simulated iterations (the first is warm-up)")
     parser.add_argument("--layers", type=positive_int_arg, default=None, help="simulated MoE layers (default all)")
-    parser.add_argument("--micro-batches", type=positive_int_arg, default=8)
+    parser.add_argument("--micro-batches", type=positive_int_arg, default=protocol.SIM_MICRO_BATCHES)
     parser.add_argument("--eps", type=non_negative_float_arg, default=0.1)
     parser.add_argument("--gamma", type=fraction_arg, default=0.1)
     parser.add_argument("--sim-seed", type=int, default=0)
     parser.add_argument("--sim-from", default=None,
                         help="an earlier frontier results file: reuse its simulated times at the same scale")
+    parser.add_argument("--max-extra", type=int, default=None, help="the most spare slots per rank (default E/N)")
     parser.add_argument("--quick", action="store_true", help="4 simulated layers, 2 iterations")
+    parser.add_argument("--regime", choices=list(protocol.REGIMES), default=None,
+                        help="the protocol's frontier of this regime (DESIGN.md §10) from --runs, instead of the "
+                             "two-scale frontier of --convergence")
+    parser.add_argument("--runs", nargs="+", default=["paper_figures/results/frontier_protocol_sweep.jsonl"],
+                        help="--regime: the protocol's collected runs (experiments/frontier_sweep.py)")
+    parser.add_argument("--sim-seeds", type=int, default=protocol.SIM_SEEDS,
+                        help="--regime: trace seeds of the time axis")
+    parser.add_argument("--time-only", action="store_true",
+                        help="--regime: the time axis alone (every arm; the skew matched to any of the regime's "
+                             "runs, the pilot's too), no claims")
+    parser.add_argument("--planned-seeds", type=int, default=protocol.SWEEP_SEEDS,
+                        help="--regime: the sweep's planned seeds (the table is interim below them)")
     add_tracking_args(parser, "outputs/frontier.jsonl")
     args = parser.parse_args(argv)
     check_tracking_args(parser, args, "frontier", report=True)  # its report beside it: never an unrelated file
     if args.quick:
         args.layers, args.sim_steps = args.layers or 4, 2
-    if args.tokens_per_rank is None:
-        args.tokens_per_rank = TOKENS.get(args.model, 2048)
+    if args.tokens_per_rank is None:  # the protocol's scale under --regime (DESIGN.md §10.1), else the ablation's
+        args.tokens_per_rank = (protocol.SIM_TOKENS_PER_RANK if args.regime and args.model == protocol.SIM_MODEL
+                                else TOKENS.get(args.model, 2048))
     if args.sim_steps < 2:
         parser.error("--sim-steps must be at least 2 (the first is warm-up)")
+    if args.sim_seeds < 2:
+        parser.error("--sim-seeds must be at least 2 (the time axis's interval)")
     return args
 
 
 def main(argv=None) -> pd.DataFrame:
     args = parse_args(argv)
+    if args.regime is not None:
+        return protocol_main(args)
     curves = curves_from(args.convergence)
     if BASELINE not in set(curves.policy):
         raise SystemExit(f"frontier.py: error: {args.convergence} have no {BASELINE} run (the loss reference)")

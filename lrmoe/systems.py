@@ -385,6 +385,11 @@ SYSTEMS: dict[str, SystemSpec] = dict([
     # SYMI-dropless with its backward trimmed at random to the same budget as LRMoE's at each rho (the control)
     *[_system(f"symi-dropless-rho{rho:g}", TrimmedFactory(SymiFactory(), rho), f"SYMI-dropless, random trim ρ={rho:g}",
               "#4a90c2", backward=BackwardConfig(metric="random"), recalibrated=True) for rho in RHOS],
+    # the same trim drawn with equal inclusion probabilities and kept pairs scaled by 1/p (Horvitz-Thompson): the
+    # reweighted control, which separates "the metric" from "the 1/p reweighting" (DESIGN.md §10)
+    *[_system(f"symi-dropless-rho{rho:g}-unbiased", TrimmedFactory(SymiFactory(), rho),
+              f"SYMI-dropless, random trim ρ={rho:g}, 1/p", "#08519c",
+              backward=BackwardConfig(metric="random", mode="unbiased"), recalibrated=True) for rho in RHOS],
     # -- online replication (lrmoe.planner.online; the MoonEP / Megatron-Core virtual-expert way): this forward's
     # hottest experts copied into SYMI-dropless's spare slots inside a node, each copy only where it saves more
     # time than its push costs; optimizer state stays with the home experts. "-greedy": every copy that relieves
@@ -428,7 +433,10 @@ SYSTEMS: dict[str, SystemSpec] = dict([
         _lrmoe(f"lrmoe-rho{rho:g}-unbiased", f"LRMoE ρ={rho:g}, m2 unbiased", "#e377c2",
                lrmoe(quota_mode="budget", rho=rho), mode="unbiased"),
         _lrmoe(f"lrmoe-rho{rho:g}-random", f"LRMoE ρ={rho:g}, random", "#8c564b",
-               lrmoe(quota_mode="budget", rho=rho), metric="random"))],
+               lrmoe(quota_mode="budget", rho=rho), metric="random"),
+        # uniform inclusion at the quota, kept pairs scaled by 1/p: the control of m2 unbiased (DESIGN.md §10)
+        _lrmoe(f"lrmoe-rho{rho:g}-random-unbiased", f"LRMoE ρ={rho:g}, random, 1/p", "#c49a6c",
+               lrmoe(quota_mode="budget", rho=rho), metric="random", mode="unbiased"))],
     # Early selection (DESIGN.md §4): the gate chooses in the forward, which saves activations for the kept pairs
     # alone; the memory model counts the saving, so memory-aware placement may hold more replicas (top-k and
     # unbiased).

@@ -1,0 +1,162 @@
+"""The frontier protocol's training runs (DESIGN.md §10): the variance pilot, then the sweep, resumable.
+
+Runs experiments/convergence.py (through its command line) once per (seed, regime) with the protocol's settings
+(lrmoe.analysis.protocol: every arm of the regime on that seed, the larger evaluation sample), seed-major, so that
+whatever has finished when a sitting stops is whole seeds, paired across arms. A run that finished is skipped; one
+that was interrupted resumes from its last checkpoint (convergence.py and train.py --resume). Per-run files,
+checkpoints and traces go to --work; each finished run's endpoint and curve are appended to the results file, one
+line per run, never rewriting a line already there.
+
+    python experiments/frontier_sweep.py --stage pilot                     # PILOT_SEEDS x PILOT_ARMS, both regimes
+    python experiments/frontier_sweep.py --stage sweep --seeds-count 12    # seeds 1000..1011 x ARMS, both regimes
+    python experiments/frontier_sweep.py --stage sweep --seeds-count 12 --collect-only
+    python experiments/frontier_sweep.py --stage pilot --report-only     # the pilot's variance and seed count
+
+Every invocation ends with the report of what has finished (per regime: both axes' routing imbalance, the claim
+table over whole seeds, interim until the planned seeds are in; the pilot's: the power calculation), printed and,
+with --report, written as Markdown (never over an existing file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from lrmoe.analysis import protocol
+from lrmoe.analysis.claims import claim_table, gap_table, seed_plan
+from lrmoe.analysis.skew import runs_imbalance
+from lrmoe.integrations.tracking import read_results
+from lrmoe.systems import system_arg
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", choices=("pilot", "sweep"), required=True)
+    parser.add_argument("--regimes", nargs="+", default=list(protocol.REGIMES), choices=list(protocol.REGIMES))
+    parser.add_argument("--seeds-count", type=int, default=protocol.SWEEP_SEEDS,
+                        help="the sweep's seeds: 1000 .. 1000 + count - 1 (default: the power calculation's number, "
+                             f"{protocol.SWEEP_SEEDS})")
+    parser.add_argument("--arms", nargs="+", type=system_arg, default=None,
+                        help="default: the protocol's (the pilot's or the sweep's)")
+    parser.add_argument("--work", default="outputs/frontier_protocol", help="per-run files, checkpoints, traces")
+    parser.add_argument("--out", default=None,
+                        help="results file the finished runs are appended to (default "
+                             "paper_figures/results/frontier_protocol_<stage>.jsonl)")
+    parser.add_argument("--collect-only", action="store_true", help="train nothing; append finished runs")
+    parser.add_argument("--report-only", action="store_true", help="train and collect nothing; report")
+    parser.add_argument("--report", default=None, help="write the report to this Markdown file (must not exist)")
+    args = parser.parse_args(argv)
+    if args.stage == "pilot":
+        args.seeds = list(protocol.PILOT_SEEDS)
+    else:
+        try:
+            args.seeds = protocol.sweep_seeds(args.seeds_count)
+        except ValueError as exc:
+            parser.error(str(exc))
+    args.arms = args.arms or list(protocol.PILOT_ARMS if args.stage == "pilot" else protocol.ARMS)
+    args.out = Path(args.out or f"paper_figures/results/frontier_protocol_{args.stage}.jsonl")
+    return args
+
+
+CONVERGENCE = Path(__file__).resolve().parent / "convergence.py"
+
+
+def units(args) -> list[tuple[int, str, Path]]:
+    """(seed, regime, convergence results file), seed-major."""
+    return [(seed, name, Path(args.work) / name / f"seed{seed}.jsonl") for seed in args.seeds for name in args.regimes]
+
+
+def convergence_argv(regime: str, seed: int, arms: list[str], out: Path) -> list[str]:
+    """convergence.py's arguments for these arms of one seed in one regime, at the protocol's settings."""
+    return [*protocol.get_regime(regime).convergence_argv(arms, [seed], str(out)),
+            "--eval-batches", str(protocol.EVAL_BATCHES), "--slim", *(["--resume"] if out.exists() else [])]
+
+
+def run_file(out: Path, arm: str) -> Path:
+    """Where convergence.py (one seed) keeps an arm's per-run results: beside its results file, in its own folder."""
+    return out.with_suffix("") / f"{arm}.jsonl"
+
+
+def finished(results: Path) -> bool:
+    return results.exists() and any(r.get("step") == protocol.STEPS for r in read_results(results))
+
+
+def report(args) -> str:
+    """What the finished runs can say, per regime (Markdown)."""
+    rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()] if args.out.exists() else []
+    lines = [f"# Frontier protocol ({args.stage}): {len(rows)} finished runs in {args.out.name}", ""]
+    for regime in args.regimes:
+        mine = [r for r in rows if r["regime"] == regime and r["arm"] in args.arms]
+        lines += [f"## Regime {regime}: {protocol.get_regime(regime).description}", ""]
+        try:
+            gaps = gap_table(mine, args.arms)
+        except ValueError as exc:
+            lines += [f"No table yet: {exc}.", ""]
+            continue
+        imb = runs_imbalance(mine)
+        lines += [f"Routing of the static-EP runs ({imb['runs']} runs): slowest rank ÷ mean "
+                  f"{imb['rank_max_over_mean']:.3f}, per-expert Gini {imb['gini']:.3f}, hottest expert ÷ mean "
+                  f"{imb['expert_max_over_mean']:.3f}.", "",
+                  f"Gaps to the reference (mean of static EP and SYMI-dropless), %, {len(gaps)} whole seeds:", "",
+                  gaps.round(3).to_markdown(), ""]
+        if args.stage == "pilot":
+            try:
+                lines += ["Power calculation (DESIGN.md §10.4):", "", seed_plan(gaps).to_markdown(index=False), ""]
+            except ValueError as exc:
+                lines += [f"No power calculation yet: {exc}.", ""]
+        else:
+            planned = len(args.seeds)
+            label = "final" if len(gaps) >= planned else f"interim, {len(gaps)} of {planned} seeds"
+            lines += [f"Claims ({label}):", "", claim_table(gaps).to_markdown(index=False, floatfmt=".3f"), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.report and Path(args.report).exists():
+        raise SystemExit(f"frontier_sweep.py: error: {args.report} exists; give a new name")
+    if args.report_only:
+        text = report(args)
+        print(text)
+        if args.report:
+            Path(args.report).write_text(text + "\n")
+        return
+    plan = units(args)
+    done = protocol.collected_keys(args.out)
+    total = len(plan) * len(args.arms)
+    ready = sum(finished(run_file(out, arm)) for _, _, out in plan for arm in args.arms)
+    print(f"{args.stage}: {total} runs, {ready} finished, {len(done)} collected in {args.out}")
+    with tqdm(total=len(plan), desc="seed x regime", disable=None) as bar:
+        for seed, regime, out in plan:
+            # a run already collected is done, even where its per-run files are gone (another checkout)
+            todo = [a for a in args.arms if (regime, seed, a) not in done and not finished(run_file(out, a))]
+            if todo and not args.collect_only:
+                argv = convergence_argv(regime, seed, todo, out)
+                code = subprocess.run([sys.executable, str(CONVERGENCE), *argv]).returncode
+                if code:
+                    raise SystemExit(f"frontier_sweep.py: error: convergence.py {' '.join(argv)} exited with {code}")
+            done = protocol.collected_keys(args.out)  # again: another sitting may have collected meanwhile
+            for arm in args.arms:  # appended as each seed finishes: a stopped sitting keeps what it has
+                results = run_file(out, arm)
+                if (regime, seed, arm) in done or not finished(results):
+                    continue
+                row = protocol.collect_run(results, regime=regime, seed=seed, arm=arm, stage=args.stage)
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                done.add((regime, seed, arm))
+            bar.update(1)
+    print(f"{len(done)} runs in {args.out}")
+    text = report(args)
+    print(text)
+    if args.report:
+        Path(args.report).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

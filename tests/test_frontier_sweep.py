@@ -1,0 +1,47 @@
+"""experiments/frontier_sweep.py without training: finished per-run files are collected once each (append-only, a
+second sitting adds nothing twice), an unfinished run is left out, and the report says what the runs can say."""
+
+import json
+
+import pytest
+
+from _scripts import load_experiment
+
+from lrmoe.analysis import protocol
+from lrmoe.integrations.tracking import Tracker
+
+sweep = load_experiment("frontier_sweep")
+
+
+def fake_run(path, endpoint: float, steps: int = protocol.STEPS):
+    """A per-run results file as train.py writes it: every step's pairs, an evaluation every EVAL_EVERY steps."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with Tracker("train", {}, results=path, wandb=False, quiet=True) as run:
+        for step in range(1, steps + 1):
+            rec = {"step": step, "loss": 2.0, "fwd_pairs_max": 12.0, "fwd_pairs_mean": 10.0, "bwd_pairs_max": 9.0,
+                   "dropped_frac": 0.0}
+            if step % protocol.EVAL_EVERY == 0:
+                rec.update({"val_loss": endpoint, "load/rank_max_over_mean_mean": 1.2, "load/gini_mean": 0.2,
+                            "load/expert_max_over_mean_mean": 1.5})
+            run.log(rec, step=step)
+
+
+def test_collect_is_append_only_and_skips_unfinished_runs(tmp_path, capsys):
+    work, out = tmp_path / "work", tmp_path / "collected.jsonl"
+    seed = protocol.PILOT_SEEDS[0]
+    folder = work / "production" / f"seed{seed}"
+    for arm, loss in zip(protocol.PILOT_ARMS, (2.0, 2.0, 2.02, 2.04)):
+        fake_run(folder / f"{arm}.jsonl", loss)
+    fake_run(work / "production" / f"seed{protocol.PILOT_SEEDS[1]}" / "static-ep.jsonl", 2.0, steps=100)  # stopped
+    argv = ["--stage", "pilot", "--regimes", "production", "--work", str(work), "--out", str(out), "--collect-only"]
+    sweep.main(argv)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["arm"] for r in rows) == sorted(protocol.PILOT_ARMS) and {r["seed"] for r in rows} == {seed}
+    by_arm = {r["arm"]: r for r in rows}
+    assert by_arm["lrmoe-rho0.75-unbiased"]["endpoint"] == 2.02
+    assert by_arm["static-ep"]["fwd_max_over_mean"] == pytest.approx(1.2)
+    assert by_arm["static-ep"]["bwd_max_over_mean_fwd"] == pytest.approx(0.9)
+    sweep.main(argv)  # a second sitting: nothing collected twice
+    assert len(out.read_text().splitlines()) == len(protocol.PILOT_ARMS)
+    text = capsys.readouterr().out
+    assert "1 whole seeds" in text and "slowest rank ÷ mean 1.200" in text
