@@ -8,7 +8,7 @@ checkpoints and traces go to --work; each finished run's endpoint and curve are 
 line per run, never rewriting a line already there.
 
     python experiments/frontier_sweep.py --stage pilot                     # PILOT_SEEDS x PILOT_ARMS, both regimes
-    python experiments/frontier_sweep.py --stage sweep --seeds-count 12    # seeds 1000..1011 x ARMS, both regimes
+    python experiments/frontier_sweep.py --stage sweep --seeds-count 12    # seeds 1000..1011 x SWEEP_ARMS, both regimes
     python experiments/frontier_sweep.py --stage sweep --seeds-count 12 --collect-only
     python experiments/frontier_sweep.py --stage pilot --report-only     # the pilot's variance and seed count
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lrmoe.analysis import protocol
-from lrmoe.analysis.claims import claim_table, gap_table, seed_plan
+from lrmoe.analysis.claims import claim_table, early_family, gap_table, seed_plan
 from lrmoe.analysis.skew import runs_imbalance
 from lrmoe.integrations.tracking import read_results
 from lrmoe.systems import system_arg
@@ -58,7 +58,7 @@ def parse_args(argv=None):
             args.seeds = protocol.sweep_seeds(args.seeds_count)
         except ValueError as exc:
             parser.error(str(exc))
-    args.arms = args.arms or list(protocol.PILOT_ARMS if args.stage == "pilot" else protocol.ARMS)
+    args.arms = args.arms or list(protocol.PILOT_ARMS if args.stage == "pilot" else protocol.SWEEP_ARMS)
     args.out = Path(args.out or f"paper_figures/results/frontier_protocol_{args.stage}.jsonl")
     return args
 
@@ -113,6 +113,9 @@ def report(args) -> str:
             planned = len(args.seeds)
             label = "final" if len(gaps) >= planned else f"interim, {len(gaps)} of {planned} seeds"
             lines += [f"Claims ({label}):", "", claim_table(gaps).to_markdown(index=False, floatfmt=".3f"), ""]
+            if any(a in gaps.columns for a in protocol.EARLY_ARMS):
+                lines += [f"Early selection's claims (DESIGN.md §10.6, their own Holm family; {label}):", "",
+                          claim_table(gaps, early_family()).to_markdown(index=False, floatfmt=".3f"), ""]
     return "\n".join(lines)
 
 

@@ -56,6 +56,17 @@ def family(rho: float = protocol.CLAIM_RHO, rhos=(0.9, 0.75, 0.5)) -> list[Claim
     ]
 
 
+def early_family(rho: float = protocol.CLAIM_RHO) -> list[Claim]:
+    """Early selection's claims (DESIGN.md §10.6): a family of their own, Holm-adjusted between themselves."""
+    early, late = f"lrmoe-rho{rho:g}-early-unbiased", f"lrmoe-rho{rho:g}-unbiased"
+    return [
+        Claim("E1", f"LRMoE early selection (gate, unbiased) at ρ {rho:g}: loss gap ≤ {MARGIN:g} %", "noninferior",
+              early),
+        Claim("E2", f"early selection (gate) changes the loss against late selection (m2) at ρ {rho:g}",
+              "two-sided", early, late),
+    ]
+
+
 def gap_table(rows, arms=None, references=protocol.REFERENCES) -> pd.DataFrame:
     """Seeds x arms: each arm's endpoint as % above the seed's reference (the mean of the ``references``' endpoints,
     DESIGN.md §10.3). Only whole seeds: those with a finite endpoint for every one of ``arms`` (default: every arm

@@ -46,6 +46,10 @@ ARMS = (
     "symi-dropless-rho0.75-unbiased",  # the same trim, 1/p scaled
     "lrmoe",  # cap mode
 )
+# DESIGN.md §10.6 (an amendment registered before any of its runs): early selection joins the sweep, one arm per
+# regime and seed, with a family of claims of its own, so that the Holm family of §10.4 is unchanged
+EARLY_ARMS = ("lrmoe-rho0.75-early-unbiased",)
+SWEEP_ARMS = ARMS + EARLY_ARMS  # what experiments/frontier_sweep.py runs per regime and seed
 PILOT_ARMS = ("static-ep", "symi-dropless", "lrmoe-rho0.75-unbiased", "lrmoe-rho0.75-random-unbiased")
 CLAIM_RHO = 0.75  # the budget at which the controls run
 
