@@ -8,10 +8,14 @@ and with the retention budget rho side by side.
     python experiments/memory_sweep.py                 # both models on two 8-GPU nodes, low and high skew
     python experiments/memory_sweep.py --quick         # the main job's: Qwen3, high skew, three budgets
     python experiments/memory_sweep.py --resume        # continue a killed sweep from its last finished group
+    python experiments/memory_sweep.py --regimes production weak   # at the frontier regimes' matched skews
 
-Skews (``--skews``; ours, until the frontier's regimes fix matched values): Zipf 0.2 stands for production-like
-auxiliary-loss balancing (low skew: Gini 0.10, hottest expert 2.1x the mean) and Zipf 0.8 for weakly balanced
-routing (high skew: Gini 0.50, 14.6x; DESIGN.md §5.7). Each (model, skew) is one run of experiments/ablate.py
+Skews: ``--regimes`` runs at the frontier protocol's regimes (DESIGN.md §10.1), each at the Zipf s matched to its
+static-EP training runs (``--runs``) by lrmoe.analysis.skew.regime_zipf, the skew the frontier's time axis uses;
+only the skew is the regime's (the slots stay memory-sized: that is what the sweep varies). ``--skews`` takes
+family:param values instead: the default Zipf 0.2 stands for production-like auxiliary-loss balancing (low skew:
+Gini 0.10, hottest expert 2.1x the mean) and Zipf 0.8 for weakly balanced routing (high skew: Gini 0.50, 14.6x;
+DESIGN.md §5.7). Each (model, skew) is one run of experiments/ablate.py
 through its command line, over every budget of the grid (the same systems, memory model, headroom rule, overheads
 and sensitivity corners, priced at every budget), on fewer layers (``--layers``: their mean stands for the rest) and
 iterations than the ablation to afford the grid; its results file goes to ``--work-dir``, and with ``--resume`` a
@@ -21,6 +25,7 @@ finished one is read, not run again. Traces are synthetic.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -32,18 +37,22 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from tqdm import tqdm
 
+from lrmoe.analysis import protocol
+from lrmoe.analysis.skew import regime_zipf
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, atomic_write_text, read_results
+from lrmoe.paper_figures.style import legend_outside, palette
 from lrmoe.sim.cells import TOKENS
 from lrmoe.sim.memory_sweep import (EARLY, PLACEMENTS, binding_range, budget_grid, early_selection_gain, fit_gb,
                                     placement_table)
 from lrmoe.systems import system_arg, system_names_help
 
 SYSTEMS = ["static-ep", "symi-cf1", "symi-dropless", "symi-dropless-rho0.75", "lrmoe", "lrmoe-rho0.75",
-           "lrmoe-rho0.75-early", "online", "online-rho0.75", "online-greedy"]
+           "lrmoe-rho0.75-early", "lrmoe-rho0.75-early-unbiased", "online", "online-rho0.75", "online-greedy"]
 MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
 SKEWS = ["zipf:0.2", "zipf:0.8"]  # low (production-like aux-loss balancing) and high (weakly balanced) skew
 ABLATE = Path(__file__).resolve().parent / "ablate.py"
+RUNS = "paper_figures/results/frontier_protocol_pilot.jsonl"  # the static-EP runs the regimes' skews match
 QUICK_SPARE = (1, 3, 6)  # quick mode: the budgets that hold the home slots and this many spare slots at the mean load
 
 
@@ -55,10 +64,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--skews", nargs="+", default=None,
                    help=f"routing skews, family:param as experiments/ablate.py takes them; default {' '.join(SKEWS)}")
+    p.add_argument("--regimes", nargs="+", choices=list(protocol.REGIMES), default=None,
+                   help="instead of --skews: the frontier regimes' matched Zipf skews (from --runs)")
+    p.add_argument("--runs", default=RUNS, help="the protocol's collected runs that --regimes match their skew to")
     p.add_argument("--max-gb", type=float, default=80.0, help="largest per-rank MoE budget")
     p.add_argument("--step-gb", type=float, default=None,
                    help="budget step while systems gain replicas (default: one replica slot's worth per model)")
     p.add_argument("--coarse-step-gb", type=float, default=10.0, help="budget step beyond that, up to --max-gb")
+    p.add_argument("--saturate-load", type=float, default=2.0,
+                   help="the fine steps end where E/N spare slots fit beside buffers for this x the mean load")
     p.add_argument("--mem-gb", nargs="+", type=float, default=None, help="these budgets instead of the grid")
     p.add_argument("--systems", nargs="+", type=system_arg, default=SYSTEMS, help=system_names_help())
     p.add_argument("--layers", type=int, default=4, help="simulated MoE layers per cell (their mean stands for all)")
@@ -70,6 +84,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="experiments/ablate.py's results file of each (model, skew) goes here")
     add_tracking_args(p, "outputs/memory_sweep.jsonl")
     args = p.parse_args(argv)
+    if args.regimes and args.skews:
+        raise ValueError("--regimes and --skews are exclusive")
+    args.regime_of = {}  # skew -> (regime, its label)
+    if args.regimes:
+        rows = [json.loads(line) for line in Path(args.runs).read_text().splitlines() if line.strip()]
+        for name in args.regimes:
+            s = regime_zipf(rows, name).zipf_s
+            args.regime_of[f"zipf:{s!r}"] = (name, f"{name}, zipf:{s:.3f}")
+        args.skews = list(args.regime_of)
     args.skews = args.skews or (["zipf:0.8"] if args.quick else SKEWS)
     if args.quick:
         args.models = ["qwen3-30b-a3b"] if args.models == MODELS else args.models
@@ -79,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.steps < 2:
         raise ValueError(f"--steps must be at least 2 (the first is warm-up), got {args.steps}")
+    if not args.saturate_load >= 1:
+        raise ValueError(f"--saturate-load must be at least 1, got {args.saturate_load}")
     if not args.max_gb > 0:
         raise ValueError(f"--max-gb must be positive, got {args.max_gb}")
     return args
@@ -93,7 +118,7 @@ def budgets(args, model_name: str) -> list[float]:
     if args.quick:
         return [round(fit_gb(model, cluster, tokens, spare, 1.2) + 0.005, 2) for spare in QUICK_SPARE]
     return budget_grid(model, cluster, tokens, max_gb=args.max_gb, fine_step_gb=args.step_gb,
-                       coarse_step_gb=args.coarse_step_gb)
+                       coarse_step_gb=args.coarse_step_gb, saturate_load=args.saturate_load)
 
 
 def ablate_argv(args, model: str, skew: str, mem_gb: list[float], out: Path) -> list[str]:
@@ -138,7 +163,7 @@ def plot(table: pd.DataFrame, run: Tracker) -> list:
     if not panels:
         return []
     fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 6.4), squeeze=False)
-    colors = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(table["system"]))}
+    colors = palette(list(dict.fromkeys(table["system"])))
     for col, (model, skew) in enumerate(panels):
         cell = ok[(ok.model == model) & (ok.skew_label == skew)]
         for name, df in cell.groupby("system", sort=False):
@@ -152,7 +177,7 @@ def plot(table: pd.DataFrame, run: Tracker) -> list:
             axes[1, col].step(df.mem_gb, df.slots_per_rank, where="post", color=colors[name], label=name)
         axes[0, col].set(title=f"{model}, {skew}", ylabel="s per iteration (MoE layers)", yscale="log")
         axes[1, col].set(xlabel="per-rank MoE budget (GB)", ylabel="filled slots per rank")
-    axes[0, -1].legend(fontsize=7, loc="upper right")
+    legend_outside(axes[0, -1], title="system")
     fig.suptitle("Memory pressure (simulated): a system appears from the budget at which it fits; bands: GEMM "
                  "efficiency, half-efficiency rows and link bandwidth at their corners", fontsize=9)
     fig.tight_layout()
@@ -196,7 +221,7 @@ def report(records: list[dict], run: Tracker, args) -> str:
                      f"{fmt(r['binds_to_gb'])} | {oom} |")
     rows = placement_table(records)
     labels = [f"{p}{s}" for p in PLACEMENTS for s in ("", " + ρ")]
-    labels += [EARLY[0]] if any(EARLY[0] in r for r in rows) else []
+    labels += [label for label in EARLY if any(label in r for r in rows)]
     lines += ["", "## Which placement wins: time / SYMI-dropless (slots per rank; where SYMI-dropless does not fit, "
               "seconds per iteration)\n",
               "| model | skew | GB | " + " | ".join(labels) + " | fastest |",
@@ -225,6 +250,8 @@ def main(argv=None) -> pd.DataFrame:
             out = work / f"{Path(args.out).stem}_{model}_{skew.replace(':', '')}.jsonl"
             for rec in simulate_group(args, model, skew, out):
                 rec = {k: v for k, v in rec.items() if k not in ("kind", "run_id", "step")}
+                if skew in args.regime_of:  # the regime names the skew in every table and panel
+                    rec["regime"], rec["skew_label"] = args.regime_of[skew]
                 run.log(rec)
                 records.append(rec)
         text = report(records, run, args)

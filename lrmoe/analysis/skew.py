@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lrmoe.analysis import protocol
+from lrmoe.config import cluster_preset, model_preset
 from lrmoe.integrations.load_stats import load_stats
 from lrmoe.integrations.traces import generate_trace
 
@@ -112,3 +114,21 @@ def side_by_side(runs: dict, simulated: dict) -> list[dict]:
     """Rows (statistic, runs, simulated, matched?) for the report."""
     return [{"statistic": k, "runs": runs[k], "simulated": simulated[k], "matched": k == "rank_max_over_mean"}
             for k in STATS]
+
+
+def protocol_scale() -> Scale:
+    """The frontier's time axis (DESIGN.md §10.1): its model's experts and top-k on its cluster's ranks, its tokens
+    per rank."""
+    m = model_preset(protocol.SIM_MODEL)
+    c = cluster_preset(protocol.SIM_CLUSTER, protocol.SIM_NODES)
+    return Scale(c.num_ranks, m.num_experts, m.top_k, protocol.SIM_TOKENS_PER_RANK)
+
+
+def regime_zipf(rows, regime: str, scale: Scale | None = None) -> Match:
+    """The Zipf s matched to one regime's static-EP runs (collected rows carrying ``regime``, as the protocol's
+    results files hold them) at the frontier's time-axis scale (default :func:`protocol_scale`): the skew every
+    paper-scale simulation of that regime runs at."""
+    rows = [r for r in rows if r.get("regime") == regime]
+    if not rows:
+        raise ValueError(f"no run of regime {regime!r} to match a skew to")
+    return match_zipf(runs_imbalance(rows)["rank_max_over_mean"], scale or protocol_scale())

@@ -30,7 +30,9 @@ GB = 1e9
 # variant trims at random (the control); the others with m2 top-k.
 PLACEMENTS = {"LRMoE": ("lrmoe", "lrmoe-rho0.75"), "online": ("online", "online-rho0.75"),
               "SYMI": ("symi-dropless", "symi-dropless-rho0.75")}
-EARLY = ("LRMoE + ρ early", "lrmoe-rho0.75-early")  # LRMoE's placement with early selection at the same ρ
+# LRMoE's placement with early selection at the same ρ (the gate chooses in the forward): top-k, and with 1/p
+# reweighting (the frontier protocol's early arm, DESIGN.md §10.6)
+EARLY = {"LRMoE + ρ early": "lrmoe-rho0.75-early", "LRMoE + ρ early unbiased": "lrmoe-rho0.75-early-unbiased"}
 
 
 def slot_gb(model: MoEConfig, cluster: ClusterConfig) -> float:
@@ -52,11 +54,12 @@ def fit_gb(model: MoEConfig, cluster: ClusterConfig, tokens_per_rank: int, spare
 
 
 def budget_grid(model: MoEConfig, cluster: ClusterConfig, tokens_per_rank: int, max_spare: int | None = None,
-                max_gb: float = 80.0, fine_step_gb: float | None = None, coarse_step_gb: float = 10.0) -> list[float]:
+                max_gb: float = 80.0, fine_step_gb: float | None = None, coarse_step_gb: float = 10.0,
+                saturate_load: float = 2.0) -> list[float]:
     """The budgets (GB per rank, ascending, rounded to 0.01) of the sweep: from the smallest that fits the home slots
     at the mean load, in steps of ``fine_step_gb`` (default: one slot's worth, :func:`slot_gb`) up to the budget
-    that holds ``max_spare`` spare slots (default E/N) beside buffers for twice the mean load, then every
-    ``coarse_step_gb`` up to ``max_gb`` (which is always included)."""
+    that holds ``max_spare`` spare slots (default E/N) beside buffers for ``saturate_load`` times the mean load,
+    then every ``coarse_step_gb`` up to ``max_gb`` (which is always included)."""
     base = model.num_experts // cluster.num_ranks
     max_spare = base if max_spare is None else max_spare
     step = slot_gb(model, cluster) if fine_step_gb is None else fine_step_gb
@@ -66,7 +69,7 @@ def budget_grid(model: MoEConfig, cluster: ClusterConfig, tokens_per_rank: int, 
     if lo > max_gb:
         raise ValueError(f"{model.name} on {cluster.name}: the home slots and the mean load's buffers need "
                          f"{lo:.1f} GB per rank, above max_gb={max_gb:g}")
-    saturated = min(fit_gb(model, cluster, tokens_per_rank, max_spare, 2.0), max_gb)
+    saturated = min(fit_gb(model, cluster, tokens_per_rank, max_spare, saturate_load), max_gb)
     grid = [lo + i * step for i in range(int((saturated - lo) / step) + 2)]
     top = grid[-1]
     grid += [top + (i + 1) * coarse_step_gb for i in range(int((max_gb - top) / coarse_step_gb - 0.5))]
@@ -118,7 +121,7 @@ def placement_table(records: Iterable[dict], reference: str = "symi-dropless") -
     """Per (model, ranks, skew, budget): each placement of :data:`PLACEMENTS` without and with the retention
     budget, as time / ``reference``'s (None where either does not fit or did not run), its seconds per iteration
     (`` s``; None where it does not fit), its slots per rank, and which of them is fastest.
-    "LRMoE + ρ early" is LRMoE's placement with early selection at the same ρ (the gate chooses in the forward).
+    :data:`EARLY`'s labels are LRMoE's placement with early selection at the same ρ (where they ran).
     """
     rows = []
     for (model, ranks, skew), by_budget in sorted(_cells(records).items()):
@@ -138,9 +141,10 @@ def placement_table(records: Iterable[dict], reference: str = "symi-dropless") -
                     row[f"{label}{suffix} slots"] = rec.get("slots_per_rank") if ok else None
                     if ok and t < best_t:
                         best, best_t = f"{label}{suffix}", t
-            label, name = EARLY
-            rec = cell.get(name)
-            if rec is not None:
+            for label, name in EARLY.items():
+                rec = cell.get(name)
+                if rec is None:
+                    continue
                 ok = _fits(rec)
                 row[label] = rec["iter_s"] / ref["iter_s"] if ok and _fits(ref) else None
                 row[f"{label} s"] = rec["iter_s"] if ok else None
