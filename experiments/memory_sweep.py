@@ -6,7 +6,7 @@ range where memory binds, each system's out-of-memory line, and each placement (
 and with the retention budget rho side by side.
 
     python experiments/memory_sweep.py                 # both models on two 8-GPU nodes, low and high skew
-    python experiments/memory_sweep.py --quick         # the main job's: Qwen3, high skew, three budgets
+    python experiments/memory_sweep.py --quick         # the main job's: Qwen3, the weak regime, three budgets
     python experiments/memory_sweep.py --resume        # continue a killed sweep from its last finished group
     python experiments/memory_sweep.py --regimes production weak   # at the frontier regimes' matched skews
 
@@ -58,7 +58,8 @@ QUICK_SPARE = (1, 3, 6)  # quick mode: the budgets that hold the home slots and 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a small sweep for the main job (Qwen3, Zipf 0.8, 3 budgets)")
+    p.add_argument("--quick", action="store_true",
+                   help="a small sweep for the main job (Qwen3 at the weak regime's matched skew, 3 budgets)")
     p.add_argument("--models", nargs="+", default=MODELS)
     p.add_argument("--cluster", default="a100-40gb-x8", help="cluster preset (its node is replicated)")
     p.add_argument("--nodes", type=int, default=2)
@@ -86,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.regimes and args.skews:
         raise ValueError("--regimes and --skews are exclusive")
+    if args.quick and not (args.regimes or args.skews):
+        args.regimes = ["weak"]
     args.regime_of = {}  # skew -> (regime, its label)
     if args.regimes:
         rows = [json.loads(line) for line in Path(args.runs).read_text().splitlines() if line.strip()]
@@ -93,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             s = regime_zipf(rows, name).zipf_s
             args.regime_of[f"zipf:{s!r}"] = (name, f"{name}, zipf:{s:.3f}")
         args.skews = list(args.regime_of)
-    args.skews = args.skews or (["zipf:0.8"] if args.quick else SKEWS)
+    args.skews = args.skews or SKEWS
     if args.quick:
         args.models = ["qwen3-30b-a3b"] if args.models == MODELS else args.models
         args.layers, args.steps, args.no_band = min(args.layers, 2), 2, True

@@ -48,6 +48,10 @@ class SystemContext:
                     With ``symi_headroom``, the one headroom rule of DESIGN.md §5.4: each system's own planned
                     peak load (:meth:`~lrmoe.planner.placement.MemoryModel.spare_slots_for`), never a constant per
                     system.
+    symi_planned_spare  the headroom rule's own answer for SYMI-dropless: the most spare slots with which its plans
+                    of the reference iteration fit (:meth:`~lrmoe.planner.placement.MemoryModel.spare_slots_for`).
+                    SYMI sized from ``symi_headroom`` takes at most these: the scalar headroom, re-applied to every
+                    layer alike, can grant a slot that the plans themselves did not fit (None: no such bound).
     ranks_per_node  consecutive ranks that share a node (None: one node): online replication pushes weights only
                     inside a node.
     push_cost_rows  one weight push's cost in pairs of the busiest rank's work (the cost model's
@@ -66,6 +70,7 @@ class SystemContext:
     ranks_per_node: int | None = None
     lrmoe_headroom: float | None = None
     push_cost_rows: float | None = None
+    symi_planned_spare: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "num_ranks"):
@@ -84,6 +89,10 @@ class SystemContext:
                                                 or self.num_ranks % self.ranks_per_node):
             raise ValueError(f"SystemContext.ranks_per_node must be a positive int dividing num_ranks="
                              f"{self.num_ranks}, got {self.ranks_per_node!r}")
+        if self.symi_planned_spare is not None and (isinstance(self.symi_planned_spare, bool) or not isinstance(
+                self.symi_planned_spare, int) or self.symi_planned_spare < 0):
+            raise ValueError(f"SystemContext.symi_planned_spare must be a non-negative int, got "
+                             f"{self.symi_planned_spare!r}")
         if self.push_cost_rows is not None and not self.push_cost_rows >= 0:
             raise ValueError(f"SystemContext.push_cost_rows must be non-negative, got {self.push_cost_rows!r}")
         if self.lrmoe_headroom is not None and not (self.lrmoe_headroom > 0 and self.memory is not None
@@ -161,6 +170,8 @@ class SymiFactory:
         spare = spare_at(ctx, h)
         if spare is None:  # not even the home slots beside those buffers: no spare slot, and say so
             return ctx.base_slots, f"buffers for {h:g}x the mean load do not fit beside the home slots: no spare slot"
+        if self.headroom is None and ctx.symi_planned_spare is not None:  # never more than its own plans fit
+            spare = min(spare, ctx.symi_planned_spare)
         return ctx.base_slots + spare, ""
 
     def slots(self, ctx: SystemContext) -> int:

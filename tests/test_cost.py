@@ -90,6 +90,25 @@ def test_hand_computed_times_bytes_and_memory():
     assert t.peak_bytes_N.tolist() == [824.0, 1056.0]  # one MoE layer: resident + in flight
 
 
+def test_early_selection_pays_its_keep_bit_all_to_all():
+    """Early selection sends each pair's keep bit (one byte) to its expert in an all-to-all of its own along the
+    dispatch's splits: the hand plan's rank 0 sends 1 byte and receives 2 (rank 1 the mirror), max(0.01, 0.02) s +
+    the 0.5 s latency each; a byte per row of the dispatch (the layer's count); nothing else changes, and a cost
+    model without early selection pays nothing there."""
+    late = CostModel(TINY, TOY, gemm=CURVE).cost(HAND_PLAN)
+    early = CostModel(TINY, TOY, gemm=CURVE, early_selection=True).cost(HAND_PLAN)
+    col = PHASES.index("early_keep_a2a")
+    torch.testing.assert_close(early.time_NH[:, col], torch.tensor([0.52, 0.52], dtype=torch.float64))
+    assert early.bytes_NH[:, col].tolist() == [1.0, 2.0]
+    row_bytes = TINY.hidden * TINY.dtype_bytes
+    assert (early.bytes_NH[:, col] * row_bytes).tolist() == early.bytes_NH[:, PHASES.index("dispatch_a2a")].tolist()
+    assert late.time_NH[:, col].tolist() == [0.0, 0.0] and late.bytes_NH[:, col].tolist() == [0.0, 0.0]
+    others = [i for i in range(len(PHASES)) if i != col]
+    torch.testing.assert_close(early.time_NH[:, others], late.time_NH[:, others])
+    assert early.total_s == pytest.approx(late.total_s + 0.52)
+    assert early.category_s()["communication"] == pytest.approx(late.category_s()["communication"] + 0.52)
+
+
 def test_intra_and_inter_node_links_run_concurrently():
     # 4 ranks, 2 per node; rank 0 sends 10 rows to rank 1 (same node) and 3 rows to rank 2 (other node)
     cluster = TOY.replace(num_ranks=4, ranks_per_node=2)

@@ -51,6 +51,16 @@ def test_binding_range_and_out_of_memory_lines():
     assert row["lrmoe:most_slots_from_gb"] == 40.0
 
 
+def test_a_lower_saturation_load_ends_the_fine_steps_sooner():
+    """--saturate-load: the fine steps end where E/N spare slots fit beside buffers for that load, so a lower load
+    gives a shorter fine stretch that ends past that budget; the start and the top stay."""
+    m, c = model_preset("qwen3-30b-a3b"), cluster_preset("a100-40gb-x8").with_nodes(2)
+    full, short = budget_grid(m, c, 4096), budget_grid(m, c, 4096, saturate_load=1.5)
+    assert short[0] == full[0] and short[-1] == full[-1] == 80.0 and len(short) < len(full)
+    fine = [b for a, b in zip(short, short[1:]) if b - a < 1.0]
+    assert fine[-1] >= fit_gb(m, c, 4096, 8, 1.5) > fine[-2]
+
+
 def test_placement_table_side_by_side():
     rows = {r["mem_gb"]: r for r in placement_table(RECORDS)}
     assert rows[30.0]["LRMoE"] is None and rows[30.0]["LRMoE s"] == 6.0  # SYMI-dropless does not fit: seconds
@@ -58,6 +68,33 @@ def test_placement_table_side_by_side():
     assert rows[32.0]["LRMoE + ρ"] == pytest.approx(0.8) and rows[32.0]["SYMI"] == 1.0
     assert rows[32.0]["online + ρ"] is None  # not run
     assert rows[40.0]["fastest"] == "online" and rows[40.0]["online"] == pytest.approx(0.75)
+
+
+def test_placement_table_has_both_early_selection_systems_and_names_the_fastest():
+    rows = placement_table(RECORDS + [_rec("lrmoe-rho0.75-early", 32, 16, 3.5),
+                                      _rec("lrmoe-rho0.75-early-unbiased", 32, 16, 3.0),
+                                      _rec("lrmoe-rho0.75-early-unbiased", 30, 16, 2.0, fits=False)])
+    by_gb = {r["mem_gb"]: r for r in rows}
+    assert by_gb[32.0]["LRMoE + ρ early"] == pytest.approx(0.7)
+    assert by_gb[32.0]["LRMoE + ρ early unbiased"] == pytest.approx(0.6)
+    assert by_gb[32.0]["fastest"] == "LRMoE + ρ early unbiased"
+    assert by_gb[30.0]["LRMoE + ρ early unbiased s"] is None and by_gb[30.0]["fastest"] == "LRMoE + ρ"
+    assert "LRMoE + ρ early" not in by_gb[40.0]  # did not run there
+
+
+def test_regimes_replace_the_skews_with_each_regimes_matched_zipf(monkeypatch):
+    """--regimes: one skew per regime, the Zipf s lrmoe.analysis.skew.regime_zipf matches to the regime's runs,
+    labelled with the regime's name; exclusive with --skews."""
+    from lrmoe.analysis.skew import Match
+    from lrmoe.experiments import memory_sweep
+
+    monkeypatch.setattr(memory_sweep, "regime_zipf",
+                        lambda rows, name: Match({"production": 0.140625, "weak": 0.3955}[name], 1.0, {}))
+    args = memory_sweep.parse_args(["--regimes", "production", "weak"])
+    assert args.skews == ["zipf:0.140625", "zipf:0.3955"]
+    assert args.regime_of["zipf:0.3955"] == ("weak", "weak, zipf:0.396")
+    with pytest.raises(ValueError, match="exclusive"):
+        memory_sweep.parse_args(["--regimes", "weak", "--skews", "zipf:0.2"])
 
 
 def test_a_group_is_finished_when_its_ablation_run_wrote_its_summary(tmp_path):
@@ -75,3 +112,37 @@ def test_a_group_is_finished_when_its_ablation_run_wrote_its_summary(tmp_path):
         run.log({"system": "x"})
         run.log_summary({"headline": ""})
     assert finished(path)
+
+
+def test_symi_dropless_keeps_no_more_spare_slots_than_its_own_plans_fit():
+    """The headroom rule sizes SYMI-dropless from its own plans of the reference iteration: the most spare slots with
+    which they fit, and the peak load they plan. Re-applied to every layer alike, that scalar headroom can leave room
+    for one slot more than the plans fit (Qwen3, Zipf 0.2, 2 x 8 A100-40GB at 32.56 GB per GPU: its 2-spare plans
+    give 1.126 x the mean, and 3 spare slots beside uniform buffers for that load fit), and the 3-spare plans of the
+    next iterations then ran out of memory at 32.56 GB though they fit at 31.65 and 33.47 GB. SYMI-dropless keeps
+    at most the spare slots its plans fit, so its slots never fall as the budget grows and it fits at every budget."""
+    from lrmoe.integrations.traces import generate_trace
+    from lrmoe.sim.cells import Cell, CellRules, build_systems, cost_kwargs, planned_headrooms, system_context
+    from lrmoe.sim.simulator import simulate
+    from lrmoe.systems import get_system, spare_at
+
+    m, c = model_preset("qwen3-30b-a3b"), cluster_preset("a100-40gb-x8", 2)
+    counts_ILNE = generate_trace(4, 4, c.num_ranks, m.num_experts, m.top_k, 4096, skew="zipf", skew_param=0.2,
+                                 seed=0, model=m.name).counts_ILNE
+    rules, reference = CellRules(), (counts_ILNE[0], counts_ILNE[1])
+    slots, uniform = [], []
+    for gb in (31.65, 32.56, 33.47):
+        cell = Cell(m, c, ("zipf", 0.2), gb, 4096)
+        cm = CostModel(m, c, mem_budget_bytes=cell.layer_budget)
+        heads = planned_headrooms(cell, cm, reference, rules)
+        ctx = system_context(cell, cm, rules, heads)
+        symi = get_system("symi-dropless").make_policy(ctx)
+        assert symi.slots_per_rank - ctx.base_slots <= heads["symi_spare"]
+        slots.append(symi.slots_per_rank)
+        uniform.append(ctx.base_slots + spare_at(ctx, heads["symi"]))
+        systems, _, _, _ = build_systems(cell, ["symi-dropless"], rules, reference)
+        res = simulate(counts_ILNE[1:], systems["symi-dropless"], m, c, cost_kwargs=cost_kwargs("symi-dropless", cell,
+                                                                                               rules))
+        assert not res.oom, gb
+    assert slots == sorted(slots)
+    assert uniform[1] > slots[1]  # the case the bound is for: the uniform reading alone grants one slot more

@@ -42,12 +42,13 @@ A2A_PHASES = ("dispatch_a2a", "combine_a2a", "combine_a2a_bwd", "bwd_index_a2a",
 # (lrmoe.planner.online;
 # its bytes are lrmoe.bytemodel.sync_model.push_bytes)
 BYTE_PHASES = A2A_PHASES + ("weight_push", "replica_sync", "grad_collect", "redistribute", "early_keep_a2a")
-# early_keep_a2a: early selection's keep bit, one byte per pair sent (lrmoe.runtime.backward); not priced by the cost
-# model (a byte beside each dispatched row of D elements)
+# early_keep_a2a: early selection's keep bit, one byte per pair sent (lrmoe.runtime.backward), in an all-to-all of
+# its own beside the dispatch: the cost model prices its bytes and, the part that counts, its latency
 COUNTERS = ("pairs_fwd", "pairs_bwd", "pairs_retained", "pairs_recomputed", "pairs_dropped", "token_buffer_bytes",
             "bwd_buffer_bytes")
 
 INDEX_BYTES = 4  # one int32 per staying row in the compact backward layout
+KEEP_BYTES = 1  # early selection's keep bit: one uint8 per pair, sent along the dispatch's splits
 STAY, MOVED, CARRY = 0, 1, 2  # kinds of the rows an expert rank receives in the backward
 
 

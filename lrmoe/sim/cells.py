@@ -72,7 +72,8 @@ def planned_headrooms(cell: Cell, cm: CostModel, reference: tuple[torch.Tensor, 
     """The headroom rule (DESIGN.md §5.4): each dropless system's planned peak load over the mean, from its own
     plans (every layer) of a reference iteration, placed from the iteration before it as at run time
     (``reference`` = (previous counts [L, N, E], counts [L, N, E])), with the most spare slots whose plans fit the
-    memory model, times 1 + ``headroom_margin``. Keys "symi" (SYMI-dropless) and "lrmoe"."""
+    memory model, times 1 + ``headroom_margin``. Keys "symi" (SYMI-dropless) and "lrmoe"; and "symi_spare", those
+    most spare slots of SYMI-dropless's (the bound of :attr:`lrmoe.systems.SystemContext.symi_planned_spare`)."""
     prev_LNE, ref_LNE = reference
     m, c = cell.model, cell.cluster
     base = m.num_experts // c.num_ranks
@@ -87,8 +88,10 @@ def planned_headrooms(cell: Cell, cm: CostModel, reference: tuple[torch.Tensor, 
                                                     gamma=rules.gamma))
             return [policy.plan(counts, prev.sum(0)) for prev, counts in zip(prev_LNE, ref_LNE)]
 
-        _, h = mm.spare_slots_for(plans, base, max_spare, load_margin=rules.headroom_margin)
+        spare, h = mm.spare_slots_for(plans, base, max_spare, load_margin=rules.headroom_margin)
         out[key] = h * (1.0 + rules.headroom_margin)
+        if key == "symi":
+            out["symi_spare"] = spare
     # LRMoE's own memory rule plans its balanced forward at ceil((1 + eps) x the mean) every iteration
     # (lrmoe.planner.policies.LRMoE), so that is its planned peak wherever its plans of the reference come out lower
     out["lrmoe"] = max(out["lrmoe"], 1.0 + rules.eps)
@@ -101,7 +104,8 @@ def system_context(cell: Cell, cm: CostModel, rules: CellRules,
     budget over every MoE layer), at most ``max_extra`` spare slots (default E/N), LRMoE's eps and gamma, and the
     headroom each system's buffers are sized for: with the planned rule (the default) each dropless system's own
     planned peak (``headrooms``, :func:`planned_headrooms`); with ``fixed``, ``symi_headroom`` x the mean load for
-    SYMI-dropless and LRMoE's own (1 + eps). SYMI-cf1 sizes for its capacity (1x; lrmoe.systems)."""
+    SYMI-dropless and LRMoE's own (1 + eps). SYMI-cf1 sizes for its capacity (1x; lrmoe.systems). With the planned
+    rule SYMI-dropless also keeps no more spare slots than its own plans of the reference fit."""
     m, c = cell.model, cell.cluster
     base = m.num_experts // c.num_ranks
     planned = rules.headroom_rule == "planned" and headrooms is not None
@@ -110,7 +114,9 @@ def system_context(cell: Cell, cm: CostModel, rules: CellRules,
                          gamma=rules.gamma, memory=cm.memory_model(), pairs_per_rank=cell.tokens * m.top_k,
                          symi_headroom=headrooms["symi"] if planned else rules.symi_headroom,
                          lrmoe_headroom=headrooms["lrmoe"] if planned else None, ranks_per_node=c.ranks_per_node,
-                         push_cost_rows=cm.push_cost_rows())
+                         push_cost_rows=cm.push_cost_rows(),
+                         symi_planned_spare=int(headrooms["symi_spare"]) if planned and "symi_spare" in headrooms
+                         else None)
 
 
 def build_systems(cell: Cell, names: list[str], rules: CellRules,

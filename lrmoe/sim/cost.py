@@ -22,6 +22,9 @@ Timing assumptions (all ours; they are what "time per phase set by the slowest r
   an all-to-all on the links it uses (the policy pushes inside nodes only: NVLink). Not overlapped with the
   dispatch, like every phase here (the anchor can overlap it with the permutation; conservative for online). The
   pushed copies hold no optimizer state: unsharded Adam and state count the home placement only.
+* **Early selection's keep bits** (``early_selection=True``): the forward sends every pair's keep bit (one byte,
+  :data:`lrmoe.bytemodel.layout.KEEP_BYTES`) to its expert in an all-to-all of its own along the dispatch's splits
+  (phase ``early_keep_a2a``, as the layer runs it): a few bytes, but one more collective, so one more latency.
 * **Expert GEMM.** A group of m rows on one slot reaches ``eff(m) = eff_max * m / (m + m_half)`` of peak, so its
   time is ``flops_per_row * (m + m_half) / (eff_max * peak)`` for m > 0 and nothing for an empty slot, plus a
   fixed ``launch_s`` per grouped-GEMM call on a rank with any rows. The backward (input and weight gradients)
@@ -80,7 +83,8 @@ import torch
 
 from lrmoe.checks import non_negative_fields
 from lrmoe.config import ClusterConfig, MoEConfig
-from lrmoe.bytemodel.layout import A2A_PHASES, STEP_PHASES, backward_counts, layer_traffic, plan_selects, uses_compact
+from lrmoe.bytemodel.layout import (A2A_PHASES, KEEP_BYTES, STEP_PHASES, Traffic, backward_counts, layer_traffic,
+                                    plan_selects, uses_compact)
 from lrmoe.bytemodel.layout import PHASES as LAYOUT_PHASES
 from lrmoe.bytemodel.memory import (STATE_BYTES_PER_PARAM, Footprint, LayerMemory, footprint, layer_memory,
                                     optimizer_shard_bytes, plan_loads, slot_capacity)
@@ -96,13 +100,14 @@ from lrmoe.sim.overheads import (OVERHEADS, check_overheads, planner_seconds, se
 # backward all-to-alls are named for the forward one they invert: combine_a2a_bwd carries output gradients from
 # the home ranks to the experts, dispatch_a2a_bwd carries input gradients back.
 PHASES = tuple(p for p in LAYOUT_PHASES if p in (
-    "plan", "weight_push", "recalibrate", "dispatch_a2a", "expert_fwd", "shared_fwd", "combine_a2a", "combine_a2a_bwd",
-    "bwd_index_a2a", "expert_bwd", "shared_bwd", "dispatch_a2a_bwd", "replica_sync", "grad_collect", "adam",
-    "redistribute"))
+    "plan", "weight_push", "recalibrate", "early_keep_a2a", "dispatch_a2a", "expert_fwd", "shared_fwd", "combine_a2a",
+    "combine_a2a_bwd", "bwd_index_a2a", "expert_bwd", "shared_bwd", "dispatch_a2a_bwd", "replica_sync", "grad_collect",
+    "adam", "redistribute"))
 CATEGORIES = {
     "forward": ("expert_fwd", "shared_fwd"),
     "backward": ("expert_bwd", "shared_bwd"),
-    "communication": A2A_PHASES + ("weight_push",),  # weight_push: online replication's copies (lrmoe.planner.online)
+    # weight_push: online replication's copies (lrmoe.planner.online); early_keep_a2a: early selection's keep bits
+    "communication": A2A_PHASES + ("weight_push", "early_keep_a2a"),
     "sync": STEP_PHASES,
     "overhead": ("plan", "recalibrate"),  # the counts all-gather and planning; scoring, selection, compaction
 }
@@ -543,6 +548,8 @@ class CostModel:
         push_src_G, resident_NS = getattr(plan, "push_src_G", None), getattr(plan, "resident_NS", placement_NS)
         if push_src_G is not None:  # online replication: whole experts into spare slots before the expert compute
             a2a["weight_push"] = push_bytes(placement_NS, push_src_G, m.expert_params, m.dtype_bytes)
+        if self.early_selection:  # the keep bit of every pair to its expert, an all-to-all of its own in the forward
+            a2a["early_keep_a2a"] = Traffic(traffic["dispatch_a2a"].rows_NN, KEEP_BYTES).bytes_NN
         if "counts" in self.overheads:  # every rank's E counts to every other rank
             a2a["plan"] = torch.full((n, n), e * COUNT_BYTES, dtype=torch.long)
         _, grad_NG, _ = backward_counts(plan, self.compaction)  # backward rows per (source, slot): the GEMM's
