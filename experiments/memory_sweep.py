@@ -5,17 +5,17 @@ slots per rank, peak memory, time per iteration (with the sensitivity band) and 
 range where memory binds, each system's out-of-memory line, and each placement (LRMoE's, online's, SYMI's) without
 and with the retention budget rho side by side.
 
-    python experiments/memory_sweep.py                 # both models on two 8-GPU nodes, low and high skew
+    python experiments/memory_sweep.py                 # both models on two 8-GPU nodes, both frontier regimes
     python experiments/memory_sweep.py --quick         # the main job's: Qwen3, the weak regime, three budgets
     python experiments/memory_sweep.py --resume        # continue a killed sweep from its last finished group
-    python experiments/memory_sweep.py --regimes production weak   # at the frontier regimes' matched skews
+    python experiments/memory_sweep.py --skews zipf:0.2 zipf:0.8   # the earlier record's skews instead
 
-Skews: ``--regimes`` runs at the frontier protocol's regimes (DESIGN.md §10.1), each at the Zipf s matched to its
-static-EP training runs (``--runs``) by lrmoe.analysis.skew.regime_zipf, the skew the frontier's time axis uses;
-only the skew is the regime's (the slots stay memory-sized: that is what the sweep varies). ``--skews`` takes
-family:param values instead: the default Zipf 0.2 stands for production-like auxiliary-loss balancing (low skew:
-Gini 0.10, hottest expert 2.1x the mean) and Zipf 0.8 for weakly balanced routing (high skew: Gini 0.50, 14.6x;
-DESIGN.md §5.7). Each (model, skew) is one run of experiments/ablate.py
+Skews: by default (``--regimes``) the frontier protocol's regimes (DESIGN.md §10.1), each at the Zipf s matched to
+its static-EP training runs (``--runs``) by lrmoe.analysis.skew.regime_zipf, the skew the frontier's time axis uses
+(production 0.141, weak 0.396); only the skew is the regime's (the slots stay memory-sized: that is what the sweep
+varies). ``--skews`` takes family:param values instead: the earlier record ran Zipf 0.2 (low skew: Gini 0.10,
+hottest expert 2.1x the mean) and Zipf 0.8 (high skew: Gini 0.50, 14.6x; DESIGN.md §5.7). Each (model, skew) is one
+run of experiments/ablate.py
 through its command line, over every budget of the grid (the same systems, memory model, headroom rule, overheads
 and sensitivity corners, priced at every budget), on fewer layers (``--layers``: their mean stands for the rest) and
 iterations than the ablation to afford the grid; its results file goes to ``--work-dir``, and with ``--resume`` a
@@ -43,14 +43,13 @@ from lrmoe.config import cluster_preset, model_preset
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, atomic_write_text, read_results
 from lrmoe.paper_figures.style import legend_outside, palette
 from lrmoe.sim.cells import TOKENS
-from lrmoe.sim.memory_sweep import (EARLY, PLACEMENTS, binding_range, budget_grid, early_selection_gain, fit_gb,
-                                    placement_table)
+from lrmoe.sim.memory_sweep import (DEMAND_SIDE, EARLY, PLACEMENTS, binding_range, budget_grid, early_selection_gain,
+                                    fit_gb, headline, placement_table)
 from lrmoe.systems import system_arg, system_names_help
 
 SYSTEMS = ["static-ep", "symi-cf1", "symi-dropless", "symi-dropless-rho0.75", "lrmoe", "lrmoe-rho0.75",
            "lrmoe-rho0.75-early", "lrmoe-rho0.75-early-unbiased", "online", "online-rho0.75", "online-greedy"]
 MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
-SKEWS = ["zipf:0.2", "zipf:0.8"]  # low (production-like aux-loss balancing) and high (weakly balanced) skew
 ABLATE = Path(__file__).resolve().parent / "ablate.py"
 RUNS = "paper_figures/results/frontier_protocol_pilot.jsonl"  # the static-EP runs the regimes' skews match
 QUICK_SPARE = (1, 3, 6)  # quick mode: the budgets that hold the home slots and this many spare slots at the mean load
@@ -64,15 +63,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cluster", default="a100-40gb-x8", help="cluster preset (its node is replicated)")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--skews", nargs="+", default=None,
-                   help=f"routing skews, family:param as experiments/ablate.py takes them; default {' '.join(SKEWS)}")
+                   help="routing skews, family:param as experiments/ablate.py takes them, instead of --regimes")
     p.add_argument("--regimes", nargs="+", choices=list(protocol.REGIMES), default=None,
-                   help="instead of --skews: the frontier regimes' matched Zipf skews (from --runs)")
+                   help="the frontier regimes' matched Zipf skews (from --runs); default every regime (quick: weak)")
     p.add_argument("--runs", default=RUNS, help="the protocol's collected runs that --regimes match their skew to")
     p.add_argument("--max-gb", type=float, default=80.0, help="largest per-rank MoE budget")
     p.add_argument("--step-gb", type=float, default=None,
                    help="budget step while systems gain replicas (default: one replica slot's worth per model)")
     p.add_argument("--coarse-step-gb", type=float, default=10.0, help="budget step beyond that, up to --max-gb")
-    p.add_argument("--saturate-load", type=float, default=2.0,
+    p.add_argument("--saturate-load", type=float, default=1.5,
                    help="the fine steps end where E/N spare slots fit beside buffers for this x the mean load")
     p.add_argument("--mem-gb", nargs="+", type=float, default=None, help="these budgets instead of the grid")
     p.add_argument("--systems", nargs="+", type=system_arg, default=SYSTEMS, help=system_names_help())
@@ -87,8 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.regimes and args.skews:
         raise ValueError("--regimes and --skews are exclusive")
-    if args.quick and not (args.regimes or args.skews):
-        args.regimes = ["weak"]
+    if not (args.regimes or args.skews):
+        args.regimes = ["weak"] if args.quick else list(protocol.REGIMES)
     args.regime_of = {}  # skew -> (regime, its label)
     if args.regimes:
         rows = [json.loads(line) for line in Path(args.runs).read_text().splitlines() if line.strip()]
@@ -96,7 +95,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             s = regime_zipf(rows, name).zipf_s
             args.regime_of[f"zipf:{s!r}"] = (name, f"{name}, zipf:{s:.3f}")
         args.skews = list(args.regime_of)
-    args.skews = args.skews or SKEWS
     if args.quick:
         args.models = ["qwen3-30b-a3b"] if args.models == MODELS else args.models
         args.layers, args.steps, args.no_band = min(args.layers, 2), 2, True
@@ -158,9 +156,18 @@ def simulate_group(args, model: str, skew: str, out: Path) -> list[dict]:
     return [r for r in read_results(out) if "system" in r]
 
 
+BANDED = ("symi-dropless", "online", "lrmoe-rho0.75-early-unbiased")  # the figure's bands: the two references, early
+
+
+def line_style(name: str) -> str:
+    """Solid: the full backward; dashed: late selection at rho; dotted: early selection at rho."""
+    return ":" if "early" in name else "--" if "rho" in name else "-"
+
+
 def plot(table: pd.DataFrame, run: Tracker) -> list:
-    """Time per iteration against the budget per system (a band where the sensitivity corners were priced; a
-    system is drawn only where it fits), and slots per rank against the budget, one column per model and skew."""
+    """Time per iteration against the budget per system (a system is drawn only where it fits; the sensitivity
+    band where the corners were priced, for :data:`BANDED` alone, so that the lines stay legible), and slots per rank
+    against the budget, one column per model and skew."""
     ok = table[table["fits"].astype(bool) & table["iter_s"].notna()] if "iter_s" in table else table.iloc[0:0]
     panels = sorted(ok.groupby(["model", "skew_label"]).groups) if len(ok) else []
     if not panels:
@@ -171,18 +178,20 @@ def plot(table: pd.DataFrame, run: Tracker) -> list:
         cell = ok[(ok.model == model) & (ok.skew_label == skew)]
         for name, df in cell.groupby("system", sort=False):
             df = df.sort_values("mem_gb")
-            axes[0, col].plot(df.mem_gb, df.iter_s, marker=".", color=colors[name], label=name)
-            if "iter_s_corners" in df and df["iter_s_corners"].notna().all():  # the constants' corners, this run's
-                mb = [{k: v for k, v in c.items() if k.endswith(f"|mb={m}")} for c, m in  # micro-batches
+            style = {"color": colors[name], "linestyle": line_style(name), "label": name}
+            axes[0, col].plot(df.mem_gb, df.iter_s, marker=".", **style)
+            if name in BANDED and "iter_s_corners" in df and df["iter_s_corners"].notna().all():
+                mb = [{k: v for k, v in c.items() if k.endswith(f"|mb={m}")} for c, m in  # this run's micro-batches
                       zip(df.iter_s_corners, df.micro_batches)]
                 lo, hi = [min(c.values()) for c in mb], [max(c.values()) for c in mb]
-                axes[0, col].fill_between(df.mem_gb, lo, hi, color=colors[name], alpha=0.12, lw=0)
-            axes[1, col].step(df.mem_gb, df.slots_per_rank, where="post", color=colors[name], label=name)
-        axes[0, col].set(title=f"{model}, {skew}", ylabel="s per iteration (MoE layers)", yscale="log")
+                axes[0, col].fill_between(df.mem_gb, lo, hi, color=colors[name], alpha=0.10, lw=0)
+            axes[1, col].step(df.mem_gb, df.slots_per_rank, where="post", **style)
+        axes[0, col].set(title=f"{model}, {skew}", ylabel="s per iteration (MoE layers)")
         axes[1, col].set(xlabel="per-rank MoE budget (GB)", ylabel="filled slots per rank")
     legend_outside(axes[0, -1], title="system")
-    fig.suptitle("Memory pressure (simulated): a system appears from the budget at which it fits; bands: GEMM "
-                 "efficiency, half-efficiency rows and link bandwidth at their corners", fontsize=9)
+    fig.suptitle("Memory pressure (simulated): a system appears from the budget at which it fits; bands ("
+                 + ", ".join(BANDED) + "): GEMM efficiency, half-efficiency rows and link bandwidth at their corners",
+                 fontsize=9)
     fig.tight_layout()
     paths = run.log_figure("time_vs_memory", fig)
     plt.close(fig)
@@ -197,15 +206,33 @@ def fmt(value) -> str:
 HEADLINE_GB = 40.0  # the ablation's headline budget (an A100-40GB's memory)
 
 
-def early_table(args) -> list[str]:
+def ratio_cell(row: dict, tag: str) -> str:
+    """A ratio with its band, e.g. ``0.61 [0.56–0.80]``."""
+    if row.get(tag) is None:
+        return "—"
+    lo, hi = row.get(f"{tag}_lo"), row.get(f"{tag}_hi")
+    return f"{row[tag]:.3f}" + (f" [{lo:.2f}–{hi:.2f}]" if lo is not None and hi is not None else "")
+
+
+def quality(system: str | None) -> str:
+    """The system's quality under the frontier protocol (DESIGN.md §10): its arms' claims are not decided until the
+    sweep's planned seeds have finished; a system that is not an arm has no quality measured under it."""
+    if system is None:
+        return "—"
+    if system in protocol.SWEEP_ARMS:
+        return "undecided (interim: the protocol's sweep is running)"
+    return "not an arm of the protocol: unmeasured"
+
+
+def early_table(args, extra_gb: dict[str, set[float]] | None = None) -> list[str]:
     """Markdown: what early selection at rho = 0.75 frees per layer and the spare slots it buys (uncapped), at the
-    headline budget and at each model's smallest budget."""
+    ablation's headline budget, at each model's smallest budget and at ``extra_gb`` (per model: the headline cells')."""
     lines = ["## Early selection (ρ = 0.75, buffers planned for 1.1 x the mean load)\n",
              "| model | GB | freed MB per layer | freed GB, all layers | one slot, GB | spare slots without / with |",
              "|---|---|---|---|---|---|"]
     cluster = cluster_preset(args.cluster).with_nodes(args.nodes)
     for name in args.models:
-        for gb in sorted({budgets(args, name)[0], HEADLINE_GB}):
+        for gb in sorted({budgets(args, name)[0], HEADLINE_GB} | (extra_gb or {}).get(name, set())):
             g = early_selection_gain(model_preset(name), cluster, TOKENS.get(name, 2048), gb)
             lines.append(f"| {name} | {gb:g} | {g['freed_mb_per_layer']:.1f} | {g['freed_gb_all_layers']:.2f} | "
                          f"{g['slot_gb']:.2f} | {fmt(g['spare_without'])} / {fmt(g['spare_with'])} |")
@@ -235,8 +262,18 @@ def report(records: list[dict], run: Tracker, args) -> str:
                  for k in labels]
         lines.append(f"| {r['model']} | {r['skew']} | {r['mem_gb']:g} | " + " | ".join(cells)
                      + f" | {fmt(r['fastest'])} |")
-    lines += [""] + early_table(args)
-    run.log_summary({"binding": bind})
+    heads = headline(records)
+    lines += ["", "## Headline: where memory binds, the fastest demand-side system (LRMoE's: " + ", ".join(DEMAND_SIDE)
+              + ") ÷ SYMI-dropless and ÷ cost-aware online [band over the sensitivity corners], at the smallest "
+              "budget of the binding range where both fit\n",
+              "| model | skew | GB | fastest demand-side (slots) | ÷ SYMI-dropless (slots) | ÷ online (slots) | "
+              "quality (frontier protocol) |", "|---|---|---|---|---|---|---|"]
+    for h in heads:
+        lines.append(f"| {h['model']} | {h['skew']} | {h['mem_gb']:g} | {fmt(h['best'])} ({fmt(h['best_slots'])}) | "
+                     f"{ratio_cell(h, 'vs_symi_dropless')} ({fmt(h['symi-dropless slots'])}) | "
+                     f"{ratio_cell(h, 'vs_online')} ({fmt(h['online slots'])}) | {quality(h['best'])} |")
+    lines += [""] + early_table(args, {m: {h["mem_gb"] for h in heads if h["model"] == m} for m in args.models})
+    run.log_summary({"binding": bind, "headline": heads})
     return "\n".join(lines)
 
 

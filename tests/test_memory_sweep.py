@@ -7,7 +7,7 @@ import torch
 
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.sim.cost import CostModel
-from lrmoe.sim.memory_sweep import binding_range, budget_grid, fit_gb, placement_table, slot_gb
+from lrmoe.sim.memory_sweep import binding_range, budget_grid, fit_gb, headline, placement_table, slot_gb
 
 
 @pytest.mark.parametrize("model, tokens", [("qwen3-30b-a3b", 4096), ("glm-4.5-air", 1024)])
@@ -68,6 +68,21 @@ def test_placement_table_side_by_side():
     assert rows[32.0]["LRMoE + ρ"] == pytest.approx(0.8) and rows[32.0]["SYMI"] == 1.0
     assert rows[32.0]["online + ρ"] is None  # not run
     assert rows[40.0]["fastest"] == "online" and rows[40.0]["online"] == pytest.approx(0.75)
+
+
+def test_headline_is_the_tightest_binding_budget_where_both_references_fit():
+    """Memory binds from 30 to 32 GB; at 30 neither SYMI-dropless nor online fits, so the headline is 32 GB, where
+    the fastest LRMoE system (rho 0.75, 4.0 s) is 0.8 x SYMI-dropless (5.0 s) and 4.0 / 4.8 x online; its band is
+    the record's. A cell where memory never binds has no headline."""
+    banded = [dict(r, vs_symi_dropless_lo=0.7, vs_symi_dropless_hi=0.9) if r.get("system") == "lrmoe-rho0.75" else r
+              for r in RECORDS]
+    roomy = [_rec(s, gb, 16, t, skew="zipf:0.2") for s, t in (("symi-dropless", 4.0), ("online", 3.0), ("lrmoe", 3.5))
+             for gb in (30, 40)]
+    (h,) = headline(banded + roomy)
+    assert (h["skew"], h["mem_gb"], h["best"], h["best_slots"]) == ("zipf:0.8", 32.0, "lrmoe-rho0.75", 12)
+    assert h["vs_symi_dropless"] == pytest.approx(0.8) and h["vs_online"] == pytest.approx(4.0 / 4.8)
+    assert (h["vs_symi_dropless_lo"], h["vs_symi_dropless_hi"]) == (0.7, 0.9) and h["vs_online_lo"] is None
+    assert h["symi-dropless slots"] == 10 and h["online slots"] == 9
 
 
 def test_placement_table_has_both_early_selection_systems_and_names_the_fastest():

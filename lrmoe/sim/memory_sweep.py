@@ -179,3 +179,39 @@ def early_selection_gain(model: MoEConfig, cluster: ClusterConfig, tokens_per_ra
     return {"model": model.name, "mem_gb": mem_gb, "rho": rho, "load": load,
             "freed_mb_per_layer": freed / 1e6, "freed_gb_all_layers": freed * model.num_moe_layers / GB,
             "slot_gb": slot_gb(model, cluster), "spare_without": spare(late), "spare_with": spare(early)}
+
+
+# The demand-side systems: LRMoE's, which shape the work (placement with the backward's budget, early selection)
+DEMAND_SIDE = ("lrmoe", "lrmoe-rho0.75", "lrmoe-rho0.75-early", "lrmoe-rho0.75-early-unbiased")
+
+
+def headline(records: Iterable[dict], demand: tuple[str, ...] = DEMAND_SIDE,
+             references: tuple[str, ...] = ("symi-dropless", "online")) -> list[dict]:
+    """Per (model, ranks, skew): the headline cell where memory binds, the smallest budget of the binding range
+    (:func:`binding_range`) at which every reference fits (the tightest budget with a ratio to show), and there the
+    fastest of ``demand`` (None where none fits), its time ÷ each reference's (``vs_<reference>``) with the band
+    of the sensitivity corners where the records carry it (``vs_<reference>_lo`` / ``_hi``, the ablation's), and
+    the slots of each. No row for a cell where memory never binds at a budget every reference fits."""
+    bind = {(r["model"], r["ranks"], r["skew"]): r for r in binding_range(records)}
+    rows = []
+    for key, by_budget in sorted(_cells(records).items()):
+        lo, hi = bind[key]["binds_from_gb"], bind[key]["binds_to_gb"]
+        if lo is None:
+            continue
+        cells = [(b, by_budget[b]) for b in sorted(by_budget)
+                 if lo <= b <= hi and all(_fits(by_budget[b].get(ref)) for ref in references)]
+        if not cells:
+            continue
+        b, cell = cells[0]
+        fitting = [s for s in demand if _fits(cell.get(s))]
+        best = min(fitting, key=lambda s: cell[s]["iter_s"]) if fitting else None
+        row = {"model": key[0], "ranks": key[1], "skew": key[2], "mem_gb": b, "best": best,
+               "best_slots": cell[best]["slots_per_rank"] if best else None}
+        for ref in references:
+            tag = "vs_" + ref.replace("-", "_")
+            rec = cell.get(best, {})
+            row[tag] = rec["iter_s"] / cell[ref]["iter_s"] if best else None
+            row[f"{tag}_lo"], row[f"{tag}_hi"] = rec.get(f"{tag}_lo"), rec.get(f"{tag}_hi")
+            row[f"{ref} slots"] = cell[ref]["slots_per_rank"]
+        rows.append(row)
+    return rows
