@@ -85,7 +85,8 @@ PLOTTED = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless-lrmoe-slots",
            "lrmoe-no-memplace", "lrmoe-no-quotas", "lrmoe-padded"]
 # The headline's systems, priced again at every corner of the uncertain constants (the sensitivity band).
 BANDED = ["lrmoe", "symi-dropless", "symi-cf1", "symi-dropless-lrmoe-slots", "online", "online-rho0.75",
-          "online-greedy", "lrmoe-rho0.75", "lrmoe-rho0.75-early", "symi-dropless-rho0.75"]
+          "online-greedy", "lrmoe-rho0.75", "lrmoe-rho0.75-early", "symi-dropless-rho0.75",
+          "lrmoe-rho0.75-unbiased", "lrmoe-rho0.75-early-unbiased"]  # the frontier protocol's budgeted arms too
 # The uncertain constants and their ranges (DESIGN.md §5.4; issue 15): GEMM efficiency 0.5-0.9 of peak,
 # half-efficiency rows 32-512, links at 70-100 % of the datasheet, 1-32 micro-batches per iteration.
 SENSITIVITY = {"eff_max": (0.5, 0.9), "m_half": (32.0, 512.0), "bw_scale": (0.7, 1.0)}

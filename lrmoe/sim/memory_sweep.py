@@ -182,7 +182,8 @@ def early_selection_gain(model: MoEConfig, cluster: ClusterConfig, tokens_per_ra
 
 
 # The demand-side systems: LRMoE's, which shape the work (placement with the backward's budget, early selection)
-DEMAND_SIDE = ("lrmoe", "lrmoe-rho0.75", "lrmoe-rho0.75-early", "lrmoe-rho0.75-early-unbiased")
+DEMAND_SIDE = ("lrmoe", "lrmoe-rho0.75", "lrmoe-rho0.75-unbiased", "lrmoe-rho0.75-early",
+               "lrmoe-rho0.75-early-unbiased")
 
 
 def headline(records: Iterable[dict], demand: tuple[str, ...] = DEMAND_SIDE,
