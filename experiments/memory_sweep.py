@@ -52,7 +52,9 @@ SYSTEMS = ["static-ep", "symi-cf1", "symi-dropless", "symi-dropless-rho0.75", "l
            "online-greedy"]
 MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
 ABLATE = Path(__file__).resolve().parent / "ablate.py"
-RUNS = "paper_figures/results/frontier_protocol_pilot.jsonl"  # the static-EP runs the regimes' skews match
+# the collected runs whose static-EP arm the regimes' skews match (the pilot's, as the frontier's time axis)
+RUNS = "paper_figures/results/frontier_protocol_pilot.jsonl"  # relative to the working directory, else the checkout's
+ROOT = Path(__file__).resolve().parent.parent
 QUICK_SPARE = (1, 3, 6)  # quick mode: the budgets that hold the home slots and this many spare slots at the mean load
 
 
@@ -91,7 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.regimes = ["weak"] if args.quick else list(protocol.REGIMES)
     args.regime_of = {}  # skew -> (regime, its label)
     if args.regimes:
-        rows = [json.loads(line) for line in Path(args.runs).read_text().splitlines() if line.strip()]
+        runs = Path(args.runs) if Path(args.runs).exists() else ROOT / args.runs
+        rows = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()]
         for name in args.regimes:
             s = regime_zipf(rows, name).zipf_s
             args.regime_of[f"zipf:{s!r}"] = (name, f"{name}, zipf:{s:.3f}")
@@ -212,11 +215,11 @@ def fmt(value) -> str:
 HEADLINE_GB = 40.0  # the ablation's headline budget (an A100-40GB's memory)
 
 
-def ratio_cell(row: dict, tag: str) -> str:
-    """A ratio with its band, e.g. ``0.61 [0.56–0.80]``."""
+def ratio_cell(row: dict, tag: str, band: bool = True) -> str:
+    """A ratio with its band, e.g. ``0.61 [0.56–0.80]`` (``band=False``: the corners were not priced)."""
     if row.get(tag) is None:
         return "—"
-    lo, hi = row.get(f"{tag}_lo"), row.get(f"{tag}_hi")
+    lo, hi = (row.get(f"{tag}_lo"), row.get(f"{tag}_hi")) if band else (None, None)
     return f"{row[tag]:.3f}" + (f" [{lo:.2f}–{hi:.2f}]" if lo is not None and hi is not None else "")
 
 
@@ -282,8 +285,8 @@ def report(records: list[dict], run: Tracker, args) -> str:
             if row is None:
                 continue
             lines.append(f"| {row['model']} | {row['skew']} | {row['mem_gb']:g} | {among} | {fmt(row['best'])} "
-                         f"({fmt(row['best_slots'])}) | {ratio_cell(row, 'vs_symi_dropless')} "
-                         f"({fmt(row['symi-dropless slots'])}) | {ratio_cell(row, 'vs_online')} "
+                         f"({fmt(row['best_slots'])}) | {ratio_cell(row, 'vs_symi_dropless', not args.no_band)} "
+                         f"({fmt(row['symi-dropless slots'])}) | {ratio_cell(row, 'vs_online', not args.no_band)} "
                          f"({fmt(row['online slots'])}) | {quality(row['best'])} |")
     lines += [""] + early_table(args, {m: {h["mem_gb"] for h in heads if h["model"] == m} for m in args.models})
     run.log_summary({"binding": bind, "headline": heads, "headline_arms": list(arm_heads.values())})
