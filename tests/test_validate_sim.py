@@ -1,7 +1,9 @@
 """The simulator's validation against the measured layer: the CPU calibration's fits recover known constants, the
 micro-benchmarks run on forked ranks and write a file the cost model reads, the replayed plans are the plans the
 layer benchmark ran (every pair and byte it counted), the error statistics on a hand case, and the script's table
-(one row per covered phase)."""
+(one row per covered phase). The frontier's measured points: a regime's settings reach the layer (slots, matched
+skew, the arms and their rho), the modelled and measured ratios are of the same plans, and the statistic on a hand
+case."""
 
 import json
 import math
@@ -343,7 +345,7 @@ def test_a_regime_sets_the_protocols_settings_at_the_benchs_scale(tmp_path):
 
 def test_a_regime_point_prices_the_plans_the_layer_ran(tmp_path):
     lb, vs = _script("layer_bench"), _script("validate_sim")
-    out = tmp_path / "bench.jsonl"
+    out = tmp_path / "points_layer_bench_weak.jsonl"  # where validate_sim --regimes weak --out points.jsonl has it
     policies = ["static-ep", "symi-dropless", "lrmoe-rho0.5-unbiased", "symi-dropless-rho0.75"]
     lb.main(["--regime", "weak", *REGIME_BENCH, "--hidden", "32", "--ffn", "16", "--no-grad-error",
              "--runs", str(_runs_file(tmp_path / "runs.jsonl")), "--policies", *policies, "--out", str(out)])
@@ -383,6 +385,17 @@ def test_a_regime_point_prices_the_plans_the_layer_ran(tmp_path):
     assert np_all_close(facts["measured_ms"], pd.Series(bench)[facts.index])
     assert set(groups["group"]) == set(vs.PHASE_GROUPS) and (groups["modelled_ms"] >= 0).all()
     assert info["covered_median_abs_error"] >= 0
+
+    # the script prices that benchmark again: the same table, a report and a figure beside its results file
+    points = tmp_path / "points.jsonl"
+    again = vs.main(["--regimes", "weak", "--reuse-benches", "--calibration", str(cal), "--out", str(points),
+                     "--no-wandb"])
+    assert np_all_close(again["modelled_ratio"], table["modelled_ratio"])
+    assert "## Regime weak" in points.with_suffix(".md").read_text()
+    assert (tmp_path / "points_ratios.png").exists()
+    with pytest.raises(SystemExit):  # an existing results file: refused before any work
+        vs.main(["--regimes", "weak", "--reuse-benches", "--calibration", str(cal), "--out", str(points),
+                 "--no-wandb"])
 
 
 def np_all_close(a, b) -> bool:
