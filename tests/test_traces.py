@@ -160,7 +160,7 @@ def test_imported_megatron_trace_equals_the_counts_it_encodes(tmp_path):
     trace = import_megatron_trace(tmp_path, num_experts=E, model="tiny")
     assert torch.equal(trace.counts_ILNE, want)
     assert trace.meta["steps"] == [5, 6] and trace.meta["layers"] == [1, 3] and trace.meta["ranks"] == [0, 1]
-    assert trace.meta["source"] == "recorded" and trace.meta["top_k"] == K
+    assert trace.meta["source"] == "recorded" and trace.meta["top_k"] == K and trace.meta["micro_batches"] == 2
     back = load_trace(trace.save(tmp_path / "imported.npz"))  # the project's format from here on
     assert torch.equal(back.counts_ILNE, want)
     one = import_megatron_trace(tmp_path / "router_trace_rank1.jsonl", num_experts=E)
