@@ -21,7 +21,8 @@ file and what is wrong with it.
 Recorded traces come from real routers:
 
 * :class:`RouterRecorder`: forward hooks on the router modules of any Hugging Face MoE model (Qwen3-MoE,
-  GLM-4.5, Mixtral, ...; swapped onto the expert-parallel layer or not). One model forward is one step; the
+  GLM-4.5, Mixtral, ...; swapped onto the expert-parallel layer or not). One model forward is one step (the
+  routers' recomputation in the backward, under activation checkpointing, is not counted again); the
   tokens of a forward can be split over ``num_ranks`` virtual source ranks (contiguous blocks, as data parallelism
   splits a batch). Under ``torch.distributed`` each rank records its own tokens and
   ``lrmoe.integrations.hf.gather_trace``
@@ -427,6 +428,8 @@ class RouterRecorder:
 
     def _hook(self, layer: int):
         def hook(module, args, output):
+            if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+                return  # a recomputation inside the backward (activation checkpointing): its forward was counted
             idx_TK = self._indices(module, output)
             E = self.num_experts
             if self._current is None:
