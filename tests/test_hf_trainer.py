@@ -125,6 +125,23 @@ def test_trainer_on_one_process_trains_exactly_as_the_plain_loop(tmp_path):
     assert out["expert_lr"] == pytest.approx(1e-2 * warmup(STEPS))
 
 
+def _trainer_resumes(rank: int, folder: str) -> list[str]:
+    as_torchrun()
+    runs = []
+    for resume in (None, os.path.join(folder, "checkpoint-2")):  # the whole run, then steps 3 from its checkpoint
+        model = tiny_model()
+        ep = swap_moe_blocks(model, SYSTEM)
+        t = trainer(model, ep.optimizer(torch.optim.AdamW, lr=1e-2, grad_scale=1.0), folder)
+        t.args.save_strategy, t.args.save_steps = "steps", 2
+        t.train(resume_from_checkpoint=resume)  # Trainer saves the model (experts gathered) and EPOptimizer's state
+        runs.append(model.state_dict())
+    return [k for k in runs[0] if not torch.equal(runs[0][k], runs[1][k])]
+
+
+def test_trainer_on_one_process_resumes_from_its_checkpoint_exactly(tmp_path):
+    assert launch(_trainer_resumes, 1, str(tmp_path), timeout_s=120)[0] == []
+
+
 # -- several ranks: DistributedDataParallel is refused --------------------------------------------------------------
 def _wrap(rank: int) -> list[str]:
     model = tiny_model()

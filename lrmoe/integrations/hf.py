@@ -318,7 +318,7 @@ def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: System
         layer.name = block_name  # errors name the block (e.g. a non-finite input)
         block.experts = EPExperts(layer)  # HF's full expert tensors are released here
         swapped.append(block_name)
-    refuse_ddp(model, swapped, N)
+    _refuse_ddp(model, swapped, N)
     return HFExpertParallel(model, swapped, [b for _, b in blocks], family, name)
 
 
@@ -332,10 +332,11 @@ def ddp_refusal(num_ranks: int) -> str:
     return (f"DistributedDataParallel cannot wrap a model whose MoE blocks run on lrmoe's expert-parallel layer "
             f"over {num_ranks} ranks (transformers.Trainer and Accelerate wrap the model in it whenever they run on "
             f"more than one process). Each rank holds only its own share of the experts, outside "
-            f"model.parameters(): DDP would all-reduce the dense gradients that ep.optimizer's step reduces again "
-            f"(twice), and leave the experts out of Trainer's gradient clipping; Trainer saves checkpoints from rank "
-            f"0 alone, but model.state_dict() gathers the experts from every rank (rank 0 would wait for the others "
-            f"until the process group times out) and each rank's expert optimizer state is its own. Train with the "
+            f"model.parameters(): DDP would all-reduce the dense gradients a second time (ep.optimizer's step "
+            f"already reduces them), Trainer's gradient clipping would leave the experts out, and Trainer saves "
+            f"checkpoints from rank 0 alone, while model.state_dict() gathers the experts from every rank (rank 0 "
+            f"would wait for the others until the process group times out) and each rank's expert optimizer state "
+            f"is its own. Train with the "
             f"plain loop instead: opt = ep.optimizer(torch.optim.AdamW, lr=...); loss.backward() per micro-batch; "
             f"opt.step(); opt.zero_grad(); model.save_pretrained(path, is_main_process=rank == 0) on every rank "
             f"(README, 'Use it with transformers').")
@@ -375,7 +376,7 @@ class _RefuseDDP:
         return f"{type(self).__name__}(num_ranks={self.num_ranks})"
 
 
-def refuse_ddp(model: nn.Module, swapped: list[str], num_ranks: int) -> None:
+def _refuse_ddp(model: nn.Module, swapped: list[str], num_ranks: int) -> None:
     """Put the guard (:class:`_RefuseDDP`) on ``model`` and on every module between it and a swapped block (the
     block included), so that a DDP around any of them is refused. No collective."""
     guard = _RefuseDDP(num_ranks)
