@@ -33,7 +33,8 @@ import pandas as pd
 from tqdm import tqdm
 
 from lrmoe.analysis import protocol
-from lrmoe.analysis.claims import MARGIN, arm_gaps, claim_table, gap_table, time_claim, time_ratios
+from lrmoe.analysis.claims import (MARGIN, arm_gaps, claim_table, early_arms, early_family, gap_table, time_claim,
+                                   time_ratios)
 from lrmoe.analysis.skew import Scale, check_matched, match_zipf, runs_imbalance, side_by_side
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.analysis.runs import BASELINE, last_per_step, per_run, summarise, time_to_reach
@@ -370,9 +371,13 @@ def protocol_plot(points: pd.DataFrame, regime, zipf_s: float, seeds: int):
 
 
 def protocol_report(regime, claims: pd.DataFrame, c5: list[dict], points: pd.DataFrame, imbalance: list[dict],
-                    zipf_s: float, seeds: int, planned: int, figure: str) -> str:
+                    zipf_s: float, seeds: int, planned: int, figure: str,
+                    early_claims: pd.DataFrame | None = None) -> str:
     label = "final" if seeds >= planned else f"interim: {seeds} of {planned} planned seeds"
     cols = ["claim", "text", "seeds", "estimate", "ci_low", "ci_high", "bound_high", "p", "p_holm", "word"]
+    early = [] if early_claims is None else [
+        "Early selection's claims (DESIGN.md §10.6: their own Holm family, over their own whole seeds):", "",
+        early_claims[[c for c in cols if c in early_claims.columns]].to_markdown(index=False, floatfmt=".3f"), ""]
     return "\n".join([
         f"# Frontier, regime {regime.name} ({label})", "", f"![frontier]({figure})", "",
         f"Protocol: DESIGN.md §10. Regime: {regime.description}; both axes at {regime.spare_per_home:g} spare slots "
@@ -384,7 +389,7 @@ def protocol_report(regime, claims: pd.DataFrame, c5: list[dict], points: pd.Dat
         "Claims (estimates in percentage points; 95 % intervals unadjusted; p Holm-adjusted over the family):", "",
         claims[[c for c in cols if c in claims.columns]].to_markdown(index=False, floatfmt=".3f"), "",
         "Time claim (C5, a model output: outside the Holm family):", "",
-        pd.DataFrame(c5).to_markdown(index=False, floatfmt=".3f") if c5 else "no arm to price", "",
+        pd.DataFrame(c5).to_markdown(index=False, floatfmt=".3f") if c5 else "no arm to price", "", *early,
         "Frontier points:", "", points.to_markdown(index=False, floatfmt=".3f"), ""])
 
 
@@ -412,12 +417,15 @@ def protocol_main(args) -> pd.DataFrame:
     rows = [json.loads(line) for path in args.runs for line in Path(path).read_text().splitlines() if line.strip()]
     # the claims read the sweep's runs only; the time axis alone (--time-only) may match the pilot's routing
     rows = [r for r in rows if r["regime"] == regime.name and (args.time_only or r.get("stage") == "sweep")]
-    arms = list(protocol.ARMS) if args.time_only else [a for a in protocol.ARMS if any(r["arm"] == a for r in rows)]
+    arms = list(protocol.SWEEP_ARMS) if args.time_only else [a for a in protocol.SWEEP_ARMS
+                                                              if any(r["arm"] == a for r in rows)]
     if not rows:
         raise SystemExit(f"frontier.py: error: {args.runs} hold no {'' if args.time_only else 'sweep '}run of regime "
                          f"{regime.name}")
     if not args.time_only:
-        gaps = gap_table(rows, arms)
+        # the main family over its own whole seeds; early selection's (DESIGN.md §10.6) over its own
+        gaps = gap_table(rows, [a for a in arms if a not in protocol.EARLY_ARMS])
+        early = gap_table(rows, early_arms()) if set(protocol.EARLY_ARMS) <= set(arms) else None
         if len(gaps) < 2:
             raise SystemExit(f"frontier.py: error: {len(gaps)} whole seed(s) of regime {regime.name}: a claim needs "
                              "two")
@@ -442,16 +450,22 @@ def protocol_main(args) -> pd.DataFrame:
             Path(args.out).with_suffix(".md").write_text(text)
             return ratios
         claims = claim_table(gaps)
-        points = arm_gaps(gaps).merge(ratios, on="arm")
+        early_claims = claim_table(early, early_family()) if early is not None and len(early) >= 2 else None
+        by_arm = arm_gaps(gaps)
+        if early is not None and len(early) >= 2:
+            by_arm = pd.concat([by_arm, arm_gaps(early[list(protocol.EARLY_ARMS)])], ignore_index=True)
+        points = by_arm.merge(ratios, on="arm")
         c5 = time_claim(claims, ratios)
         for rec in points.to_dict("records"):
             run.log({k: v for k, v in rec.items() if v == v}, step=None)
         run.log_table("claims", claims.to_dict("records"))
+        if early_claims is not None:
+            run.log_table("early_claims", early_claims.to_dict("records"))
         run.log_table("gaps", gaps.reset_index().to_dict("records"))
         run.log_summary({**summary, "time_claim": c5, "seeds": int(len(gaps)), "planned_seeds": args.planned_seeds})
         figure = run.log_figure("frontier", protocol_plot(points, regime, match.zipf_s, len(gaps)))
         text = protocol_report(regime, claims, c5, points, imbalance, match.zipf_s, len(gaps), args.planned_seeds,
-                               figure[0].name)
+                               figure[0].name, early_claims)
         print(text)
         report = Path(args.out).with_suffix(".md")
         report.write_text(text)

@@ -4,6 +4,7 @@ gradient error against the full gradient. Ends with the three LRMoE targets of D
 
     python experiments/layer_bench.py                               # 4 forked gloo ranks (CPU), a few minutes
     python experiments/layer_bench.py --quick                       # about a minute
+    python experiments/layer_bench.py --regime weak                 # the frontier protocol's settings (DESIGN.md §10)
     torchrun --nproc-per-node 4 experiments/layer_bench.py --torchrun  # NCCL on GPUs, gloo on CPU
 
 Traces: synthetic Zipf popularity with AR(1) drift and per-token Gumbel-top-k (``lrmoe.integrations.traces``), one per
@@ -23,6 +24,15 @@ Before each timed iteration an untimed one computes the *full* gradient at the s
 routed pair computed and kept, on the policy's placement): the reference for the gradient error. The counted
 bytes and pairs are checked against the formulas of ``lrmoe.runtime.distributed.accounting`` every iteration.
 
+Regimes (``--regime production|weak``, DESIGN.md §10.1): the frontier protocol's system settings at this layer's
+scale: the regime's replica slots per home slot (``Regime.spare_slots``), its eps and gamma, its arms as the policies
+(the budget systems at its ρ grid, SYMI-dropless and SYMI's random trim, static EP as the reference;
+``protocol.SWEEP_ARMS``), and one synthetic Zipf trace whose s is matched to the regime's static-EP training runs
+(``--runs``): the s at which this benchmark's own trace (its ranks, experts, tokens, steps and seed) gives static
+EP the runs' per-rank load, slowest rank ÷ mean (``lrmoe.analysis.skew``). The trace the layer replays is checked
+against the runs (more than 5 % apart is an error), and so is every replicating system's slot count.
+``experiments/validate_sim.py --regimes`` runs this and prices the same plans with the cost model.
+
 Memory: every policy gets the same per-rank budget, sized for the E/N home slots plus ``--spare-slots`` replica
 slots and the token buffers of a load of (1 + eps) times the mean. SYMI uses the spare slots as replicas;
 LRMoE derives its replica slots and its memory cap from the budget (``lrmoe.planner.placement.MemoryModel``); static EP
@@ -32,15 +42,20 @@ and capacity leave them empty. The table reports each policy's counted peak agai
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from dataclasses import replace
+from pathlib import Path
 
 
 import pandas as pd
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
+from lrmoe.analysis import protocol
+from lrmoe.analysis.skew import Scale, check_matched, match_zipf, runs_imbalance, trace_imbalance
 from lrmoe.config import model_preset
 from lrmoe.runtime.distributed.accounting import Accountant, check_accounting, expected_layer, expected_step
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
@@ -52,13 +67,17 @@ from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.planner.replica_routing import route_forward
 from lrmoe.runtime.routing import RouterOutput
 from lrmoe.harness.layer_bench_setup import buffer_load, make_policy, make_traces, memory_model, system_context
-from lrmoe.systems import check_systems, system_arg, system_names_help
+from lrmoe.systems import check_systems, get_system, system_arg, system_names_help
 from lrmoe.checks import (fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg,
                           positive_int_arg)
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
 
 DEFAULT_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1", "lrmoe"]
 
+
+# the settings --regime fixes, and their values without it
+FREE_DEFAULTS = {"policies": DEFAULT_POLICIES, "skew_param": [0.4, 0.8], "spare_slots": 1, "eps": 0.1, "gamma": 0.1}
+RUNS = "paper_figures/results/frontier_protocol_pilot.jsonl"  # the runs the protocol's skew was first matched to
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 QUICK = {"tokens_per_rank": 128, "steps": 4, "warmup": 1, "hidden": 256, "ffn": 128}
@@ -69,7 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ranks", type=positive_int_arg, default=4,
                    help="ranks of the fork launcher (ignored with --torchrun)")
     p.add_argument("--torchrun", action="store_true", help="run under torchrun (one process per rank)")
-    p.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES, type=system_arg, help=system_names_help())
+    p.add_argument("--policies", nargs="+", default=None, type=system_arg,
+                   help=f"default: {' '.join(DEFAULT_POLICIES)}; with --regime, the regime's arms. "
+                        f"{system_names_help()}")
     p.add_argument("--model", default="qwen3-30b-a3b-debug", help="model preset giving E, k and the router")
     p.add_argument("--hidden", type=non_negative_int_arg, default=512, help="hidden width D (0: the preset's)")
     p.add_argument("--ffn", type=non_negative_int_arg, default=256, help="expert width F (0: the preset's)")
@@ -77,19 +98,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=positive_int_arg, default=8, help="measured iterations per policy and trace")
     p.add_argument("--warmup", type=non_negative_int_arg, default=2, help="unmeasured iterations before them")
     p.add_argument("--skew", default="zipf", choices=["zipf", "dirichlet"])
-    p.add_argument("--skew-param", type=non_negative_float_arg, nargs="+", default=[0.4, 0.8],
-                   help="one synthetic trace per value: Zipf s (0.8: hottest ~15x the mean at E=128) or α")
+    p.add_argument("--skew-param", type=non_negative_float_arg, nargs="+", default=None,
+                   help="one synthetic trace per value: Zipf s (0.8: hottest ~15x the mean at E=128) or α "
+                        f"(default {' '.join(map(str, FREE_DEFAULTS['skew_param']))}; with --regime, the matched s)")
     p.add_argument("--trace", default=None, help="also replay a recorded trace (.npz of lrmoe.integrations.traces)")
     p.add_argument("--trace-layer", type=non_negative_int_arg, default=0, help="which layer of the recorded trace")
-    p.add_argument("--spare-slots", type=non_negative_int_arg, default=1,
-                   help="replica slots per rank beyond E/N (the memory)")
-    p.add_argument("--eps", type=non_negative_float_arg, default=0.1,
-                   help="LRMoE's balance slack (cap = (1 + eps) x mean load)")
+    p.add_argument("--spare-slots", type=non_negative_int_arg, default=None,
+                   help="replica slots per rank beyond E/N (the memory; default 1, with --regime the regime's)")
+    p.add_argument("--eps", type=non_negative_float_arg, default=None,
+                   help="LRMoE's balance slack (cap = (1 + eps) x mean load; default 0.1, with --regime the regime's)")
     p.add_argument("--replica-grad", choices=REPLICA_GRAD_MODES, nargs="+", default=["range"],
                    help="replica gradients: 'range' (SYMI's range all-reduce, then collection) or 'shard' (each "
                         "host's sum straight to the optimizer-shard owners), for every system; both: every policy "
                         "runs in each mode side by side, labelled 'policy (mode)'")
-    p.add_argument("--gamma", type=fraction_arg, default=0.1, help="LRMoE's per-expert floor")
+    p.add_argument("--gamma", type=fraction_arg, default=None,
+                   help="LRMoE's per-expert floor (default 0.1, with --regime the regime's)")
+    p.add_argument("--regime", choices=list(protocol.REGIMES), default=None,
+                   help="the frontier protocol's settings at this layer's scale (DESIGN.md §10.1): its spare slots, "
+                        "eps, gamma and arms, and the Zipf s matched to its static-EP runs (--runs)")
+    p.add_argument("--runs", default=RUNS,
+                   help="--regime: the protocol's collected runs (experiments/frontier_sweep.py) whose static-EP "
+                        "slowest rank ÷ mean the trace is matched to")
     # ours: the CPU calibration of lrmoe.harness.calibrate_cpu (4 gloo ranks, fp32) prices one expert's push at
     # 27 (D=512, F=256) to 60 (D=256, F=128) pairs of the busiest rank's work (lrmoe.sim.cost.CostModel.push_cost_rows)
     p.add_argument("--push-cost-rows", type=non_negative_float_arg, default=32.0,
@@ -111,8 +140,68 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
+    if args.regime is None:
+        for key, value in FREE_DEFAULTS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+    else:
+        try:
+            apply_regime(args)
+        except ValueError as exc:
+            p.error(str(exc))
     check_tracking_args(p, args, "layer_bench")  # before the benchmark, not after it
     return args
+
+
+def world_size(args: argparse.Namespace) -> int:
+    return int(os.environ.get("WORLD_SIZE", "1")) if args.torchrun else args.ranks
+
+
+def apply_regime(args: argparse.Namespace) -> None:
+    """Set the regime's settings on ``args`` (DESIGN.md §10.1), at this benchmark's scale: spare slots, eps, gamma,
+    its arms (unless --policies), one Zipf trace at the s matched to the regime's static-EP runs. A flag that
+    contradicts the regime is a ValueError; the match is recorded in ``args.regime_match``."""
+    regime = protocol.get_regime(args.regime)
+    cfg = model_preset(args.model)
+    n, e = world_size(args), cfg.num_experts
+    fixed = {"spare_slots": regime.spare_slots(e, n), "eps": regime.eps, "gamma": regime.gamma}
+    for key, value in fixed.items():
+        given = getattr(args, key)
+        if given is not None and given != value:
+            raise ValueError(f"--regime {regime.name} sets --{key.replace('_', '-')} {value:g}, not {given:g}")
+        setattr(args, key, value)
+    if args.skew != "zipf" or args.skew_param is not None or args.trace:
+        raise ValueError(f"--regime {regime.name} replays one synthetic Zipf trace at the matched s: no --skew, "
+                         "--skew-param or --trace")
+    args.policies = args.policies or list(protocol.SWEEP_ARMS)
+    path = Path(args.runs)
+    if not path.is_file():
+        raise ValueError(f"--runs {args.runs!r} is not a file")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    runs = runs_imbalance([r for r in rows if r.get("regime") == regime.name])
+    # the bench's own trace: its ranks, experts, tokens, steps and seed, one layer, every token's top-k drawn
+    scale = Scale(n, e, cfg.top_k, args.tokens_per_rank, layers=1, steps=args.warmup + args.steps, seed=args.seed,
+                  exact=True)
+    match = match_zipf(runs["rank_max_over_mean"], scale)
+    args.skew_param = [round(match.zipf_s, 4)]
+    args.regime_match = {"regime": regime.name, "zipf_s": args.skew_param[0], "runs": runs, "runs_file": args.runs,
+                         "rhos": list(regime.rhos)}
+
+
+def check_regime(args: argparse.Namespace, counts_INE: torch.Tensor, ctx) -> dict:
+    """The trace the layer replays against the regime's runs (static EP's slowest rank ÷ mean within 5 %), and
+    every replicating system's slots (the regime's E/N + spare on every plan): ValueError otherwise. Returns the
+    trace's imbalance statistics."""
+    measured = trace_imbalance(counts_INE[:, None])  # the steps the match was made on
+    check_matched(args.regime_match["runs"], measured)
+    want = ctx.base_slots + ctx.spare_slots
+    for name in args.policies:
+        policy, _ = make_policy(name, ctx)
+        slots = int(policy.plan(counts_INE[0], None).placement_NS.shape[1])
+        if get_system(name).family != "static-ep" and slots != want:
+            raise ValueError(f"regime {args.regime} gives every replicating system {want} slots per rank; {name} "
+                             f"plans {slots}")
+    return measured
 
 
 # -- pieces --------------------------------------------------------------------------------------------------
@@ -219,7 +308,8 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
                                    initial_placement(policy, N, E, T * K), groups, routed_scaling=cfg.routed_scaling,
                                    dtype=dtype, device=device, accountant=acc, backward=backward, replica_grad=mode)
                 layers[name if len(modes) == 1 else f"{name} ({mode})"] = (policy, backward, acc, layer, mode)
-        for step in range(args.warmup + args.steps):
+        # a progress bar on rank 0 (the ranks run in step): every policy per step
+        for step in tqdm(range(args.warmup + args.steps), desc=label, unit="step", disable=rank != 0):
             gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
             routing = tokens_from_counts(counts_INE[step, rank], T, K, gen)
             x_TD = torch.randn(T, D, generator=gen).to(device, dtype)
@@ -430,7 +520,7 @@ def check_args(args: argparse.Namespace) -> None:
     """What every rank would otherwise find out on its own, checked once before any rank starts: the model preset,
     the world size against its experts, the skews and the recorded trace, every system in that world and
     memory. SystemExit with one message."""
-    N = int(os.environ.get("WORLD_SIZE", "1")) if args.torchrun else args.ranks
+    N = world_size(args)
     try:
         cfg = model_preset(args.model)
         E, K = cfg.num_experts, cfg.top_k
@@ -438,9 +528,12 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"num_experts={E} of --model {args.model} is not divisible by {N} ranks")
         elem = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
         D, F = args.hidden or cfg.hidden, args.ffn or cfg.expert_ffn
-        for _, _, T in make_traces(args, N, E, K, cfg.name):
+        for _, counts_INE, T in make_traces(args, N, E, K, cfg.name):
             memory = memory_model(E // N, args.spare_slots, T, K, D, F, elem, buffer_load(args))
-            check_systems(args.policies, system_context(args, N, E, memory, T, K))
+            ctx = system_context(args, N, E, memory, T, K)
+            check_systems(args.policies, ctx)
+            if args.regime:
+                args.regime_match["trace"] = check_regime(args, counts_INE, ctx)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"layer_bench.py: error: {exc}") from None
 

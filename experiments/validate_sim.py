@@ -4,6 +4,7 @@
     python experiments/validate_sim.py --quick                       # runs a small layer_bench itself, < 1 min
     python experiments/validate_sim.py --bench outputs/layer_bench.jsonl
     python experiments/validate_sim.py --bench B.jsonl --calibration C.json   # reuse a calibration file
+    python experiments/validate_sim.py --regimes production weak    # the frontier protocol's measured points
 
 1. *Calibrate* (:mod:`lrmoe.harness.calibrate_cpu`): on as many forked gloo ranks as the benchmark had, at its D and F,
    time the layer's grouped-GEMM SwiGLU (forward and backward) vs rows, ``all_to_all_single`` vs bytes, and Adam;
@@ -35,6 +36,13 @@ dense gradients' all-reduce over all ranks, and ranks outside every replica rang
 literal statistic, the median over steps of each step's slowest rank, is reported beside it
 (``step_slowest_median_abs_error``).
 
+Measured points of the frontier protocol (``--regimes``, DESIGN.md §10): per regime, ``layer_bench.py --regime R``
+(the regime's arms at its settings, the skew matched to its training runs), one calibration for all, and the same
+replay and prediction, now of every phase the model prices; the table: per arm, the slowest rank's CPU time per
+step (forward + backward, the bench's headline; also the covered phases alone, and the iteration with the optimizer
+step), median over steps, ÷ SYMI-dropless's, measured beside modelled on the same plans, their difference, and where
+the time goes per group of phases. A Markdown report beside the results file.
+
 Phases the cost model does not cover, excluded and listed in the output: route, plan, permute, unpermute,
 recalibrate, bwd_index_a2a, unpermute_bwd (and shared_fwd / shared_bwd, which the model covers but the layer does
 not time). Times on this machine are noisy (2 cores shared by 4 ranks and whatever else runs): every number is a
@@ -55,14 +63,21 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from tqdm import tqdm
 
+from lrmoe.analysis.protocol import REGIMES
+from lrmoe.bytemodel.layout import BACKWARD_PHASES, FORWARD_PHASES, STEP_PHASES
+from lrmoe.bytemodel.layout import PHASES as LAYER_PHASES
+from lrmoe.checks import positive_int_arg
 from lrmoe.config import model_preset
 from lrmoe.runtime.distributed.accounting import expected_layer, expected_step
 from lrmoe.harness.calibrate_cpu import CLOCKS, calibrate, spec_for_bench, write_calibration
 from lrmoe.harness.layer_bench_setup import make_policy, make_traces, memory_model, system_context
 from lrmoe.sim.cost import PHASES as MODEL_PHASES
 from lrmoe.sim.cost import CostModel, cpu_gloo_preset
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args, read_results
+from lrmoe.sim.systems import cost_options
+from lrmoe.systems import get_system
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args, read_results, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,6 +99,7 @@ EXCLUDED = {
 TARGET = 0.20  # median |error|: target 4 of DESIGN.md §5.8
 QUICK_BENCH = ["--quick", "--no-grad-error"]
 LAYER_BENCH = Path(__file__).resolve().parent / "layer_bench.py"
+REGIME_STEPS, REGIME_WARMUP = 32, 2  # --regimes: per arm; about 4 minutes a regime at layer_bench's default size
 FULL_BENCH = ["--no-grad-error", "--policies", "static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1",
               "lrmoe-m2", "lrmoe-padded"]
 
@@ -186,22 +202,33 @@ def check_replay(raw: pd.DataFrame, replay: dict, config: dict) -> pd.DataFrame:
 KEYS = ["clock", "trace", "policy", "phase"]
 
 
-def predict(replay: dict, config: dict, calibration: str | Path, clock: str | None = "cpu") -> pd.DataFrame:
-    """Predicted ms per (clock, trace, policy, measured step, covered phase, rank) on the CPU cluster calibrated by
-    ``clock`` (that clock's constants of the calibration file; None: its top-level ones)."""
+def bench_cost_model(model, cluster, curve, rep: dict, config: dict, policy: str) -> CostModel:
+    """The cost model of one system as the layer benchmark runs it: its registry entry's cost options
+    (:func:`lrmoe.sim.systems.cost_options`: planner, quota stage, metric and mode, sync groups, early selection)
+    except fixed-size capacity buffers (the layer multiplies only the rows that arrive); every system's optimizer
+    state sharded (the layer shards all); the backward's compaction, the bench's budget and replica-gradient mode."""
+    options = {k: v for k, v in cost_options(get_system(policy)).items() if k != "capacity_cf"}
+    return CostModel(model, cluster, gemm=curve, compaction=rep["backward"].compact, sharded_optimizer=True,
+                     mem_budget_bytes=rep["memory"].budget_bytes, replica_grad=bench_replica_grad(config), **options)
+
+
+def predict(replay: dict, config: dict, calibration: str | Path, clock: str | None = "cpu",
+            phases=COVERED) -> pd.DataFrame:
+    """Predicted ms per (clock, trace, policy, measured step, phase, rank) on the CPU cluster calibrated by
+    ``clock`` (that clock's constants of the calibration file; None: its top-level ones), for ``phases`` of the
+    cost model (default: those it covers and the layer times)."""
     model, n, _, _ = bench_shapes(config)
     cluster, curve = cpu_gloo_preset(calibration, n, clock=clock)
     warmup, frames = int(config["warmup"]), []
-    cols = [MODEL_PHASES.index(p) for p in COVERED]
+    phases = list(phases)
+    cols = [MODEL_PHASES.index(p) for p in phases]
     for (trace, policy), rep in replay.items():
-        cm = CostModel(model, cluster, gemm=curve, compaction=rep["backward"].compact, sharded_optimizer=True,
-                       mem_budget_bytes=rep["memory"].budget_bytes, replica_grad=bench_replica_grad(config),
-                       metric=rep["backward"].metric, mode=rep["backward"].mode)
+        cm = bench_cost_model(model, cluster, curve, rep, config, policy)
         for t, plan in enumerate(rep["plans"][warmup:]):
             ms_NC = cm.cost(plan).time_NH[:, cols] * 1e3
             frames.append(pd.DataFrame({"trace": trace, "policy": policy, "step": t,
-                                        "phase": [p for _ in range(n) for p in COVERED],
-                                        "rank": [r for r in range(n) for _ in COVERED],
+                                        "phase": [p for _ in range(n) for p in phases],
+                                        "rank": [r for r in range(n) for _ in phases],
                                         "predicted_ms": ms_NC.reshape(-1).tolist()}))
     return pd.concat(frames, ignore_index=True).assign(clock=clock or "cpu")
 
@@ -212,14 +239,15 @@ def phase_statistic(phase: str, clock: str) -> str:
     return "fastest" if clock == "wall" and phase in COLLECTIVE else "slowest"
 
 
-def measured_phase_ms(raw: pd.DataFrame, clock: str = "cpu") -> pd.DataFrame:
-    """Measured ms per (clock, trace, policy, step, covered phase, rank) by ``clock`` (``cpu``: the rank's CPU
-    time, ``wall``: elapsed); 0 for a rank that skipped a phase others ran (e.g. outside every replica range)."""
+def measured_phase_ms(raw: pd.DataFrame, clock: str = "cpu", phases=COVERED) -> pd.DataFrame:
+    """Measured ms per (clock, trace, policy, step, phase, rank) by ``clock`` (``cpu``: the rank's CPU time,
+    ``wall``: elapsed) for those of ``phases`` the layer timed (default: the covered ones); 0 for a rank that
+    skipped a phase others ran (e.g. outside every replica range)."""
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
-    cols = {f"{p}.{clock}_ms": p for p in COVERED if f"{p}.{clock}_ms" in raw and raw[f"{p}.{clock}_ms"].notna().any()}
+    cols = {f"{p}.{clock}_ms": p for p in phases if f"{p}.{clock}_ms" in raw and raw[f"{p}.{clock}_ms"].notna().any()}
     if not cols:
-        raise ValueError(f"the benchmark records no {clock}-clock time of any covered phase {COVERED}")
+        raise ValueError(f"the benchmark records no {clock}-clock time of any phase of {tuple(phases)}")
     long = raw[["trace", "policy", "step", "rank", *cols]].melt(id_vars=["trace", "policy", "step", "rank"],
                                                                  var_name="phase", value_name="measured_ms")
     long["phase"] = long["phase"].map(cols)
@@ -286,6 +314,258 @@ def phase_table(cells: pd.DataFrame, clock: str = "cpu") -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+# -- measured points of the frontier protocol (--regimes) ----------------------------------------------------------
+REFERENCE = "symi-dropless"  # the frontier's unit of time
+# what one rank's time sums, per statistic: the layer (forward + backward, layer_bench's headline), the phases of it
+# the cost model covers and the layer times, and the iteration (with the optimizer step, what the frontier prices)
+SPANS = {"layer": FORWARD_PHASES + BACKWARD_PHASES,
+         "covered": tuple(p for p in FORWARD_PHASES + BACKWARD_PHASES if p in COVERED),
+         "iteration": LAYER_PHASES}
+PLAN_KEYS = ["trace", "policy", "step"]
+
+
+def slowest_rank_ms(frame: pd.DataFrame, value: str, phases) -> pd.Series:
+    """Per (trace, policy, step): the slowest rank's sum of ``value`` over ``phases`` (long frame, one row per
+    rank and phase)."""
+    part = frame[frame["phase"].isin(phases)]
+    return part.groupby(PLAN_KEYS + ["rank"], sort=False)[value].sum().groupby(PLAN_KEYS, sort=False).max()
+
+
+def stragglers_ms(frame: pd.DataFrame, value: str, phases) -> pd.Series:
+    """Per (trace, policy, step): the sum over ``phases`` of each phase's slowest rank (the simulator's statistic,
+    DESIGN.md §5.3)."""
+    part = frame[frame["phase"].isin(phases)]
+    return part.groupby(PLAN_KEYS + ["phase"], sort=False)[value].max().groupby(PLAN_KEYS, sort=False).sum()
+
+
+def ratio_table(predicted: pd.DataFrame, measured: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFrame:
+    """Per (trace, policy, span of :data:`SPANS`): the slowest rank's time per step, median over steps, measured
+    (CPU clock) and modelled on the same plans, each ÷ ``reference``'s in the same trace; the measured ratio's
+    quartiles over the steps (each step's ratio: the policies ran it on the same tokens, in turn); the modelled
+    ratio by the simulator's statistic (the sum of per-phase stragglers) beside it. ValueError unless both sides
+    hold the same (trace, policy, step) plans and the reference ran in every trace."""
+    plans = {side: set(map(tuple, frame[PLAN_KEYS].drop_duplicates().to_numpy().tolist()))
+             for side, frame in (("predicted", predicted), ("measured", measured))}
+    if plans["predicted"] != plans["measured"]:
+        raise ValueError(f"modelled and measured cover different plans: "
+                         f"{sorted(plans['predicted'] ^ plans['measured'])[:5]}")
+    rows = []
+    for span, phases in SPANS.items():
+        per_step = pd.DataFrame({"measured": slowest_rank_ms(measured, "measured_ms", phases),
+                                 "modelled": slowest_rank_ms(predicted, "predicted_ms", phases),
+                                 "stragglers": stragglers_ms(predicted, "predicted_ms", phases)}).reset_index()
+        for trace, df in per_step.groupby("trace", sort=False):
+            ref = df[df["policy"] == reference].set_index("step")
+            if ref.empty:
+                raise ValueError(f"{reference} did not run in trace {trace!r}: no unit for the ratios")
+            for policy, mine in df.groupby("policy", sort=False):
+                mine = mine.set_index("step")
+                step_ratio = mine["measured"] / ref["measured"].reindex(mine.index)
+                med, ref_med = mine.median(numeric_only=True), ref.median(numeric_only=True)
+                rows.append({"trace": trace, "policy": policy, "span": span, "steps": len(mine),
+                             "measured_ms": med["measured"], "modelled_ms": med["modelled"],
+                             "measured_ratio": med["measured"] / ref_med["measured"],
+                             "modelled_ratio": med["modelled"] / ref_med["modelled"],
+                             "measured_ratio_q25": step_ratio.quantile(0.25),
+                             "measured_ratio_q75": step_ratio.quantile(0.75),
+                             "stragglers_ratio": med["stragglers"] / ref_med["stragglers"]})
+    table = pd.DataFrame(rows)
+    table["difference"] = table["modelled_ratio"] - table["measured_ratio"]
+    return table
+
+
+def in_order(table: pd.DataFrame, policies, column: str, values) -> pd.DataFrame:
+    """``table`` sorted by ``column`` in the order of ``values``, then by policy in the order of ``policies``."""
+    order = {column: {v: i for i, v in enumerate(values)}, "policy": {p: i for i, p in enumerate(policies)}}
+    return table.sort_values([column, "policy"], key=lambda c: c.map(order[c.name]), kind="stable").reset_index(
+        drop=True)
+
+
+# where the layer's time goes, measured beside modelled (the groups partition the layer's and the model's phases)
+PHASE_GROUPS = {"expert GEMMs": ("expert_fwd", "expert_bwd", "shared_fwd", "shared_bwd"),
+                "all-to-alls": ("dispatch_a2a", "combine_a2a", "combine_a2a_bwd", "bwd_index_a2a", "dispatch_a2a_bwd",
+                                "weight_push"),
+                "plan": ("plan",), "recalibrate": ("recalibrate",),
+                "not modelled": ("route", "permute", "early_keep_a2a", "unpermute", "unpermute_bwd"),
+                "optimizer step": STEP_PHASES}
+
+
+def phase_group_ms(predicted: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
+    """Per (trace, policy, group of :data:`PHASE_GROUPS`): the slowest rank's ms in the group per step, median over
+    steps, measured and modelled."""
+    frames = []
+    for group, phases in PHASE_GROUPS.items():
+        both = pd.DataFrame({"measured_ms": slowest_rank_ms(measured, "measured_ms", phases),
+                             "modelled_ms": slowest_rank_ms(predicted, "predicted_ms", phases)})
+        med = both.fillna(0.0).groupby(["trace", "policy"], sort=False).median()
+        frames.append(med.reset_index().assign(group=group))
+    return pd.concat(frames, ignore_index=True)
+
+
+def plan_facts(raw: pd.DataFrame) -> pd.DataFrame:
+    """Per (trace, policy): slots per rank, the retained share of the forward pairs (%), and static EP's slowest
+    rank ÷ mean forward pairs (median over steps), from what the benchmark counted."""
+    rows = []
+    for (trace, policy), df in raw.groupby(["trace", "policy"], sort=False):
+        per_step = df.groupby("step")
+        rows.append({"trace": trace, "policy": policy, "slots_per_rank": int(df["slots_per_rank"].iloc[0]),
+                     "retained_pct": 100.0 * df["pairs_retained"].sum() / max(df["pairs_fwd"].sum(), 1),
+                     "fwd_imbalance": float((per_step["pairs_fwd"].max() / per_step["pairs_fwd"].mean()).median())})
+    return pd.DataFrame(rows)
+
+
+def regime_point(config: dict, raw: pd.DataFrame, calibration: Path, cal: dict) -> tuple[pd.DataFrame, dict]:
+    """One regime's measured point: the replayed plans (checked against what the bench counted), the cost model's
+    prediction of every phase for them on the CPU calibration, the ratio table with the plans' facts, and the
+    per-phase error of the covered phases (CPU clock). SystemExit when the replay is not the run."""
+    replay = replay_plans(config)
+    mismatches = check_replay(raw, replay, config)
+    if len(mismatches):
+        raise SystemExit(f"validate_sim.py: error: the replayed plans of regime {config['regime']} differ from the "
+                         f"bench's in {len(mismatches)} counted quantities:\n{fmt(mismatches.head(5))}")
+    clock = "cpu" if "clocks" in cal else None
+    predicted = predict(replay, config, calibration, clock, phases=MODEL_PHASES)
+    measured = measured_phase_ms(raw, "cpu", phases=LAYER_PHASES)
+    table = ratio_table(predicted, measured).merge(plan_facts(raw), on=["trace", "policy"], how="left")
+    table = in_order(table, config["policies"], "span", SPANS)
+    groups = in_order(phase_group_ms(predicted, measured), config["policies"], "group", PHASE_GROUPS)
+    groups = groups.assign(regime=config["regime"])
+    cells = compare(predicted[predicted["phase"].isin(COVERED)], measured[measured["phase"].isin(COVERED)])
+    match = config["regime_match"]
+    info = {"regime": config["regime"], "zipf_s": match["zipf_s"], "runs": match["runs"], "trace": match["trace"],
+            "spare_slots": config["spare_slots"], "eps": config["eps"], "gamma": config["gamma"],
+            "rhos": match["rhos"], "steps": int(config["steps"]), "rank_steps": len(raw),
+            "covered_median_abs_error": float(cells["error"].abs().median())}
+    return table.assign(regime=config["regime"]), groups, info
+
+
+def regime_plot(table: pd.DataFrame, infos: dict):
+    """Per regime: each arm's layer time ÷ SYMI-dropless's, measured (median, bar: quartiles over the steps)
+    beside modelled for the same plans."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lrmoe.paper_figures import style
+
+    style.apply()
+    layer = table[table["span"] == "layer"]
+    regimes = list(dict.fromkeys(layer["regime"]))
+    fig, axes = plt.subplots(1, len(regimes), figsize=(6.0 * len(regimes) + 2.0, 4.4), sharey=True, squeeze=False)
+    for ax, regime in zip(axes[0], regimes):
+        df = layer[layer["regime"] == regime].reset_index(drop=True)
+        y = range(len(df))
+        # the quartiles are the per-step ratios', the point the ratio of the medians: it may lie outside them
+        ax.hlines(list(y), df["measured_ratio_q25"], df["measured_ratio_q75"], color="0.4", lw=1.2,
+                  label="measured, quartiles of the per-step ratio")
+        ax.scatter(df["measured_ratio"], y, marker="o", s=26, color="black", zorder=3,
+                   label="measured (CPU, medians)")
+        ax.scatter(df["modelled_ratio"], y, marker="D", s=28, color="#d62728", zorder=3,
+                   label="modelled (cost model, same plans)")
+        ax.axvline(1, color="0.6", lw=0.8, ls=":")
+        ax.set_yticks(list(y), df["policy"])
+        info = infos[regime]
+        ax.set(xlabel="÷ SYMI-dropless's",
+               title=f"regime {regime}: Zipf s {info['zipf_s']:.3f}\nstatic EP slowest rank ÷ mean "
+                     f"{info['trace']['rank_max_over_mean']:.3f} (runs {info['runs']['rank_max_over_mean']:.3f})")
+        ax.title.set_fontsize(9)
+    axes[0][0].invert_yaxis()  # the axes share y: inverting one inverts all
+    style.legend_outside(axes[0][-1])
+    fig.supxlabel("slowest-rank layer CPU time (forward + backward) ÷ SYMI-dropless's, median over steps", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def regime_report(table: pd.DataFrame, groups: pd.DataFrame, infos: dict, cal_path: Path, config: dict,
+                  figure: str) -> str:
+    model, n, base, _ = bench_shapes(config)
+    lines = [f"# Measured points of the frontier protocol: the real layer on {n} gloo ranks (CPU)", "",
+             f"![measured vs modelled]({figure})", "",
+             f"The layer of `experiments/layer_bench.py --regime R` ({model.name}, E = {model.num_experts}, "
+             f"k = {model.top_k}, D = {model.hidden}, F = {model.expert_ffn}, {config['tokens_per_rank']} tokens per "
+             f"rank, {config['dtype']}), every arm of the regime in turn inside each step on the same tokens; the "
+             f"cost model priced with this machine's CPU calibration (`{cal_path.name}`) on the same plans (replayed "
+             "and checked against every pair and byte the bench counted). Times are CPU times of a 2-core machine "
+             "shared with other work: ratios, never GPU results.", "",
+             "Statistic: per step, the slowest rank's CPU time summed over the layer's forward and backward phases "
+             "(the bench's headline), median over steps, ÷ SYMI-dropless's; the model's the same on its predicted "
+             "per-rank phase times. `q25`–`q75`: quartiles of the per-step measured ratio. `stragglers`: the "
+             "simulator's statistic (the sum over phases of each phase's slowest rank) of the model. `difference`: "
+             "modelled − measured ratio.", ""]
+    for regime, info in infos.items():
+        df = table[table["regime"] == regime]
+        runs, trace = info["runs"], info["trace"]
+        lines += [f"## Regime {regime}", "",
+                  f"{REGIMES[regime].description}. Settings: {info['spare_slots']} spare slot(s) per rank beside "
+                  f"{base} home slots, ε {info['eps']:g}, γ {info['gamma']:g}, ρ ∈ {info['rhos']}; Zipf s "
+                  f"{info['zipf_s']:.4f}, matched to the runs' static-EP slowest rank ÷ mean "
+                  f"{runs['rank_max_over_mean']:.3f} ({runs['runs']} runs) at the bench's own trace: the replayed "
+                  f"trace has {trace['rank_max_over_mean']:.3f} "
+                  f"(per-expert Gini {trace['gini']:.3f} against the runs' {runs['gini']:.3f}; hottest ÷ mean "
+                  f"{trace['expert_max_over_mean']:.2f} against {runs['expert_max_over_mean']:.2f}, not matched). "
+                  f"{info['steps']} measured steps per arm. Median |error| of the model over the covered phases' "
+                  f"cells: {info['covered_median_abs_error']:.1%}.", ""]
+        layer = df[df["span"] == "layer"]
+        cols = ["policy", "slots_per_rank", "retained_pct", "measured_ms", "measured_ratio", "measured_ratio_q25",
+                "measured_ratio_q75", "modelled_ratio", "difference", "stragglers_ratio"]
+        lines += ["Layer (forward + backward), slowest rank:", "", fmt(layer[cols]), ""]
+        wide = df.pivot_table(index="policy", columns="span", values=["measured_ratio", "modelled_ratio"],
+                              sort=False)
+        wide.columns = [f"{span} {side.replace('_ratio', '')}" for side, span in wide.columns]
+        order = [f"{span} {side}" for span in ("covered", "iteration") for side in ("measured", "modelled")]
+        lines += ["The covered phases only (both sides the same phases) and the iteration (with the optimizer "
+                  "step), ÷ SYMI-dropless's:", "", wide[order].reset_index().to_markdown(index=False, floatfmt=".3f"),
+                  ""]
+        g = groups[groups["regime"] == regime]
+        cells = g.assign(ms=[f"{a:.2f} / {b:.2f}" for a, b in zip(g["measured_ms"], g["modelled_ms"])])
+        cells = cells.pivot_table(index="policy", columns="group", values="ms", aggfunc="first", sort=False)
+        lines += ["Where the time goes: slowest rank's ms per step in each group of phases, median over steps, "
+                  "measured / modelled:", "", cells[list(PHASE_GROUPS)].reset_index().to_markdown(index=False), ""]
+    return "\n".join(lines)
+
+
+def regimes_main(args) -> pd.DataFrame:
+    """--regimes: run layer_bench at each regime's settings, calibrate once, price the same plans, report."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    benches = {r: read_bench(bench_path(args, r) if args.reuse_benches else run_bench(args, out.parent, r))
+               for r in tqdm(args.regimes, desc="regimes", unit="regime")}
+    shapes = {json.dumps({k: c[k] for k in ("model", "hidden", "ffn", "tokens_per_rank", "dtype", "world_size",
+                                            "spare_slots")}, sort_keys=True) for c, _ in benches.values()}
+    if len(shapes) != 1:
+        raise SystemExit(f"validate_sim.py: error: the regimes' benches differ in shape ({shapes}): one calibration "
+                         "cannot price them")
+    first = next(iter(benches.values()))[0]
+    cal_path, cal = calibration_file(args, first, out.parent)
+    tables, groups, infos = [], [], {}
+    for regime, (config, raw) in benches.items():
+        table, group, infos[regime] = regime_point(config, raw, cal_path, cal)
+        tables.append(table)
+        groups.append(group)
+    table, groups = pd.concat(tables, ignore_index=True), pd.concat(groups, ignore_index=True)
+    config_out = {**vars(args), "benches": {r: str(bench_path(args, r)) for r in benches},
+                  "calibration": str(cal_path)}
+    with Tracker("validate_sim", config_out, results=out, seed=args.seed, overwrite=args.overwrite,
+                 resume=args.resume, wandb=not args.no_wandb) as run:
+        run.log_table("calibration", constants_table(cal), calibration_file=str(cal_path))
+        run.log_table("regime_ratio", table)
+        run.log_table("regime_phase_group", groups)
+        run.log_summary({"regimes": infos, "reference": REFERENCE, "calibration": str(cal_path),
+                         **{f"{r['regime']}/{r['policy']}/{r['span']}/{side}": r[f"{side}_ratio"]
+                            for r in table.to_dict("records") for side in ("measured", "modelled")}})
+        import matplotlib.pyplot as plt
+
+        fig = regime_plot(table, infos)
+        figs = run.log_figure("ratios", fig)
+        plt.close(fig)
+    text = regime_report(table, groups, infos, cal_path, first, figs[0].name)
+    report = write_report(out, text)
+    print(text)
+    print(f"results: {out}; figure: {figs[0]}; report: {report}")
+    return table
+
+
 # -- the script --------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -294,16 +574,57 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="reuse this CPU calibration file (default: measure, and write <out>_cpu_calibration.json)")
     p.add_argument("--quick", action="store_true", help="small benchmark and calibration, about a minute")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=None,
+                   help="measured points of the frontier protocol: layer_bench --regime R for each (its arms at its "
+                        "settings), one calibration, and per regime every arm's slowest-rank CPU time ÷ "
+                        "SYMI-dropless's, measured beside modelled for the same plans (a Markdown report beside --out)")
+    p.add_argument("--steps", type=positive_int_arg, default=REGIME_STEPS,
+                   help="--regimes: measured iterations per arm (--quick: layer_bench's quick size)")
+    p.add_argument("--runs", default=None,
+                   help="--regimes: the protocol's collected runs the skew is matched to (default: layer_bench's)")
+    p.add_argument("--reuse-benches", action="store_true",
+                   help="--regimes: price the benchmarks an earlier run wrote beside --out "
+                        "(<out>_layer_bench_<regime>.jsonl) instead of measuring again")
     add_tracking_args(p, "outputs/validate_sim.jsonl")
     args = p.parse_args(argv)
-    check_tracking_args(p, args, "validate_sim")
+    outputs = {}
+    if args.regimes:
+        if args.bench:
+            p.error("--regimes runs its own benchmarks: no --bench")
+        args.regimes = list(dict.fromkeys(args.regimes))
+        if args.reuse_benches:
+            missing = [str(bench_path(args, r)) for r in args.regimes if not bench_path(args, r).is_file()]
+            if missing:
+                p.error(f"--reuse-benches: no earlier benchmark {', '.join(missing)}")
+        else:
+            outputs = {f"the {r} benchmark": bench_path(args, r) for r in args.regimes}
+        if not args.calibration:
+            outputs["the calibration"] = calibration_path(args)
+    check_tracking_args(p, args, "validate_sim", outputs=outputs, report=bool(args.regimes))
     return args
 
 
-def run_bench(args, out_dir: Path) -> Path:
-    """Run layer_bench (small) into the output folder; returns its results file."""
-    path = out_dir / f"{Path(args.out).stem}_layer_bench.jsonl"
-    argv = [*(QUICK_BENCH if args.quick else FULL_BENCH), "--seed", str(args.seed), "--out", str(path)]
+def bench_path(args, regime: str | None = None) -> Path:
+    """Where the layer benchmark this script runs writes its results: beside --out, named for it (and the regime)."""
+    out = Path(args.out)
+    return out.with_name(f"{out.stem}_layer_bench{f'_{regime}' if regime else ''}.jsonl")
+
+
+def calibration_path(args) -> Path:
+    out = Path(args.out)
+    return out.with_name(f"{out.stem}_cpu_calibration.json")
+
+
+def run_bench(args, out_dir: Path, regime: str | None = None) -> Path:
+    """Run layer_bench (small, or at a regime's settings) into the output folder; returns its results file."""
+    path = bench_path(args, regime)
+    if regime:
+        argv = ["--regime", regime, "--no-grad-error",
+                *(["--quick"] if args.quick else ["--steps", str(args.steps), "--warmup", str(REGIME_WARMUP)]),
+                *(["--runs", args.runs] if args.runs else [])]
+    else:
+        argv = QUICK_BENCH if args.quick else FULL_BENCH
+    argv = [*argv, "--seed", str(args.seed), "--out", str(path)]
     argv += ["--overwrite"] if args.overwrite else ["--resume"] if args.resume else []
     argv += ["--no-wandb"] if args.no_wandb else []
     print(f"== layer_bench {' '.join(argv)}", flush=True)
@@ -328,7 +649,7 @@ def calibration_file(args, config: dict, out_dir: Path) -> tuple[Path, dict]:
     data["provenance"]["seconds"] = round(time.time() - t0, 1)
     data["provenance"]["for_bench"] = {k: config[k] for k in ("model", "hidden", "ffn", "tokens_per_rank", "dtype",
                                                               "world_size")}
-    path = out_dir / f"{Path(args.out).stem}_cpu_calibration.json"
+    path = calibration_path(args)
     write_calibration(data, path, overwrite=args.overwrite or args.resume)
     return path, data
 
@@ -396,6 +717,8 @@ def constants_table(cal: dict) -> pd.DataFrame:
 
 def main(argv=None) -> pd.DataFrame:
     args = parse_args(argv)
+    if args.regimes:
+        return regimes_main(args)
     out = Path(args.out)
     if out.exists() and not (args.overwrite or args.resume):  # fail before any benchmark runs
         raise FileExistsError(f"results file {out} exists; pass --overwrite to replace it or --resume to append")

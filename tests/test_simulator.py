@@ -17,8 +17,8 @@ from lrmoe.planner.placement import MemoryModel
 from lrmoe.planner.policies import LRMoE, Capacity, StaticEP, Symi
 from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.sim.cost import CATEGORIES, PHASES, CostModel
-from lrmoe.sim.simulator import System, iter_plans, one_intra_op_thread, simulate
-from lrmoe.integrations.traces import generate_trace
+from lrmoe.sim.simulator import System, iter_plans, one_intra_op_thread, simulate, split_micro_batches
+from lrmoe.integrations.traces import Trace, generate_trace
 
 D, F, E, K, T = 8, 5, 8, 2, 16
 PLAN_FIELDS = ("placement_NS", "fwd_NG", "dropped_NE", "keep_NG", "bwd_flows_V4", "floor_excess_N", "bwd_cap_N",
@@ -169,6 +169,41 @@ def test_micro_batches_repeat_the_layer_phases_but_not_the_sync():
     assert four["a2a_bytes"] == pytest.approx(4 * one["a2a_bytes"])
     with pytest.raises(ValueError, match="micro_batches"):
         simulate(counts, SYSTEMS[1], MODEL, CLUSTER, micro_batches=0)
+
+
+def test_a_trace_that_sums_micro_batches_is_priced_per_micro_batch():
+    """A recorded trace sums each step's micro-batches (meta micro_batches=k, as train.py writes it): the simulator
+    prices k micro-batches of a k-th each, so an iteration routes the step's pairs once (not k times) and costs
+    what k micro-batches of their own counts cost."""
+    per_micro = _trace()
+    recorded = Trace(per_micro * 3, {"source": "recorded", "micro_batches": 3})
+    res = simulate(recorded, SYSTEMS[2], MODEL, CLUSTER)
+    assert res.micro_batches == 3
+    assert torch.equal(res.routed_IL * res.micro_batches, recorded.counts_ILNE.sum(dim=(2, 3)))
+    want = simulate(per_micro, SYSTEMS[2], MODEL, CLUSTER, micro_batches=3)
+    assert torch.equal(res.phase_ILH, want.phase_ILH) and res.summary() == want.summary()
+    # the number of micro-batches can still be chosen; each is the recorded micro-batch
+    six = simulate(recorded, SYSTEMS[2], MODEL, CLUSTER, micro_batches=6)
+    assert torch.equal(six.phase_ILH, res.phase_ILH) and six.time_s() == pytest.approx(res.time_s(micro_batches=6))
+    # a trace without the key, or a bare tensor, is one micro-batch per step, as before
+    plain = simulate(Trace(per_micro, {"source": "synthetic"}), SYSTEMS[2], MODEL, CLUSTER)
+    assert torch.equal(plain.phase_ILH, simulate(per_micro, SYSTEMS[2], MODEL, CLUSTER).phase_ILH)
+    with pytest.raises(ValueError, match="micro_batches=0.5"):
+        simulate(Trace(per_micro, {"micro_batches": 0.5}), SYSTEMS[2], MODEL, CLUSTER)
+
+
+def test_splitting_a_step_into_micro_batches_keeps_every_row_total():
+    """Two different micro-batches summed, then split: each count is the floor or the ceiling of its mean, and each
+    (step, layer, source rank) row routes exactly half of its pairs."""
+    a, b = _trace(seed=1), _trace(seed=2, skew=1.2)
+    step_ILNE = a + b
+    half_ILNE = split_micro_batches(step_ILNE, 2)
+    assert torch.equal(half_ILNE.sum(-1), step_ILNE.sum(-1) // 2)
+    assert ((half_ILNE == step_ILNE // 2) | (half_ILNE == (step_ILNE + 1) // 2)).all()
+    assert bool((step_ILNE % 2 == 1).any())  # the rounding was exercised
+    # a row whose total does not divide keeps its floor: [3, 3, 1] in 2 -> [2, 1, 0] (ties to the lower expert)
+    assert split_micro_batches(torch.tensor([3, 3, 1]).view(1, 1, 1, 3), 2).flatten().tolist() == [2, 1, 0]
+    assert torch.equal(split_micro_batches(a, 1), a)
 
 
 def test_capacity_drops_are_reported():

@@ -160,7 +160,7 @@ def test_imported_megatron_trace_equals_the_counts_it_encodes(tmp_path):
     trace = import_megatron_trace(tmp_path, num_experts=E, model="tiny")
     assert torch.equal(trace.counts_ILNE, want)
     assert trace.meta["steps"] == [5, 6] and trace.meta["layers"] == [1, 3] and trace.meta["ranks"] == [0, 1]
-    assert trace.meta["source"] == "recorded" and trace.meta["top_k"] == K
+    assert trace.meta["source"] == "recorded" and trace.meta["top_k"] == K and trace.meta["micro_batches"] == 2
     back = load_trace(trace.save(tmp_path / "imported.npz"))  # the project's format from here on
     assert torch.equal(back.counts_ILNE, want)
     one = import_megatron_trace(tmp_path / "router_trace_rank1.jsonl", num_experts=E)
@@ -220,3 +220,27 @@ def test_recorder_counts_the_routers_choices_of_an_hf_model():
             for n in range(2):
                 assert torch.equal(trace.counts_ILNE[step, layer, n], torch.bincount(halves[n].flatten(), minlength=E))
     assert len(rec._handles) == 0  # the context manager removed the hooks
+
+
+def test_recorder_counts_a_checkpointed_forward_once():
+    """With activation checkpointing the routers run again in the backward: that recomputation is not a step."""
+    pytest.importorskip("transformers")
+    from transformers import Qwen3MoeForCausalLM
+
+    from lrmoe.config import model_preset
+    from lrmoe.integrations.hf import hf_config
+    from lrmoe.integrations.traces import RouterRecorder
+
+    ids = [torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(m)) for m in range(2)]
+    traces = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = Qwen3MoeForCausalLM(hf_config(model_preset("qwen3-30b-a3b-debug").replace(num_layers=2)))
+        model.train()
+        if checkpointing:
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+        with RouterRecorder(model) as rec:
+            for x in ids:  # two micro-batches, each forward then backward
+                model(x, labels=x).loss.backward()
+        traces.append(rec.trace().counts_ILNE)
+    assert traces[0].shape == (2, 2, 1, 16) and torch.equal(traces[1], traces[0])

@@ -1,10 +1,13 @@
 """The simulator's validation against the measured layer: the CPU calibration's fits recover known constants, the
 micro-benchmarks run on forked ranks and write a file the cost model reads, the replayed plans are the plans the
 layer benchmark ran (every pair and byte it counted), the error statistics on a hand case, and the script's table
-(one row per covered phase)."""
+(one row per covered phase). The frontier's measured points: a regime's settings reach the layer (slots, matched
+skew, the arms and their rho), the modelled and measured ratios are of the same plans, and the statistic on a hand
+case."""
 
 import json
 import math
+from argparse import Namespace
 from pathlib import Path
 
 import pandas as pd
@@ -285,3 +288,149 @@ def test_validate_sim_reports_one_row_per_covered_phase(tiny_bench, tmp_path):
     assert json.loads(cal.read_text())["clock"] == "cpu"
     with pytest.raises(SystemExit):  # an existing results file: refused before any work
         vs.main(["--bench", str(tiny_bench), "--calibration", str(cal), "--out", str(out), "--no-wandb"])
+
+
+# -- measured points of the frontier protocol: layer_bench --regime, priced on the same plans ------------------------
+def _runs_file(path: Path, production: float = 1.12, weak: float = 1.2) -> Path:
+    """Collected protocol runs: two static-EP runs per regime (their slowest rank ÷ mean is what a regime's skew is
+    matched to) and another arm's run, whose routing must not count."""
+    rows = [{"regime": regime, "seed": seed, "arm": "static-ep", "load/rank_max_over_mean_mean": value,
+             "load/gini_mean": 0.1, "load/expert_max_over_mean_mean": 1.5}
+            for regime, value in (("production", production), ("weak", weak)) for seed in (0, 1)]
+    rows.append({**rows[-1], "arm": "symi-dropless", "load/rank_max_over_mean_mean": 3.0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+REGIME_BENCH = ["--ranks", "2", "--tokens-per-rank", "64", "--steps", "2", "--warmup", "1", "--no-wandb"]
+
+
+def test_a_regime_sets_the_protocols_settings_at_the_benchs_scale(tmp_path):
+    from lrmoe.analysis.protocol import REGIMES, SWEEP_ARMS
+    from lrmoe.analysis.skew import trace_imbalance
+    from lrmoe.harness.layer_bench_setup import make_traces
+
+    lb = _script("layer_bench")
+    runs = str(_runs_file(tmp_path / "runs.jsonl"))
+    argv = [*REGIME_BENCH, "--runs", runs, "--out", str(tmp_path / "bench.jsonl")]
+    picked = {}
+    for name in ("production", "weak"):
+        args = lb.parse_args(["--regime", name, *argv])
+        lb.check_args(args)
+        regime = REGIMES[name]
+        # the regime's slots at this scale (16 experts on 2 ranks: 8 home slots, a quarter of them spare), eps, gamma
+        assert (args.spare_slots, args.eps, args.gamma) == (regime.spare_slots(16, 2), regime.eps, regime.gamma)
+        assert args.spare_slots == 2
+        # its arms: the budget systems at every rho of its grid beside SYMI-dropless, its random trim, static EP
+        assert args.policies == list(SWEEP_ARMS)
+        assert {f"lrmoe-rho{r:g}-unbiased" for r in regime.rhos} | {"static-ep", "symi-dropless",
+                                                                      "symi-dropless-rho0.75"} <= set(args.policies)
+        # one Zipf trace, whose static-EP slowest rank ÷ mean is the runs' (the other arm's run is not counted)
+        assert args.skew == "zipf" and len(args.skew_param) == 1
+        target = {"production": 1.12, "weak": 1.2}[name]
+        assert args.regime_match["runs"]["rank_max_over_mean"] == pytest.approx(target)
+        (_, counts_INE, _), = make_traces(args, 2, 16, 4, "qwen3-30b-a3b-debug")
+        assert trace_imbalance(counts_INE[:, None])["rank_max_over_mean"] == pytest.approx(target, rel=0.05)
+        picked[name] = args.skew_param[0]
+    assert picked["weak"] > picked["production"] + 0.05
+    # a flag the regime sets, given otherwise, or another skew: refused before any work
+    for extra in (["--spare-slots", "3"], ["--eps", "0.2"], ["--skew-param", "0.3"], ["--skew", "dirichlet"]):
+        with pytest.raises(SystemExit):
+            lb.parse_args(["--regime", "weak", *argv, *extra])
+    # a skew no Zipf exponent reaches is an error, not a silently different trace
+    with pytest.raises(SystemExit):
+        lb.parse_args(["--regime", "weak", *REGIME_BENCH, "--out", str(tmp_path / "b.jsonl"),
+                       "--runs", str(_runs_file(tmp_path / "far.jsonl", weak=1.99))])
+
+
+def test_a_regime_point_prices_the_plans_the_layer_ran(tmp_path):
+    lb, vs = _script("layer_bench"), _script("validate_sim")
+    out = tmp_path / "points_layer_bench_weak.jsonl"  # where validate_sim --regimes weak --out points.jsonl has it
+    policies = ["static-ep", "symi-dropless", "lrmoe-rho0.5-unbiased", "symi-dropless-rho0.75"]
+    lb.main(["--regime", "weak", *REGIME_BENCH, "--hidden", "32", "--ffn", "16", "--no-grad-error",
+             "--runs", str(_runs_file(tmp_path / "runs.jsonl")), "--policies", *policies, "--out", str(out)])
+    config, raw = vs.read_bench(out)
+    spec = CalibrationSpec(num_ranks=2, hidden=32, ffn=16, num_experts=16, gemm_rows=(1, 8, 32, 128),
+                           gemm_groups=(1, 8), a2a_bytes=(0, 1024, 65536), repeats=3)
+    cal = write_calibration(calibration_data(spec, _fake_ranks(spec)), tmp_path / "cal.json")
+    table, groups, info = vs.regime_point(config, raw, cal, json.loads(cal.read_text()))
+
+    # the regime reached the layer: its slots, its skew (static EP's counted pairs are the matched trace's), its rho
+    facts = table[table["span"] == "layer"].set_index("policy")
+    assert facts.loc["static-ep", "slots_per_rank"] == 8
+    assert (facts.drop("static-ep")["slots_per_rank"] == 8 + 2).all() and info["spare_slots"] == 2
+    assert info["zipf_s"] == config["skew_param"][0] and info["trace"]["rank_max_over_mean"] == pytest.approx(1.2,
+                                                                                                          rel=0.05)
+    from lrmoe.harness.layer_bench_setup import make_traces
+
+    (_, counts_INE, _), = make_traces(Namespace(**config), 2, 16, 4, config["model"])
+    static = raw[raw["policy"] == "static-ep"]
+    for rec in static.to_dict("records"):  # static EP: rank r computes every pair routed to its 8 home experts
+        hosted_N = counts_INE[rec["step"] + config["warmup"]].sum(0).view(2, 8).sum(1)
+        assert rec["pairs_fwd"] == int(hosted_N[rec["rank"]])
+    assert facts.loc["lrmoe-rho0.5-unbiased", "retained_pct"] == pytest.approx(50, abs=1)
+    assert facts.loc["symi-dropless-rho0.75", "retained_pct"] == pytest.approx(75, abs=2)
+    assert facts.loc["symi-dropless", "retained_pct"] == 100
+
+    # one row per policy and span, for the plans the layer ran; SYMI-dropless is the unit on both sides
+    assert set(zip(table["policy"], table["span"])) == {(p, s) for p in policies for s in vs.SPANS}
+    assert (table["steps"] == 2).all()
+    symi = table[table["policy"] == "symi-dropless"]
+    assert np_all_close(symi[["measured_ratio", "modelled_ratio", "stragglers_ratio"]], 1.0)
+    ref = facts.loc["symi-dropless"]
+    assert np_all_close(facts["modelled_ratio"], facts["modelled_ms"] / ref["modelled_ms"])
+    assert np_all_close(facts["difference"], facts["modelled_ratio"] - facts["measured_ratio"])
+    # the measured statistic is the bench's own headline (slowest rank's forward + backward CPU time, median)
+    bench = {r["policy"]: r["slowest_cpu_ms"] for r in read_results(out) if r.get("table") == "policy"}
+    assert np_all_close(facts["measured_ms"], pd.Series(bench)[facts.index])
+    assert set(groups["group"]) == set(vs.PHASE_GROUPS) and (groups["modelled_ms"] >= 0).all()
+    assert info["covered_median_abs_error"] >= 0
+
+    # the script prices that benchmark again: the same table, a report and a figure beside its results file
+    points = tmp_path / "points.jsonl"
+    again = vs.main(["--regimes", "weak", "--reuse-benches", "--calibration", str(cal), "--out", str(points),
+                     "--no-wandb"])
+    assert np_all_close(again["modelled_ratio"], table["modelled_ratio"])
+    assert "## Regime weak" in points.with_suffix(".md").read_text()
+    assert (tmp_path / "points_ratios.png").exists()
+    with pytest.raises(SystemExit):  # an existing results file: refused before any work
+        vs.main(["--regimes", "weak", "--reuse-benches", "--calibration", str(cal), "--out", str(points),
+                 "--no-wandb"])
+
+
+def np_all_close(a, b) -> bool:
+    import numpy as np
+
+    return bool(np.allclose(np.asarray(a, dtype=float), np.asarray(b, dtype=float)))
+
+
+def test_the_ratio_table_on_a_hand_case():
+    vs = _script("validate_sim")
+
+    def frame(col, per):  # per[policy][step] = [[rank 0's ms per phase], [rank 1's]] over PHASES below
+        return pd.DataFrame([{"trace": "t", "policy": p, "step": s, "rank": r, "phase": ph, col: v}
+                             for p, steps in per.items() for s, ranks in enumerate(steps)
+                             for r, values in enumerate(ranks) for ph, v in zip(PHASES, values)])
+
+    PHASES = ("expert_fwd", "dispatch_a2a", "adam")  # two of the layer's covered phases and one of the step
+    measured = frame("measured_ms", {"symi-dropless": [[[2, 1, 5], [1, 3, 0]], [[4, 4, 0], [1, 1, 0]]],
+                                     "p": [[[1, 1, 0], [1, 2, 0]], [[2, 2, 0], [2, 1, 0]]]})
+    predicted = frame("predicted_ms", {"symi-dropless": [[[2, 2, 0], [2, 2, 0]]] * 2,
+                                       "p": [[[1, 0, 0], [0, 1, 0]]] * 2})
+    table = vs.ratio_table(predicted, measured).set_index(["policy", "span"])
+    layer = table.loc[("p", "layer")]
+    # measured: the slowest rank's layer sum per step, SYMI (4, 8) and p (3, 4), medians 6 and 3.5
+    assert layer["measured_ms"] == 3.5 and layer["measured_ratio"] == pytest.approx(3.5 / 6)
+    # the quartiles of the per-step ratios (3/4 and 4/8), interpolated
+    assert (layer["measured_ratio_q25"], layer["measured_ratio_q75"]) == pytest.approx((0.5625, 0.6875))
+    # modelled: p's slowest rank 1 ms against SYMI's 4; the simulator's statistic sums per-phase stragglers: 2 vs 4
+    assert layer["modelled_ratio"] == pytest.approx(0.25) and layer["stragglers_ratio"] == pytest.approx(0.5)
+    assert layer["difference"] == pytest.approx(0.25 - 3.5 / 6)
+    # the iteration adds the step's phases: SYMI's rank 0 carries 5 more ms in step 0 (slowest 8 and 8, median 8)
+    assert table.loc[("symi-dropless", "iteration"), "measured_ms"] == 8
+    assert table.loc[("p", "iteration"), "measured_ratio"] == pytest.approx(3.5 / 8)
+    # modelled and measured must be the same plans
+    with pytest.raises(ValueError, match="different plans"):
+        vs.ratio_table(predicted[predicted["step"] == 0], measured)
+    with pytest.raises(ValueError, match="symi-dropless did not run"):
+        vs.ratio_table(predicted[predicted["policy"] == "p"], measured[measured["policy"] == "p"])

@@ -67,6 +67,13 @@ def early_family(rho: float = protocol.CLAIM_RHO) -> list[Claim]:
     ]
 
 
+def early_arms(rho: float = protocol.CLAIM_RHO) -> list[str]:
+    """The arms early selection's family reads: the references, late selection (m2 unbiased) and the early arm. Its
+    gap table is taken over its own whole seeds, so that the arm added later (DESIGN.md §10.6) never removes a seed
+    from the main family's table."""
+    return [*protocol.REFERENCES, f"lrmoe-rho{rho:g}-unbiased", *protocol.EARLY_ARMS]
+
+
 def gap_table(rows, arms=None, references=protocol.REFERENCES) -> pd.DataFrame:
     """Seeds x arms: each arm's endpoint as % above the seed's reference (the mean of the ``references``' endpoints,
     DESIGN.md §10.3). Only whole seeds: those with a finite endpoint for every one of ``arms`` (default: every arm

@@ -32,7 +32,9 @@ TOLERANCE = 0.05  # the largest relative distance between the two axes' slowest 
 @dataclass(frozen=True)
 class Scale:
     """The simulated scale a skew is matched at (a subset of layers and iterations suffices: every layer's
-    popularity is drawn alike)."""
+    popularity is drawn alike). ``exact``: every token's top-k drawn (the layer benchmark's traces), not the
+    counts' multinomial approximation; with ``layers=1`` and a benchmark's steps and seed, the very trace it
+    replays."""
 
     num_ranks: int
     num_experts: int
@@ -41,6 +43,7 @@ class Scale:
     layers: int = 8
     steps: int = 4
     seed: int = 0
+    exact: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ def trace_imbalance(counts_ILNE) -> dict:
 def synthetic_imbalance(zipf_s: float, scale: Scale) -> dict:
     """STATS of a synthetic Zipf trace at ``scale``."""
     trace = generate_trace(scale.steps, scale.layers, scale.num_ranks, scale.num_experts, scale.top_k,
-                           scale.tokens_per_rank, skew="zipf", skew_param=zipf_s, seed=scale.seed)
+                           scale.tokens_per_rank, skew="zipf", skew_param=zipf_s, seed=scale.seed, exact=scale.exact)
     return trace_imbalance(trace.counts_ILNE)
 
 

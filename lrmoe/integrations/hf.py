@@ -24,6 +24,12 @@ micro-batches: the summed gradients times 1 / (ranks x micro-batches), the micro
 forwards since the last step. A loop that already divides each micro-batch's loss by their number (HF's Trainer,
 Accelerate) passes ``grad_scale=1 / ranks``; ``grad_scale=1.0`` gives the plain sum.
 
+**Trainer and data parallelism.** ``transformers.Trainer`` works on one process with ``optimizers=(ep.optimizer(...,
+grad_scale=1.0), scheduler)`` and ``max_grad_norm=0`` (:class:`EPOptimizer`). On more than one process it (and
+Accelerate, and any loop) wraps the model in DistributedDataParallel: a swapped model refuses that at the wrapper's
+construction, on every rank, before any step (:class:`DataParallelError`; the message says why and what to use), and
+refuses to run as a copy made by ``nn.DataParallel``. FSDP is not supported and not detected.
+
 Weights. HF fuses the experts as ``gate_up_proj`` [E, 2F, D] (gate rows first: ``linear(x, W).chunk(2)``) and
 ``down_proj`` [E, D, F]; the layer keeps the reference layout ``w_gate_EDF``, ``w_up_EDF``, ``w_down_EFD``
 (:func:`hf_to_reference`, :func:`reference_to_hf`). The swapped module owns no parameter of its own: the replica
@@ -63,8 +69,8 @@ from lrmoe.runtime.routing import RouterOutput, update_expert_bias
 from lrmoe.systems import SystemContext, SystemSpec, get_system
 from lrmoe.integrations.traces import RouterRecorder, Trace, join_ranks
 
-__all__ = ["FAMILIES", "EPExperts", "EPOptimizer", "HFExpertParallel", "gather_trace", "hf_config", "hf_to_reference",
-           "moe_blocks", "reference_to_hf", "swap_moe_blocks"]
+__all__ = ["FAMILIES", "DataParallelError", "EPExperts", "EPOptimizer", "HFExpertParallel", "ddp_refusal",
+           "gather_trace", "hf_config", "hf_to_reference", "moe_blocks", "reference_to_hf", "swap_moe_blocks"]
 
 DEFAULT_BIAS_RATE = 1e-3  # aux-loss-free bias update speed (DeepSeek-V3 §2.1.2; GLM-4.5 trains with it)
 
@@ -197,6 +203,8 @@ class EPExperts(nn.Module):
                 f"rank={self.layer.rank}/{self.layer.num_ranks}")
 
     def forward(self, hidden_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if getattr(self, "_is_replica", False):  # nn.Module._replicate_for_data_parallel marks nn.DataParallel's copies
+            raise DataParallelError(DATA_PARALLEL_REFUSAL)
         layer = self.layer
         routing = RouterOutput(top_k_index, top_k_weights, None)
         if torch.is_grad_enabled():
@@ -310,7 +318,74 @@ def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: System
         layer.name = block_name  # errors name the block (e.g. a non-finite input)
         block.experts = EPExperts(layer)  # HF's full expert tensors are released here
         swapped.append(block_name)
+    _refuse_ddp(model, swapped, N)
     return HFExpertParallel(model, swapped, [b for _, b in blocks], family, name)
+
+
+# -- data-parallel wrappers ------------------------------------------------------------------------------------------
+class DataParallelError(RuntimeError):
+    """A data-parallel wrapper (DistributedDataParallel, nn.DataParallel) around a swapped model: refused."""
+
+
+def ddp_refusal(num_ranks: int) -> str:
+    """Why DistributedDataParallel cannot wrap a model swapped over ``num_ranks`` ranks, and what to use."""
+    return (f"DistributedDataParallel cannot wrap a model whose MoE blocks run on lrmoe's expert-parallel layer "
+            f"over {num_ranks} ranks (transformers.Trainer and Accelerate wrap the model in it whenever they run on "
+            f"more than one process). Each rank holds only its own share of the experts, outside "
+            f"model.parameters(): DDP would all-reduce the dense gradients a second time (ep.optimizer's step "
+            f"already reduces them), Trainer's gradient clipping would leave the experts out, and Trainer saves "
+            f"checkpoints from rank 0 alone, while model.state_dict() gathers the experts from every rank (rank 0 "
+            f"would wait for the others until the process group times out) and each rank's expert optimizer state "
+            f"is its own. Train with the "
+            f"plain loop instead: opt = ep.optimizer(torch.optim.AdamW, lr=...); loss.backward() per micro-batch; "
+            f"opt.step(); opt.zero_grad(); model.save_pretrained(path, is_main_process=rank == 0) on every rank "
+            f"(README, 'Use it with transformers').")
+
+
+DATA_PARALLEL_REFUSAL = (
+    "nn.DataParallel (what transformers.Trainer uses in one process that sees several GPUs) cannot run a model whose "
+    "MoE blocks run on lrmoe's expert-parallel layer: it copies the model onto every GPU and runs the copies in "
+    "threads, but each layer's experts live on one device and its all-to-alls expect one forward per rank. Run one "
+    "process per GPU (torchrun) with the plain loop: opt = ep.optimizer(torch.optim.AdamW, lr=...) (README, 'Use it "
+    "with transformers'); or make one GPU visible (CUDA_VISIBLE_DEVICES) to run Trainer in one process.")
+
+
+class _RefuseDDP:
+    """Stands where DistributedDataParallel looks for the names it should not synchronise
+    (``module._ddp_params_and_buffers_to_ignore``): iterating it raises :class:`DataParallelError` over more than
+    one rank; on one rank it is empty (DDP's broadcast and all-reduce over one process change nothing).
+
+    Why there: DDP's constructor reads that attribute (``set(module._ddp_params_and_buffers_to_ignore)``) before it
+    checks the parameters' shapes across ranks and broadcasts rank 0's parameters and buffers, so every rank raises
+    at construction, before any collective (no rank waits on another) and before any training step, whoever builds
+    the DDP (Trainer through Accelerate, Accelerate alone, torch's composable ``replicate``, a hand-written loop).
+    ``DistributedDataParallel._active_ddp_module``, the other trace DDP leaves, is set only around a forward (after
+    the construction's collectives) and not at all with the Python reducer. A DDP around a module *above* the model
+    (``DDP(nn.Sequential(model))``) does not look here; torch's ``_set_params_and_buffers_to_ignore_for_model``
+    replaces the guard. FSDP reads nothing of the kind and is not refused: it is not supported either."""
+
+    def __init__(self, num_ranks: int):
+        self.num_ranks = num_ranks
+
+    def __iter__(self):
+        if self.num_ranks > 1:
+            raise DataParallelError(ddp_refusal(self.num_ranks))
+        return iter(())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_ranks={self.num_ranks})"
+
+
+def _refuse_ddp(model: nn.Module, swapped: list[str], num_ranks: int) -> None:
+    """Put the guard (:class:`_RefuseDDP`) on ``model`` and on every module between it and a swapped block (the
+    block included), so that a DDP around any of them is refused. No collective."""
+    guard = _RefuseDDP(num_ranks)
+    names = {""}
+    for block_name in swapped:
+        parts = block_name.split(".")
+        names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for name in names:
+        setattr(model.get_submodule(name), "_ddp_params_and_buffers_to_ignore", guard)
 
 
 # -- the training-loop contract --------------------------------------------------------------------------------------
@@ -502,10 +577,15 @@ class EPOptimizer(torch.optim.Optimizer):
     :meth:`state_dict` holds the dense optimizer's state and this rank's expert state (per rank, like the
     experts' optimizer shards: save one per rank).
 
-    Not for ``transformers.Trainer`` or Accelerate: they wrap the model in DistributedDataParallel, which all-reduces
-    the dense gradients itself (this step would reduce them twice) and assumes every rank holds every parameter
-    (each rank holds only its expert slots and optimizer shard). Write the loop by hand (README, "Use it with
-    transformers"): micro-batches, gradient checkpointing and LR schedulers all work in it.
+    ``transformers.Trainer`` (and Accelerate) on one process: pass ``Trainer(..., optimizers=(ep.optimizer(
+    torch.optim.AdamW, lr=..., grad_scale=1.0), scheduler))`` with ``max_grad_norm=0``. Trainer's micro-batch
+    losses are already shares of the step's mean (hence ``grad_scale=1.0``), and its clipping would see the dense
+    parameters only (the experts are not among ``model.parameters()``); so set, it trains exactly as the plain
+    loop (``tests/test_hf_trainer.py``: the same weights, bitwise). Without ``optimizers`` Trainer builds its own
+    optimizer over the dense parameters and the experts never train. On more than one process Trainer and
+    Accelerate wrap the model in DistributedDataParallel, which the swapped model refuses at construction
+    (:class:`DataParallelError`, :func:`ddp_refusal`): write the loop by hand (README, "Use it with
+    transformers"); micro-batches, gradient checkpointing and LR schedulers all work in it.
     """
 
     def __init__(self, ep: HFExpertParallel, dense_optimizer: type[torch.optim.Optimizer], *,
@@ -559,8 +639,11 @@ class EPOptimizer(torch.optim.Optimizer):
         if set(state_dict) != {"dense", "expert_group", "experts"}:
             raise ValueError(f"not an EPOptimizer state dict: keys {sorted(state_dict)}, expected dense, "
                              f"expert_group and experts")
-        self.dense.load_state_dict(state_dict["dense"])
-        self.expert_group.update(state_dict["expert_group"])
+        expert_group = self.expert_group
+        self.dense.load_state_dict(state_dict["dense"])  # torch's load makes new group dicts: share them again
+        self.param_groups = [*self.dense.param_groups, expert_group]
+        self.state = self.dense.state
+        expert_group.update(state_dict["expert_group"])
         self.ep.load_expert_state_dict(state_dict["experts"])
 
 

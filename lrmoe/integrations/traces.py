@@ -21,7 +21,8 @@ file and what is wrong with it.
 Recorded traces come from real routers:
 
 * :class:`RouterRecorder`: forward hooks on the router modules of any Hugging Face MoE model (Qwen3-MoE,
-  GLM-4.5, Mixtral, ...; swapped onto the expert-parallel layer or not). One model forward is one step; the
+  GLM-4.5, Mixtral, ...; swapped onto the expert-parallel layer or not). One model forward is one step (the
+  routers' recomputation in the backward, under activation checkpointing, is not counted again); the
   tokens of a forward can be split over ``num_ranks`` virtual source ranks (contiguous blocks, as data parallelism
   splits a batch). Under ``torch.distributed`` each rank records its own tokens and
   ``lrmoe.integrations.hf.gather_trace``
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -426,6 +428,8 @@ class RouterRecorder:
 
     def _hook(self, layer: int):
         def hook(module, args, output):
+            if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+                return  # a recomputation inside the backward (activation checkpointing): its forward was counted
             idx_TK = self._indices(module, output)
             E = self.num_experts
             if self._current is None:
@@ -552,11 +556,14 @@ def import_megatron_trace(paths, num_experts: int | None = None, *, block: str =
 
     ``paths``: the trace folder (its ``router_trace_rank*.jsonl``), one file, or a list of them. Each JSON line
     ``{"step", "layer", "rank", "top_indices": [[e, ...], ...], ...}`` adds its tokens' choices to
-    counts[step, layer, rank]; several records of one (step, layer, rank) (micro-batches) add up. Steps, layers
-    and ranks are the distinct values found, in increasing order (recorded in the metadata); ``ranks`` keeps only
-    those ranks (e.g. one tensor-parallel rank per data-parallel replica, since tensor-parallel ranks route the
-    same tokens). Records of another ``block`` (Megatron's multi-token-prediction layers, "mtp") are skipped.
-    ``num_experts`` defaults to the largest index seen + 1 (pass it: an expert never chosen is invisible).
+    counts[step, layer, rank]; several records of one (step, layer, rank) (micro-batches) add up, and their number,
+    when every (step, layer, rank) has the same, is the metadata's ``micro_batches`` (None otherwise), which the
+    simulator reads to price each micro-batch on its share (:func:`lrmoe.sim.simulator.micro_batch_counts`).
+    Steps, layers and ranks are the distinct values found, in increasing order (recorded in the metadata);
+    ``ranks`` keeps only those ranks (e.g. one tensor-parallel rank per data-parallel replica, since
+    tensor-parallel ranks route the same tokens). Records of another ``block`` (Megatron's multi-token-prediction
+    layers, "mtp") are skipped. ``num_experts`` defaults to the largest index seen + 1 (pass it: an expert never
+    chosen is invisible).
     """
     files = _megatron_files(paths)
     keep = None if ranks is None else set(ranks)
@@ -577,7 +584,9 @@ def import_megatron_trace(paths, num_experts: int | None = None, *, block: str =
     counts = np.zeros((len(steps), len(layers), len(rank_ids), num_experts), dtype=np.int64)
     for _, step, layer, rank, top in recs:
         counts[s_of[step], l_of[layer], n_of[rank]] += np.bincount(top.reshape(-1), minlength=num_experts)
+    records_per_key = set(Counter(r[1:4] for r in recs).values())  # micro-batches of each (step, layer, rank)
     meta = {"source": "recorded", "recorder": "megatron-core-router-trace", "model": model,
             "files": [str(f) for f in files], "block": block, "steps": steps, "layers": layers, "ranks": rank_ids,
-            "top_k": top_k.pop() if top_k else None}
+            "top_k": top_k.pop() if top_k else None,
+            "micro_batches": records_per_key.pop() if len(records_per_key) == 1 else None}
     return Trace(torch.from_numpy(counts), meta)

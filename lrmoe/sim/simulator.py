@@ -8,8 +8,11 @@ the plans are the same objects the layer would execute (tested in ``tests/test_s
 
 Micro-batches: an iteration of ``micro_batches`` micro-batches runs the all-to-all and GEMM phases once per
 micro-batch and the sync phases (replica sync, gradient collection, Adam, redistribution) once, after the last
-one: gradients accumulate locally in between and the placement is fixed for the whole iteration. The trace's
-counts of a step stand for every micro-batch of that iteration (ours: micro-batches of one step route alike).
+one: gradients accumulate locally in between and the placement is fixed for the whole iteration. Every micro-batch
+of an iteration is priced on the same counts, one micro-batch's (ours: micro-batches of one step route alike). A
+bare counts tensor holds one micro-batch per step (the synthetic generator's traces); a recorded trace whose
+metadata says it sums k micro-batches per step (``micro_batches``: ``experiments/train.py``, Megatron-Core imports)
+is split into k first, and is priced at k micro-batches unless told otherwise (:func:`micro_batch_counts`).
 
 Whole-model memory per rank (:mod:`lrmoe.bytemodel.memory`, the planner's model too): every MoE layer's slots and saved
 activations are alive at the end of the forward, and one layer's in-flight buffers at a time on top of them,
@@ -153,6 +156,35 @@ class SimResult:
         return out
 
 
+def split_micro_batches(counts_ILNE: torch.Tensor, k: int) -> torch.Tensor:
+    """One micro-batch's counts from counts that sum ``k`` micro-batches per step: each (step, layer, source rank)
+    row divided by k, in whole pairs that add up to the row's total // k (exactly its k-th when k divides it, as
+    every recorded row does: each micro-batch of a rank routes as many tokens). Each count becomes ⌊c / k⌋ or
+    ⌈c / k⌉; the counts with the largest remainders (the lower expert on ties) get the ⌈ ⌉."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"micro-batches per step must be a positive int, got {k!r}")
+    if k == 1:
+        return counts_ILNE
+    floor_ILNE, rest_ILNE = torch.div(counts_ILNE, k, rounding_mode="floor"), counts_ILNE % k
+    short_ILN1 = counts_ILNE.sum(-1, keepdim=True) // k - floor_ILNE.sum(-1, keepdim=True)  # pairs to hand out, < E
+    order_ILNE = torch.sort(rest_ILNE, dim=-1, descending=True, stable=True).indices
+    place_ILNE = order_ILNE.argsort(dim=-1)  # each count's place in its row, largest remainder first
+    return floor_ILNE + (place_ILNE < short_ILN1).long()
+
+
+def micro_batch_counts(trace) -> tuple[torch.Tensor, int]:
+    """(one micro-batch's counts [I, L, N, E], the micro-batches each step of the trace sums) of what
+    :func:`simulate` is given: a counts tensor is one micro-batch per step; a trace object (``counts_ILNE`` and
+    ``meta``: :class:`lrmoe.integrations.traces.Trace`) sums ``meta["micro_batches"]`` of them (1 when absent),
+    split by :func:`split_micro_batches`."""
+    if torch.is_tensor(trace):
+        return trace, 1
+    k = trace.meta.get("micro_batches") or 1
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"the trace's meta says micro_batches={k!r}: not a positive int")
+    return split_micro_batches(trace.counts_ILNE, k), k
+
+
 @contextmanager
 def one_intra_op_thread() -> Iterator[None]:
     """Runs its body on one intra-op torch thread, then restores the count (also a decorator).
@@ -170,16 +202,21 @@ def one_intra_op_thread() -> Iterator[None]:
 
 
 @one_intra_op_thread()
-def simulate(trace_counts_ILNE: torch.Tensor, system: System, model: MoEConfig, cluster: ClusterConfig,
+def simulate(trace, system: System, model: MoEConfig, cluster: ClusterConfig,
              cost_kwargs: dict | None = None, layers: list[int] | None = None, warmup: int = 1,
-             micro_batches: int = 1, progress: Callable[[int], None] | None = None,
+             micro_batches: int | None = None, progress: Callable[[int], None] | None = None,
              variants: dict[str, dict] | None = None) -> SimResult:
     """Plan and cost every (step, layer) of a trace for one system. ``progress(1)`` is called per layer-step.
 
-    ``trace_counts_ILNE`` is a trace's ``counts_ILNE``; its rank and expert dimensions must match the cluster
-    and the model. ``cost_kwargs`` go to :class:`CostModel` (e.g. ``gemm``, ``mem_budget_bytes``, ``overheads``).
+    ``trace``: a trace (:class:`lrmoe.integrations.traces.Trace`), or its ``counts_ILNE`` as one micro-batch of
+    every step; a trace that records k micro-batches per step (its meta's ``micro_batches``) is priced on one k-th
+    of each step (:func:`micro_batch_counts`). Its rank and expert dimensions must match the cluster and the model.
+    ``micro_batches``: the micro-batches of an iteration, each priced on those counts (default: the trace's k, 1
+    for a tensor). ``cost_kwargs`` go to :class:`CostModel` (e.g. ``gemm``, ``mem_budget_bytes``, ``overheads``).
     ``variants``: {name: keyword arguments of :meth:`CostModel.variant`}, each priced from the same work.
     """
+    trace_counts_ILNE, recorded = micro_batch_counts(trace)
+    micro_batches = recorded if micro_batches is None else micro_batches
     num_steps, num_layers, n, e = trace_counts_ILNE.shape
     if n != cluster.num_ranks:
         raise ValueError(f"trace has {n} ranks but cluster {cluster.name!r} has num_ranks={cluster.num_ranks}")

@@ -1,0 +1,232 @@
+"""The drop-in (lrmoe.integrations.hf) inside a real transformers.Trainer and DistributedDataParallel, tiny
+Qwen3-MoE, fp32, CPU.
+
+One process: Trainer, given ``optimizers=(ep.optimizer(AdamW, grad_scale=1.0), scheduler)`` and
+``max_grad_norm=0``, trains exactly as the plain loop of the README does (the same losses and weights, experts
+included). Several ranks: DistributedDataParallel, which Trainer and Accelerate wrap the model in there, is refused
+at its construction on every rank, before any step or collective; a script that tries exits non-zero at once.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from transformers import Qwen3MoeForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+from lrmoe.config import MoEConfig  # noqa: E402
+from lrmoe.integrations.hf import DataParallelError, hf_config, swap_moe_blocks  # noqa: E402
+from lrmoe.runtime.distributed.launch import launch  # noqa: E402
+
+TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
+                 num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
+BATCH, SEQ, MICRO, STEPS = 2, 8, 2, 3  # sequences per micro-batch, tokens per sequence, micro-batches per step
+SYSTEM = "lrmoe-no-quotas"  # every pair kept: the gradients are continuous in the weights
+REFUSAL = "DistributedDataParallel cannot wrap a model whose MoE blocks run on lrmoe's expert-parallel layer"
+
+
+def tiny_model():
+    torch.manual_seed(0)  # the same weights in every run and on every rank
+    return Qwen3MoeForCausalLM(hf_config(TINY))
+
+
+def token_rows() -> torch.Tensor:
+    """[STEPS * MICRO * BATCH, SEQ] token ids: the training set, in the order both loops read it."""
+    return torch.randint(0, TINY.vocab_size, (STEPS * MICRO * BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def warmup(step: int) -> float:
+    return (step + 1) / STEPS  # the learning rate moves at every step, so a scheduler step out of place shows
+
+
+def as_torchrun() -> None:
+    """The environment torchrun gives a rank beyond the launcher's RANK / WORLD_SIZE / LOCAL_RANK (Accelerate reads
+    LOCAL_WORLD_SIZE), and one intra-op thread (Accelerate would otherwise set its own count)."""
+    os.environ.update(LOCAL_WORLD_SIZE=os.environ["WORLD_SIZE"], OMP_NUM_THREADS="1")
+
+
+def trainer(model, optimizer, folder: str) -> Trainer:
+    args = TrainingArguments(folder, per_device_train_batch_size=BATCH, gradient_accumulation_steps=MICRO,
+                             max_steps=STEPS, max_grad_norm=0.0, train_sampling_strategy="sequential", use_cpu=True,
+                             logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0,
+                             disable_tqdm=True, seed=0)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    return Trainer(model=model, args=args, train_dataset=Rows(token_rows()), optimizers=(optimizer, sched))
+
+
+# -- one process: Trainer is the plain loop ---------------------------------------------------------------------------
+def _plain_loop() -> tuple[list[float], dict]:
+    """The README's loop: each micro-batch's mean loss backward, ep.optimizer at its default gradient (the mean
+    over micro-batches), the scheduler after each step. Returns each step's mean loss and the final state dict."""
+    model = tiny_model()
+    ep = swap_moe_blocks(model, SYSTEM)
+    opt = ep.optimizer(torch.optim.AdamW, lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    rows, losses = token_rows(), []
+    for step in range(STEPS):
+        step_loss = 0.0
+        for m in range(MICRO):
+            x = rows[(step * MICRO + m) * BATCH:][:BATCH]
+            loss = model(x, labels=x).loss
+            loss.backward()
+            step_loss += loss.item() / MICRO
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(step_loss)
+    return losses, model.state_dict()
+
+
+def _trainer_equals_plain_loop(rank: int, folder: str) -> dict:
+    as_torchrun()  # one process under torchrun's variables: Accelerate wraps the model in a one-rank DDP
+    want_losses, want_state = _plain_loop()
+    model = tiny_model()
+    ep = swap_moe_blocks(model, SYSTEM)
+    # Trainer's loss of a micro-batch is already its share of the step's mean: no division by the micro-batches
+    opt = ep.optimizer(torch.optim.AdamW, lr=1e-2, grad_scale=1.0)
+    t = trainer(model, opt, folder)
+    t.train()
+    got = model.state_dict()  # dense weights and the experts gathered from the replica store
+    return {"wrapped": type(t.model_wrapped).__name__,
+            "losses": ([h["loss"] for h in t.state.log_history if "loss" in h], want_losses),
+            "unequal": [k for k in want_state if not torch.equal(got[k], want_state[k])],
+            "same_keys": got.keys() == want_state.keys(),
+            # Accelerate reloads the optimizer's state dict when it prepares it: the scheduler must still reach
+            # the groups the dense optimizer steps
+            "groups_shared": all(a is b for a, b in zip(opt.param_groups, opt.dense.param_groups)),
+            "expert_lr": opt.expert_group["lr"], "adam_steps": ep.layers[0].store.adam_steps}
+
+
+def test_trainer_on_one_process_trains_exactly_as_the_plain_loop(tmp_path):
+    out = launch(_trainer_equals_plain_loop, 1, str(tmp_path), timeout_s=120)[0]
+    assert out["wrapped"] == "DistributedDataParallel"  # the guard lets a one-rank DDP through: it changes nothing
+    got, want = out["losses"]
+    assert len(got) == STEPS
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)  # Trainer sums the logged loss in fp32
+    assert out["same_keys"] and not out["unequal"], out["unequal"]  # bitwise
+    assert out["groups_shared"] and out["adam_steps"] == STEPS
+    assert out["expert_lr"] == pytest.approx(1e-2 * warmup(STEPS))
+
+
+def _trainer_resumes(rank: int, folder: str) -> list[str]:
+    as_torchrun()
+    runs = []
+    for resume in (None, os.path.join(folder, "checkpoint-2")):  # the whole run, then steps 3 from its checkpoint
+        model = tiny_model()
+        ep = swap_moe_blocks(model, SYSTEM)
+        t = trainer(model, ep.optimizer(torch.optim.AdamW, lr=1e-2, grad_scale=1.0), folder)
+        t.args.save_strategy, t.args.save_steps = "steps", 2
+        t.train(resume_from_checkpoint=resume)  # Trainer saves the model (experts gathered) and EPOptimizer's state
+        runs.append(model.state_dict())
+    return [k for k in runs[0] if not torch.equal(runs[0][k], runs[1][k])]
+
+
+def test_trainer_on_one_process_resumes_from_its_checkpoint_exactly(tmp_path):
+    assert launch(_trainer_resumes, 1, str(tmp_path), timeout_s=120)[0] == []
+
+
+# -- several ranks: DistributedDataParallel is refused --------------------------------------------------------------
+def _wrap(rank: int) -> list[str]:
+    model = tiny_model()
+    ep = swap_moe_blocks(model, "symi-dropless")
+    messages = []
+    for module in (model, model.model, model.model.layers[1].mlp):  # the model and any module above a block
+        try:
+            DistributedDataParallel(module)
+            messages.append("wrapped")
+        except DataParallelError as exc:
+            messages.append(str(exc))
+    x = token_rows()[:BATCH]
+    model(x, labels=x).loss.backward()  # nothing was broadcast or hooked: the model still trains
+    ep.optimizer(torch.optim.AdamW, lr=1e-2).step()
+    return messages
+
+
+def test_ddp_is_refused_at_construction_on_every_rank():
+    for messages in launch(_wrap, 2, timeout_s=60):
+        assert len(messages) == 3 and all(m.startswith(REFUSAL) and "over 2 ranks" in m for m in messages), messages
+
+
+def _replicate(rank: int) -> str:
+    model = tiny_model()
+    swap_moe_blocks(model, "static-ep")
+    experts = model.model.layers[0].mlp.experts
+    copy = experts._replicate_for_data_parallel()  # what nn.DataParallel runs on each GPU
+    x = torch.randn(4, TINY.hidden)
+    idx, w = torch.tensor([[0, 1]] * 4), torch.full((4, 2), 0.5)
+    experts(x, idx, w)  # the original still runs
+    try:
+        copy(x, idx, w)
+    except DataParallelError as exc:
+        return str(exc)
+    return "ran"
+
+
+def test_a_data_parallel_copy_of_the_experts_refuses_to_run():
+    assert launch(_replicate, 1, timeout_s=60)[0].startswith("nn.DataParallel (what transformers.Trainer uses")
+
+
+def _trainer_on_two_ranks(rank: int, folder: str) -> tuple:
+    as_torchrun()
+    model = tiny_model()
+    ep = swap_moe_blocks(model, SYSTEM)
+    t = trainer(model, ep.optimizer(torch.optim.AdamW, lr=1e-2, grad_scale=1 / ep.num_ranks), folder)
+    try:
+        t.train()
+    except DataParallelError as exc:
+        return str(exc), t.state.global_step, ep.layers[0].store.adam_steps
+    return "trained", t.state.global_step, ep.layers[0].store.adam_steps
+
+
+def test_trainer_on_two_ranks_is_refused_on_every_rank_before_a_step(tmp_path):
+    for message, steps, expert_steps in launch(_trainer_on_two_ranks, 2, str(tmp_path), timeout_s=60):
+        assert message.startswith(REFUSAL) and "over 2 ranks" in message, message
+        assert steps == 0 and expert_steps == 0
+
+
+SCRIPT = """
+import sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_hf_trainer import SYSTEM, as_torchrun, tiny_model, trainer
+from lrmoe.integrations.hf import swap_moe_blocks
+from lrmoe.runtime.distributed.launch import launch
+
+
+def main(rank, folder):
+    as_torchrun()
+    model = tiny_model()
+    ep = swap_moe_blocks(model, SYSTEM)
+    trainer(model, ep.optimizer(torch.optim.AdamW, lr=1e-2, grad_scale=1 / ep.num_ranks), folder).train()
+
+
+launch(main, 2, {folder!r}, timeout_s=100)
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch and transformers: 10 s of CPU, 30 s on a loaded 2-core machine
+def test_a_script_running_trainer_on_two_ranks_exits_non_zero_at_once(tmp_path):
+    (tmp_path / "run.py").write_text(SCRIPT.format(tests=os.path.dirname(__file__), folder=str(tmp_path / "out")))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "run.py"], cwd=tmp_path, capture_output=True, text=True, timeout=150)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0 and "timed out" not in proc.stderr, proc.stderr[-3000:]
+    assert f"DataParallelError: {REFUSAL} over 2 ranks" in proc.stderr, proc.stderr[-3000:]
+    assert elapsed < 100, elapsed  # inside the launch's timeout: no rank waited on a peer
