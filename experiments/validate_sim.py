@@ -383,10 +383,10 @@ def in_order(table: pd.DataFrame, policies, column: str, values) -> pd.DataFrame
 
 # where the layer's time goes, measured beside modelled (the groups partition the layer's and the model's phases)
 PHASE_GROUPS = {"expert GEMMs": ("expert_fwd", "expert_bwd", "shared_fwd", "shared_bwd"),
-                "all-to-alls": ("dispatch_a2a", "combine_a2a", "combine_a2a_bwd", "bwd_index_a2a", "dispatch_a2a_bwd",
-                                "weight_push"),
+                "all-to-alls": ("early_keep_a2a", "dispatch_a2a", "combine_a2a", "combine_a2a_bwd", "bwd_index_a2a",
+                                "dispatch_a2a_bwd", "weight_push"),
                 "plan": ("plan",), "recalibrate": ("recalibrate",),
-                "not modelled": ("route", "permute", "early_keep_a2a", "unpermute", "unpermute_bwd"),
+                "not modelled": ("route", "permute", "unpermute", "unpermute_bwd"),
                 "optimizer step": STEP_PHASES}
 
 
