@@ -161,3 +161,24 @@ def test_symi_dropless_keeps_no_more_spare_slots_than_its_own_plans_fit():
         assert not res.oom, gb
     assert slots == sorted(slots)
     assert uniform[1] > slots[1]  # the case the bound is for: the uniform reading alone grants one slot more
+
+
+def test_the_figures_legend_lies_beside_the_panels():
+    """The time-against-memory figure draws every system that fits, and its legend overlaps no panel."""
+    import pandas as pd
+
+    from lrmoe.experiments import memory_sweep
+
+    class Run:
+        def log_figure(self, name, fig):
+            renderer = fig.canvas.get_renderer()
+            fig.canvas.draw()
+            (legend,) = [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+            box = legend.get_window_extent(renderer)
+            assert not [ax for ax in fig.axes if box.overlaps(ax.get_window_extent(renderer))]
+            self.labels = {t.get_text() for t in legend.get_texts()}
+            return [name]
+
+    run = Run()
+    assert memory_sweep.plot(pd.DataFrame(RECORDS[:-1]), run) == ["time_vs_memory"]
+    assert run.labels == {"symi-dropless", "lrmoe", "lrmoe-rho0.75", "online"}
