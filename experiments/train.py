@@ -31,8 +31,14 @@ steps), and the per-layer routing counts, saved as a recorded trace. Checkpoints
 plan and backward, one optimizer step after the last (lrmoe.runtime.layer: the placement holds for the step; the
 gradient is that of the mean loss over ranks and micro-batches, so K changes the arithmetic, not the data).
 --activation-checkpointing recomputes each transformer block's activations in the backward (torch's non-reentrant
-checkpoint; HF's gradient_checkpointing_enable()); the MoE layers replay their recorded plans. Per-step records hold
-both; their load columns are the last micro-batch's.
+checkpoint; HF's activation_checkpointing_enable()); the MoE layers replay their recorded plans. Per-step records
+hold both; their load columns are the last micro-batch's.
+
+--clip-grad X clips every step's gradient to a global L2 norm of X over the dense parameters and the experts (each
+expert once, after its replicas' gradients are summed; lrmoe.runtime.clip), as torch.nn.utils.clip_grad_norm_ would
+on the dense model, before the dense and the expert steps; records hold the norm before clipping ("grad_norm").
+The budget systems (retention < 1) clip their recalibrated gradient. Off (0) by default: earlier runs' results stay
+reproducible.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import torch.nn.functional as F
 from lrmoe.config import MoEConfig, cluster_preset, model_preset
 from lrmoe.harness.rss import peak_bytes, reset_peak
 from lrmoe.integrations.data import get_batch, load_corpus
+from lrmoe.runtime.clip import clip_grad_norm_
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups
 from lrmoe.runtime.layer import EPMoELayer, grad_flags, initial_placement, raise_on_grad_flags
 from lrmoe.integrations.load_stats import flat_log, load_stats
@@ -154,6 +161,7 @@ class NativeModel:
         expert_params = {id(layer.store.slots_SW) for layer in self.layers}
         self.dense = [p for p in self.model.parameters() if id(p) not in expert_params]
         self.opt = torch.optim.AdamW(self.dense, lr=args.lr, weight_decay=0.0)
+        self.grad_norm: torch.Tensor | None = None  # the last step's global norm before clipping (--clip-grad)
 
     def train_step(self, x, y) -> tuple[torch.Tensor, list[list[LayerPlan]], torch.Tensor]:
         k = self.args.micro_batches
@@ -170,9 +178,12 @@ class NativeModel:
         # the gradient of the mean loss over ranks and micro-batches (the layers' default scale for the experts)
         all_reduce_mean_([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense], self.world,
                          self.layers, k)
+        clip = self.args.clip_grad
+        # the experts' replica-gradient sum and collection run here when clipping (lrmoe.runtime.clip)
+        self.grad_norm = clip_grad_norm_(self.dense, self.layers, clip) if clip else None
         self.opt.step()
         for layer in self.layers:
-            layer.expert_step()
+            layer.expert_step(collected=bool(clip))
             if self.cfg.router == "sigmoid_bias":  # GLM-4.5: aux-loss-free balancing from the step's counts
                 layer.bias_E.copy_(update_expert_bias(layer.bias_E, layer.prev_counts_E.to(self.device),
                                                       self.args.bias_rate))
@@ -226,7 +237,8 @@ class HFModel:
         self.opt = torch.optim.AdamW(self.ep.dense_parameters(), lr=args.lr, weight_decay=0.0)
         self.architecture = self.model.config.model_type
         self.aux_coef = 0.0 if self.ep.family.biased else args.aux_coef  # GLM: the selection bias balances
-        self.bias_rate = args.bias_rate
+        self.bias_rate, self.clip_grad = args.bias_rate, args.clip_grad
+        self.grad_norm: torch.Tensor | None = None  # the last step's global norm before clipping (--clip-grad)
 
     def train_step(self, x, y) -> tuple[torch.Tensor, list[list[LayerPlan]], torch.Tensor]:
         losses, plans = [], []
@@ -237,8 +249,8 @@ class HFModel:
             total.backward()
             losses.append(loss.detach())
             plans.append(self.ep.plans())
-        # dense sync + AdamW, expert Adam + redistribution, bias: the mean loss over ranks and micro-batches
-        self.ep.step(self.opt, bias_rate=self.bias_rate)
+        # dense sync, clipping, AdamW, expert Adam + redistribution, bias: the mean loss over ranks and micro-batches
+        self.grad_norm = self.ep.step(self.opt, bias_rate=self.bias_rate, max_grad_norm=self.clip_grad)
         counts = sum(torch.stack([p.routed_NE for p in micro]) for micro in plans)
         return torch.stack(losses).mean(), plans, counts
 
@@ -305,6 +317,7 @@ def step_record(args, step: int, loss_sum: float, plans_M: list[list[LayerPlan]]
         "hot_rank_bwd_cut": 1.0 - float(bwd_N[hot] / fwd_N[hot]),
         "tokens_per_s": args.batch * args.seq_len * world / elapsed,
         "micro_batches": args.micro_batches, "activation_checkpointing": args.activation_checkpointing,
+        "clip_grad": args.clip_grad,
     }
     if cost is not None:
         times = [[cost.cost(p) for p in ps] for ps in plans_M]
@@ -318,7 +331,9 @@ def step_record(args, step: int, loss_sum: float, plans_M: list[list[LayerPlan]]
 # refuses it. Add an argument here when it changes what a run computes.
 RUN_ARGS = ("preset", "hf_config", "policy", "ranks", "seed", "batch", "seq_len", "steps", "lr", "lr_schedule",
             "warmup", "min_lr_frac", "aux_coef", "bias_rate", "extra_slots", "eps", "gamma", "push_cost_rows",
-            "replica_grad", "micro_batches", "data", "max_bytes")
+            "replica_grad", "micro_batches", "data", "max_bytes", "clip_grad")
+# Run arguments added after checkpoints were written: a checkpoint without one ran with this value.
+RUN_ARG_DEFAULTS = {"clip_grad": 0.0}
 
 
 def run_identity(args, world: int) -> dict:
@@ -357,8 +372,9 @@ def identity_mismatch(path: Path, saved: dict, here: dict) -> str | None:
     """Why the checkpoint at ``path`` (``saved``: its identity) is not this run's (``here``), naming both sides."""
     if saved.get("script") != here["script"]:
         return f"checkpoint {path} was written by {saved.get('script')!r}, not by {here['script']!r}"
-    diffs = [f"--{k.replace('_', '-')} {saved['args'].get(k)!r} there, {v!r} here" for k, v in here["args"].items()
-             if saved["args"].get(k) != v]
+    there = {**RUN_ARG_DEFAULTS, **saved["args"]}
+    diffs = [f"--{k.replace('_', '-')} {there.get(k)!r} there, {v!r} here" for k, v in here["args"].items()
+             if there.get(k) != v]
     if diffs:
         return (f"checkpoint {path} belongs to another run (results file {saved['results']}): " + "; ".join(diffs))
     if saved.get("run_id") != here["run_id"]:
@@ -487,6 +503,8 @@ def worker(rank: int, args) -> list[dict]:
             evaluating = (step + 1) % args.eval_every == 0 or step + 1 == args.steps
             record = step_record(args, step + 1, float(loss_sum), plans, counts_LNE, elapsed, world, cost,
                                  per_layer=evaluating)
+            if run.grad_norm is not None:  # --clip-grad: the global norm before clipping (the same on every rank)
+                record["grad_norm"] = float(run.grad_norm)
             if args.record_peak_rss:  # the step's peak resident memory above its start, the largest rank's
                 if world > 1:
                     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -498,7 +516,8 @@ def worker(rank: int, args) -> list[dict]:
                 tracker.log(record, step=step + 1)
             if progress is not None:
                 progress.update(1)
-                progress.set_postfix(loss=f"{record['loss']:.3f}")
+                progress.set_postfix(loss=f"{record['loss']:.3f}",
+                                     **({"grad_norm": f"{record['grad_norm']:.3f}"} if "grad_norm" in record else {}))
             if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
                 save_checkpoint(args, step + 1, rank, run, gen, counts, history, world)
             if args.stop_after and step + 1 >= args.stop_after:  # simulate an interruption (tests)
@@ -541,6 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="record each step's peak resident memory above its start (the largest rank's; Linux "
                              "only, CPU ranks; the heap is freed before every step, outside the timed part)")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--clip-grad", type=non_negative_float_arg, default=0.0, metavar="MAX_NORM",
+                        help="clip each step's gradient to this global L2 norm over the dense parameters and the "
+                             "experts (0: off; Megatron-Core's default is 1.0)")
     parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                         help="'cosine': linear warm-up, then cosine decay to --min-lr-frac x --lr at the last step")
     parser.add_argument("--warmup", type=int, default=0, help="warm-up steps of the cosine schedule")

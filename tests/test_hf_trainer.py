@@ -3,8 +3,10 @@ Qwen3-MoE, fp32, CPU.
 
 One process: Trainer, given ``optimizers=(ep.optimizer(AdamW, grad_scale=1.0), scheduler)`` and
 ``max_grad_norm=0``, trains exactly as the plain loop of the README does (the same losses and weights, experts
-included). Several ranks: DistributedDataParallel, which Trainer and Accelerate wrap the model in there, is refused
-at its construction on every rank, before any step or collective; a script that tries exits non-zero at once.
+included); without ``optimizers=`` its own optimizer would leave the experts untrained, and the swapped model
+refuses it (ForeignOptimizerError) at the first forward after that optimizer's first step. Several ranks:
+DistributedDataParallel, which Trainer and Accelerate wrap the model in there, is refused at its construction on
+every rank, before any step or collective; a script that tries exits non-zero at once.
 """
 
 import os
@@ -21,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from transformers import Qwen3MoeForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 from lrmoe.config import MoEConfig  # noqa: E402
-from lrmoe.integrations.hf import DataParallelError, hf_config, swap_moe_blocks  # noqa: E402
+from lrmoe.integrations.hf import (FOREIGN_OPTIMIZER, DataParallelError, ForeignOptimizerError, hf_config,  # noqa: E402
+                                   swap_moe_blocks)
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
 
 TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
@@ -140,6 +143,27 @@ def _trainer_resumes(rank: int, folder: str) -> list[str]:
 
 def test_trainer_on_one_process_resumes_from_its_checkpoint_exactly(tmp_path):
     assert launch(_trainer_resumes, 1, str(tmp_path), timeout_s=120)[0] == []
+
+
+def _trainer_without_optimizers(rank: int, folder: str) -> tuple:
+    as_torchrun()
+    model = tiny_model()
+    ep = swap_moe_blocks(model, SYSTEM)
+    args = TrainingArguments(folder, per_device_train_batch_size=BATCH, gradient_accumulation_steps=MICRO,
+                             max_steps=STEPS, train_sampling_strategy="sequential", use_cpu=True, save_strategy="no",
+                             report_to=[], dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    t = Trainer(model=model, args=args, train_dataset=Rows(token_rows()))  # Trainer's own AdamW, its clipping
+    try:
+        t.train()
+    except ForeignOptimizerError as exc:
+        return str(exc), t.state.global_step, ep.layers[0].store.adam_steps
+    return "trained", t.state.global_step, ep.layers[0].store.adam_steps
+
+
+def test_trainer_without_the_swapped_models_optimizer_is_refused_after_its_first_step(tmp_path):
+    message, steps, expert_steps = launch(_trainer_without_optimizers, 1, str(tmp_path), timeout_s=120)[0]
+    assert message == FOREIGN_OPTIMIZER and "ep.optimizer(torch.optim.AdamW, lr=...)" in message
+    assert steps == 1 and expert_steps == 0  # at the first forward of its second step
 
 
 # -- several ranks: DistributedDataParallel is refused --------------------------------------------------------------

@@ -62,6 +62,22 @@ def test_micro_batches_stopped_and_resumed_under_checkpointing_equal_an_unbroken
         train.parse_args(["--batch", "3", "--micro-batches", "2"])  # must divide the batch
 
 
+@pytest.mark.parametrize("arch", [[], ["--hf-config", "qwen3"]])
+def test_clip_grad_records_the_norm_and_checkpoints_without_it_ran_unclipped(tmp_path, arch):
+    """--clip-grad on each architecture: every record holds the setting and the norm before clipping (the budget
+    system lrmoe clips its recalibrated gradient); a checkpoint from before the argument existed is a run without
+    clipping. (Exactness against torch's clipping: tests/test_clip.py, tests/test_hf_optimizer.py.)"""
+    history = run(tmp_path, *arch, "--policy", "lrmoe", "--steps", "2", "--clip-grad", "0.5", "--ckpt-every", "0",
+                  "--out", str(tmp_path / "r.jsonl"))
+    assert all(h["clip_grad"] == 0.5 and math.isfinite(h["grad_norm"]) and h["grad_norm"] > 0.5 for h in history)
+    assert results(tmp_path / "r.jsonl")[-1]["grad_norm"] == history[-1]["grad_norm"]
+    here = {"script": "train", "run_id": "r", "results": "r.jsonl", "args": {"lr": 1e-3, "clip_grad": 0.0}}
+    older = {"script": "train", "run_id": "r", "results": "r.jsonl", "args": {"lr": 1e-3}}
+    assert train.identity_mismatch(tmp_path, older, here) is None
+    assert "--clip-grad 0.0 there, 1.0 here" in train.identity_mismatch(
+        tmp_path, older, {**here, "args": {"lr": 1e-3, "clip_grad": 1.0}})
+
+
 def test_the_cosine_schedule_warms_up_then_decays_to_its_floor():
     args = train.parse_args(["--steps", "101", "--lr", "1e-2", "--lr-schedule", "cosine", "--warmup", "10",
                              "--min-lr-frac", "0.1"])

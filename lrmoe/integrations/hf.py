@@ -52,15 +52,18 @@ plan its original forward made.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lrmoe.config import MoEConfig
+from lrmoe.runtime.clip import clip_grad_norm_
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, flatten_experts, unflatten_experts
-from lrmoe.runtime.layer import EPMoELayer, grad_flags, raise_on_grad_flags
+from lrmoe.runtime.layer import EPMoELayer, grad_flags, raise_on_grad_flags, recomputing
 from lrmoe.integrations.load_stats import load_stats
 from lrmoe.planner.plan import LayerPlan, Policy
 from lrmoe.planner.policies import initial_placement
@@ -69,8 +72,9 @@ from lrmoe.runtime.routing import RouterOutput, update_expert_bias
 from lrmoe.systems import SystemContext, SystemSpec, get_system
 from lrmoe.integrations.traces import RouterRecorder, Trace, join_ranks
 
-__all__ = ["FAMILIES", "DataParallelError", "EPExperts", "EPOptimizer", "HFExpertParallel", "ddp_refusal",
-           "gather_trace", "hf_config", "hf_to_reference", "moe_blocks", "reference_to_hf", "swap_moe_blocks"]
+__all__ = ["FAMILIES", "DataParallelError", "EPExperts", "EPOptimizer", "ForeignOptimizerError", "HFExpertParallel",
+           "ddp_refusal", "gather_trace", "hf_config", "hf_to_reference", "moe_blocks", "reference_to_hf",
+           "swap_moe_blocks"]
 
 DEFAULT_BIAS_RATE = 1e-3  # aux-loss-free bias update speed (DeepSeek-V3 §2.1.2; GLM-4.5 trains with it)
 
@@ -207,9 +211,16 @@ class EPExperts(nn.Module):
             raise DataParallelError(DATA_PARALLEL_REFUSAL)
         layer = self.layer
         routing = RouterOutput(top_k_index, top_k_weights, None)
+        guard = self.__dict__.get("guard")  # the first swapped block's: one check per model forward
+        if guard is not None and torch.is_grad_enabled() and not recomputing():
+            guard.check()
         if torch.is_grad_enabled():
             return layer(hidden_TD, routing=routing)[0]
-        return layer(hidden_TD, policy=_HeldPlacement(layer.placement_NS), routing=routing)[0]  # changes no state
+        # the resident placement: online replication's replicas of a micro-batch are emptied before it (their
+        # gradients kept for the step), so an evaluation between micro-batches runs on the home slots
+        store = layer.store
+        held = _HeldPlacement(store.resident_NS if store.pushed else store.placement_NS)
+        return layer(hidden_TD, policy=held, routing=routing)[0]  # changes no planning state
 
     # -- HF's weights in and out of the replica store ----------------------------------------------------------
     def gather_hf_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -388,6 +399,81 @@ def _refuse_ddp(model: nn.Module, swapped: list[str], num_ranks: int) -> None:
         setattr(model.get_submodule(name), "_ddp_params_and_buffers_to_ignore", guard)
 
 
+# -- an optimizer that leaves the experts out ----------------------------------------------------------------------
+class ForeignOptimizerError(RuntimeError):
+    """An optimizer other than the swapped model's own stepped its dense parameters: the experts would never train."""
+
+
+FOREIGN_OPTIMIZER = (
+    "an optimizer other than lrmoe's stepped this model: its dense parameters changed between two training "
+    "forwards while the routed experts' gradients of the backward in between still waited for their optimizer "
+    "step. The routed experts of a model swapped onto lrmoe's expert-parallel layer are not among "
+    "model.parameters(), so an optimizer built over them (torch.optim.AdamW(model.parameters()), or "
+    "transformers.Trainer without optimizers=) never trains the experts. Use the swapped model's optimizer: "
+    "opt = ep.optimizer(torch.optim.AdamW, lr=...) in place of yours, in a plain loop (loss.backward(); opt.step(); "
+    "opt.zero_grad()) or as Trainer(..., optimizers=(ep.optimizer(torch.optim.AdamW, lr=..., grad_scale=1.0), "
+    "scheduler)); or, with your own dense optimizer, ep.step(optimizer) in place of optimizer.step() (README, 'Use "
+    "it with transformers').")
+
+
+class _ForeignStepGuard:
+    """Detects a dense step that leaves the experts out (:data:`FOREIGN_OPTIMIZER`), at the model's next training
+    forward (grad enabled, not an activation-checkpoint recomputation).
+
+    An iteration is open from its first training forward until the experts' step (``expert_step``, run by
+    ``ep.optimizer``'s and ``ep.step``'s steps) ends it; once a backward has run in it, the experts' gradients wait
+    for that step. Two events inside such an open iteration mean that the dense parameters were stepped without the
+    experts, and the next training forward (which would start accumulating on top) raises:
+
+    * a ``torch.optim.Optimizer`` stepped any of the model's parameters (torch's global step post-hook; every torch
+      optimizer, fused ones included, and any subclass). The swapped model's own optimizer steps its dense part and
+      then the experts, which ends the iteration before that forward; so does the low-level API
+      (``sync_dense_grads``, any dense optimizer's step, ``expert_step``);
+    * a dense parameter changed in place since the previous training forward (its version counter ``p._version``;
+      catches a hand-written update under ``torch.no_grad()``, not one through ``p.data``, which fused optimizers
+      do not bump either). ``model.load_state_dict`` (a resume) resets this record.
+
+    Micro-batches (several forwards and backwards before one step), evaluation forwards (no grad), recomputation and
+    online replication (it writes expert slots, not dense parameters) change no dense parameter and step no
+    optimizer inside an iteration."""
+
+    def __init__(self, model: nn.Module, layer: EPMoELayer):
+        self.model, self.layer = model, layer
+        self.param_ids = {id(p) for p in model.parameters()}
+        self.versions: list[int] | None = None  # the dense parameters' versions at the last training forward
+        self.stepped_outside = False  # a torch optimizer stepped them inside the open iteration
+        model.register_load_state_dict_post_hook(self._forget)
+        ref = weakref.ref(self)  # the global hook must not keep the model alive: removed with the guard
+
+        def on_step(optimizer, args, kwargs) -> None:
+            guard = ref()
+            if guard is not None:
+                guard._on_step(optimizer)
+
+        weakref.finalize(self, register_optimizer_step_post_hook(on_step).remove)
+
+    def _waiting(self) -> bool:
+        """Whether an iteration is open and a backward ran in it: the experts' gradients wait for their step."""
+        return self.layer.micro_batches > 0 and self.layer.grad_finite is not None
+
+    def _on_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._waiting() and any(id(p) in self.param_ids for g in optimizer.param_groups for p in g["params"]):
+            self.stepped_outside = True
+
+    def _forget(self, module, incompatible_keys) -> None:
+        self.versions = None
+
+    def check(self) -> None:
+        versions = [p._version for p in self.model.parameters()]
+        changed = self.versions is not None and versions != self.versions
+        self.versions = versions
+        if not self._waiting():
+            self.stepped_outside = False
+        elif self.stepped_outside or changed:
+            self.stepped_outside, self.versions = False, None
+            raise ForeignOptimizerError(FOREIGN_OPTIMIZER)
+
+
 # -- the training-loop contract --------------------------------------------------------------------------------------
 class HFExpertParallel:
     """The training-loop contract of a swapped model, in one object (every call collective unless noted):
@@ -408,6 +494,8 @@ class HFExpertParallel:
 
     def __init__(self, model: nn.Module, names: list[str], blocks: list[nn.Module], family: Family, system: str):
         self.model, self.names, self.blocks, self.family, self.system = model, names, blocks, family, system
+        self._guard = _ForeignStepGuard(model, blocks[0].experts.layer)
+        blocks[0].experts.__dict__["guard"] = self._guard  # not a submodule
 
     @property
     def layers(self) -> list[EPMoELayer]:
@@ -459,12 +547,23 @@ class HFExpertParallel:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
 
-    def expert_step(self, grad_scale: float | None = None) -> None:
+    def clip_grad_norm_(self, max_norm: float, grad_scale: float | None = None) -> torch.Tensor:
+        """Clip every gradient, dense and expert, to a global L2 norm of ``max_norm`` as
+        ``torch.nn.utils.clip_grad_norm_`` would over all the parameters of the unswapped model on one process, and
+        return the norm before clipping (the same on every rank). Call it after :meth:`sync_dense_grads`; then step
+        the dense optimizer and ``expert_step(collected=True)``. It runs the experts' replica-gradient sum and
+        collection, times ``grad_scale`` (default: the gradient of the mean loss over ranks and micro-batches):
+        each expert counts once, the dense parameters once (:mod:`lrmoe.runtime.clip`). With a retention budget
+        (ρ < 1) the norm is that of the recalibrated gradient the experts' Adam applies."""
+        return clip_grad_norm_(self.dense_parameters(), self.layers, max_norm, self._scale(grad_scale))
+
+    def expert_step(self, grad_scale: float | None = None, collected: bool = False) -> None:
         """Every swapped layer's expert optimizer step, into the next placement its plans chose, with the
-        gradient times ``grad_scale`` (default: the gradient of the mean loss over ranks and micro-batches)."""
+        gradient times ``grad_scale`` (default: the gradient of the mean loss over ranks and micro-batches);
+        ``collected``: with the gradient :meth:`clip_grad_norm_` collected and clipped."""
         scale = self._scale(grad_scale)
         for layer in self.layers:
-            layer.expert_step(grad_scale=scale)
+            layer.expert_step(grad_scale=scale, collected=collected)
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float = DEFAULT_BIAS_RATE) -> None:
@@ -481,24 +580,30 @@ class HFExpertParallel:
             bias.copy_(update_expert_bias(bias, counts.to(bias.device), rate))
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: float | None = None,
-             bias_rate: float = DEFAULT_BIAS_RATE) -> None:
-        """One optimizer step after the backward(s): dense gradients all-reduced and ``optimizer`` stepped, the
+             bias_rate: float = DEFAULT_BIAS_RATE, max_grad_norm: float = 0.0) -> torch.Tensor | None:
+        """One optimizer step after the backward(s): dense gradients all-reduced, every gradient clipped to a
+        global norm of ``max_grad_norm`` when it is positive (:meth:`clip_grad_norm_`), ``optimizer`` stepped, the
         experts stepped and redistributed, GLM's bias updated; then every gradient cleared. ``grad_scale``
-        defaults to the gradient of the mean loss over ranks and micro-batches."""
+        defaults to the gradient of the mean loss over ranks and micro-batches. Returns the norm before clipping
+        (None when not clipping)."""
         scale = self._scale(grad_scale)
         self.sync_dense_grads(scale)
+        norm = self.clip_grad_norm_(max_grad_norm, scale) if max_grad_norm > 0 else None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self.expert_step(scale)
+        self.expert_step(scale, collected=norm is not None)
         self.update_expert_bias(bias_rate)
+        return norm
 
     def optimizer(self, dense_optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
                   grad_scale: float | None = None, bias_rate: float = DEFAULT_BIAS_RATE,
-                  **kwargs) -> "EPOptimizer":
+                  max_grad_norm: float = 0.0, **kwargs) -> "EPOptimizer":
         """One ``torch.optim.Optimizer`` for the whole swapped model (:class:`EPOptimizer`): ``dense_optimizer(
         self.dense_parameters(), **kwargs)`` for the dense part, the replica store's sharded Adam for the experts
-        (its ``lr``, ``betas`` and ``eps`` those of ``kwargs`` when given). No collective."""
-        return EPOptimizer(self, dense_optimizer, grad_scale=grad_scale, bias_rate=bias_rate, **kwargs)
+        (its ``lr``, ``betas`` and ``eps`` those of ``kwargs`` when given); ``max_grad_norm`` > 0 clips the global
+        norm over both at every step. No collective."""
+        return EPOptimizer(self, dense_optimizer, grad_scale=grad_scale, bias_rate=bias_rate,
+                           max_grad_norm=max_grad_norm, **kwargs)
 
     def zero_grad(self) -> None:
         """Clear the dense and the expert slots' gradients (no collective)."""
@@ -569,6 +674,13 @@ class EPOptimizer(torch.optim.Optimizer):
     (``loss.backward(); opt.step(); opt.zero_grad()``, any number of micro-batches in between) and torch's LR
     schedulers work unchanged.
 
+    ``max_grad_norm`` > 0 clips at every step, after the dense all-reduce and before both steps, the global L2 norm
+    of the dense and the expert gradients (each expert once, after its replicas' gradients are summed) exactly as
+    ``torch.nn.utils.clip_grad_norm_`` over all the parameters of the unswapped model on one process would
+    (:meth:`HFExpertParallel.clip_grad_norm_`); the norm before clipping is kept as ``last_grad_norm`` (the same
+    on every rank; None when not clipping). The systems with a retention budget (ρ < 1) clip the recalibrated
+    gradient their experts' Adam applies.
+
     ``param_groups`` are the dense optimizer's groups (the same dicts) followed by one group of the experts' slots,
     whose ``lr``, ``betas`` and ``eps`` the experts' sharded Adam reads at every step (so a scheduler moves both
     learning rates). :meth:`step` (collective) runs :meth:`HFExpertParallel.step`'s order: dense all-reduce, the
@@ -578,22 +690,29 @@ class EPOptimizer(torch.optim.Optimizer):
     experts' optimizer shards: save one per rank).
 
     ``transformers.Trainer`` (and Accelerate) on one process: pass ``Trainer(..., optimizers=(ep.optimizer(
-    torch.optim.AdamW, lr=..., grad_scale=1.0), scheduler))`` with ``max_grad_norm=0``. Trainer's micro-batch
-    losses are already shares of the step's mean (hence ``grad_scale=1.0``), and its clipping would see the dense
-    parameters only (the experts are not among ``model.parameters()``); so set, it trains exactly as the plain
-    loop (``tests/test_hf_trainer.py``: the same weights, bitwise). Without ``optimizers`` Trainer builds its own
-    optimizer over the dense parameters and the experts never train. On more than one process Trainer and
+    torch.optim.AdamW, lr=..., grad_scale=1.0, max_grad_norm=1.0), scheduler))`` with Trainer's own
+    ``max_grad_norm=0``. Trainer's micro-batch losses are already shares of the step's mean (hence
+    ``grad_scale=1.0``), and its clipping would see the dense parameters only (the experts are not among
+    ``model.parameters()``): clip here instead. So set, it trains exactly as the plain loop
+    (``tests/test_hf_trainer.py``: the same weights, bitwise). Without ``optimizers`` Trainer builds its own
+    optimizer over the dense parameters, which would never train the experts: the model's next training forward
+    after that optimizer's first step raises :class:`ForeignOptimizerError` (:class:`_ForeignStepGuard`). On more
+    than one process Trainer and
     Accelerate wrap the model in DistributedDataParallel, which the swapped model refuses at construction
     (:class:`DataParallelError`, :func:`ddp_refusal`): write the loop by hand (README, "Use it with
     transformers"); micro-batches, gradient checkpointing and LR schedulers all work in it.
     """
 
     def __init__(self, ep: HFExpertParallel, dense_optimizer: type[torch.optim.Optimizer], *,
-                 grad_scale: float | None = None, bias_rate: float = DEFAULT_BIAS_RATE, **kwargs):
+                 grad_scale: float | None = None, bias_rate: float = DEFAULT_BIAS_RATE, max_grad_norm: float = 0.0,
+                 **kwargs):
         if not (isinstance(dense_optimizer, type) and issubclass(dense_optimizer, torch.optim.Optimizer)):
             raise ValueError(f"dense_optimizer must be a torch.optim.Optimizer class (e.g. torch.optim.AdamW), got "
                              f"{dense_optimizer!r}")
-        self.ep, self.grad_scale, self.bias_rate = ep, grad_scale, bias_rate
+        if not max_grad_norm >= 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (0: no clipping), got {max_grad_norm}")
+        self.ep, self.grad_scale, self.bias_rate, self.max_grad_norm = ep, grad_scale, bias_rate, max_grad_norm
+        self.last_grad_norm: torch.Tensor | None = None  # the global norm before clipping, of the last step
         self.dense = dense_optimizer(ep.dense_parameters(), **kwargs)
         adam = ep.layers[0].store.adam
         betas = kwargs.get("betas", (adam.beta1, adam.beta2))
@@ -617,12 +736,14 @@ class EPOptimizer(torch.optim.Optimizer):
         ep, group = self.ep, self.expert_group
         scale = ep._scale(self.grad_scale)
         ep.sync_dense_grads(scale)
+        clip = self.max_grad_norm > 0
+        self.last_grad_norm = ep.clip_grad_norm_(self.max_grad_norm, scale) if clip else None
         self.dense.step()
         beta1, beta2 = group["betas"]
         for layer in ep.layers:
             layer.store.adam = replace(layer.store.adam, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                                        eps=group["eps"])
-        ep.expert_step(scale)
+        ep.expert_step(scale, collected=clip)
         ep.update_expert_bias(self.bias_rate)
         return loss
 

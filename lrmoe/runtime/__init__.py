@@ -6,6 +6,7 @@
 * :mod:`~lrmoe.runtime.backward`: the recalibrated expert exchange, one autograd op;
 * :mod:`~lrmoe.runtime.expert_compute`: the SwiGLU experts on grouped GEMMs, forward and backward by hand;
 * :mod:`~lrmoe.runtime.routing`: the routers (softmax top-k, GLM's sigmoid with bias);
+* :mod:`~lrmoe.runtime.clip`: gradient clipping by the global norm over the dense parameters and the experts;
 * :mod:`~lrmoe.runtime.reference`: the dense single-process reference every test compares against;
 * :mod:`~lrmoe.runtime.distributed`: all-to-all and point-to-point, the launcher, the replica substrate, the
   accountant.

@@ -401,14 +401,22 @@ class EPMoELayer(nn.Module):
             return policy.placement(self.iteration_counts_NE.sum(0), self.num_ranks, int(plan.routed_NE.sum()))
         return plan.next_placement_NS.clone()
 
+    def collect_expert_grads(self, grad_scale: float | None = None) -> torch.Tensor:
+        """Steps 1-2 of the expert step alone (replica-gradient sum, collection): this rank's fp32 shard of every
+        expert's gradient, times ``grad_scale`` (default :meth:`mean_grad_scale`), kept by the store for
+        ``expert_step(collected=True)``; e.g. to clip it (:mod:`lrmoe.runtime.clip`). Collective."""
+        self.store.sync_replica_grads()
+        return self.store.collect_grad_shards(self.mean_grad_scale() if grad_scale is None else grad_scale)
+
     def expert_step(self, next_placement_NS: torch.Tensor | None = None,
-                    grad_scale: float | None = None) -> torch.Tensor:
+                    grad_scale: float | None = None, collected: bool = False) -> torch.Tensor:
         """The experts' optimizer step on the replica substrate, then their weights into the next placement
         (default: :meth:`next_placement`), and the end of the iteration: its summed counts become
         ``prev_counts_E``. ``grad_scale`` defaults to :meth:`mean_grad_scale` (the gradient of the mean loss over
-        ranks and micro-batches). Returns the placement the slots now hold."""
+        ranks and micro-batches). ``collected``: Adam applies the shards :meth:`collect_expert_grads` returned (as
+        they are now, e.g. clipped; ``grad_scale`` unused). Returns the placement the slots now hold."""
         nxt = self.next_placement() if next_placement_NS is None else next_placement_NS
-        self.store.step(nxt, self.mean_grad_scale() if grad_scale is None else grad_scale)
+        self.store.step(nxt, self.mean_grad_scale() if grad_scale is None else grad_scale, collected=collected)
         if self.iteration_counts_NE is not None:
             self.prev_counts_E = self.iteration_counts_NE.sum(0)
         self.iteration_counts_NE, self.micro_batches, self.decisions = None, 0, []

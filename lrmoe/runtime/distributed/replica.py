@@ -212,6 +212,7 @@ class ReplicaStore(nn.Module):
         self.unpushed_grads: dict[int, torch.Tensor] = {}  # e -> gradient of this step's emptied replicas of e
         self.unpushed_hosts_NE: torch.Tensor | None = None  # bool [N, E]: hosts of this step's emptied replicas
         self.grad_shards_EW: torch.Tensor | None = None  # the last collected gradient shards (fp32, scaled)
+        self._fresh_shards = False  # whether grad_shards_EW was collected since the last Adam step
         self._reduced: dict[int, torch.Tensor] = {}  # range mode: e -> reduced gradient, between sync and collect
         self._received: list[tuple[list[int], torch.Tensor]] | None = None  # shard mode: per host, its parts
 
@@ -337,7 +338,7 @@ class ReplicaStore(nn.Module):
         with self._phase("grad_collect"), torch.no_grad():
             shards_EW = self._collect_range() if self.replica_grad == "range" else self._collect_shard()
             shards_EW.mul_(grad_scale)
-        self.grad_shards_EW = shards_EW
+        self.grad_shards_EW, self._fresh_shards = shards_EW, True
         self._reduced, self._received = {}, None
         return shards_EW
 
@@ -393,6 +394,7 @@ class ReplicaStore(nn.Module):
                              f"{None if grad is None else tuple(grad.shape)}")
         with self._phase("adam"), torch.no_grad():
             self.adam_steps += 1
+            self._fresh_shards = False
             adam_update_(self.master_EW, grad.to(torch.float32), self.exp_avg_EW, self.exp_avg_sq_EW,
                          self.adam_steps, self.adam)
 
@@ -512,10 +514,16 @@ class ReplicaStore(nn.Module):
             grad_SW[j].zero_()
         self.placement_NS, self.resident_NS = self.resident_NS, None
 
-    def step(self, next_placement_NS: torch.Tensor | None = None, grad_scale: float = 1.0) -> None:
-        """The whole optimizer step of the experts: sync, collect, Adam, redistribute."""
-        self.sync_replica_grads()
-        self.collect_grad_shards(grad_scale)
+    def step(self, next_placement_NS: torch.Tensor | None = None, grad_scale: float = 1.0,
+             collected: bool = False) -> None:
+        """The whole optimizer step of the experts: sync, collect, Adam, redistribute. ``collected``: steps 1-2 ran
+        already and ``grad_shards_EW`` holds the (scaled, e.g. clipped) gradient shards to apply; ``grad_scale`` is
+        then unused."""
+        if not collected:
+            self.sync_replica_grads()
+            self.collect_grad_shards(grad_scale)
+        elif not self._fresh_shards:
+            raise ValueError("step(collected=True) needs collect_grad_shards since the last Adam step")
         self.adam_step()
         self.redistribute(next_placement_NS)
 
