@@ -149,8 +149,7 @@ def _legal_loops(rank: int, folder: str) -> int:
     """Loops that step the experts: none may trip the check. Returns the experts' Adam steps."""
     model = tiny_model()
     model.train()
-    model.gradient_checkpointing_enable() if not hasattr(model, "activation_checkpointing_enable") \
-        else model.activation_checkpointing_enable()
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     ep = swap_moe_blocks(model, "online-greedy")
     opt = ep.optimizer(torch.optim.AdamW, lr=LR, max_grad_norm=1.0)
 

@@ -244,3 +244,32 @@ def test_recorder_counts_a_checkpointed_forward_once():
                 model(x, labels=x).loss.backward()
         traces.append(rec.trace().counts_ILNE)
     assert traces[0].shape == (2, 2, 1, 16) and torch.equal(traces[1], traces[0])
+
+
+def test_recorder_steps_once_per_optimizer_step_of_micro_batches():
+    """micro_batches=k: every k-th forward closes a step (the sum of its micro-batches, recomputations not
+    counted), the metadata says k, and the simulator prices a micro-batch as a k-th of each step's pairs."""
+    pytest.importorskip("transformers")
+    from transformers import Qwen3MoeForCausalLM
+
+    from lrmoe.config import model_preset
+    from lrmoe.integrations.hf import hf_config
+    from lrmoe.integrations.traces import RouterRecorder
+    from lrmoe.sim.simulator import micro_batch_counts
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(hf_config(model_preset("qwen3-30b-a3b-debug").replace(num_layers=2)))
+    model.train()
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    ids = [torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(m)) for m in range(4)]
+    with RouterRecorder(model) as per_forward, RouterRecorder(model, micro_batches=2) as per_step:
+        for x in ids:  # two optimizer steps of two micro-batches
+            model(x, labels=x).loss.backward()
+    forwards, steps = per_forward.trace(), per_step.trace()
+    assert forwards.meta["micro_batches"] == 1 and steps.meta["micro_batches"] == 2
+    assert steps.counts_ILNE.shape == (2, 2, 1, 16)
+    assert torch.equal(steps.counts_ILNE, forwards.counts_ILNE.view(2, 2, 2, 1, 16).sum(1))
+    one, k = micro_batch_counts(steps)  # what the simulator prices per micro-batch: half of each step's pairs
+    assert k == 2 and torch.equal(one.sum(-1) * 2, steps.counts_ILNE.sum(-1))
+    with pytest.raises(ValueError, match="micro_batches must be a positive int"):
+        RouterRecorder(model, micro_batches=0)

@@ -11,10 +11,12 @@ dispatches and computes the experts, and the router gradient flows back through 
 
     dist.init_process_group(...)                     # every rank, then the same model on every rank
     ep = swap_moe_blocks(model, "lrmoe")             # each rank keeps its slots and optimizer shard of the experts
-    opt = ep.optimizer(torch.optim.AdamW, lr=1e-3)   # a torch Optimizer: HF's dense parameters and the experts
+    opt = ep.optimizer(torch.optim.AdamW, lr=1e-3,   # a torch Optimizer: HF's dense parameters and the experts,
+                       max_grad_norm=1.0)            # clipped to one global gradient norm over both
     for ids in micro_batches:                        # gradient accumulation: k micro-batches, one step
         model(ids, labels=ids).loss.backward()
-    opt.step(); opt.zero_grad()                      # dense all-reduce + AdamW, expert Adam + redistribution, GLM bias
+    opt.step(); opt.zero_grad()                      # dense all-reduce, clipping, AdamW, expert Adam +
+                                                     # redistribution, GLM bias
     model.save_pretrained(path, is_main_process=rank == 0)   # every rank: the experts are gathered
 
 **One gradient convention.** Every method here that reduces gradients (:meth:`HFExpertParallel.sync_dense_grads`,
@@ -24,11 +26,25 @@ micro-batches: the summed gradients times 1 / (ranks x micro-batches), the micro
 forwards since the last step. A loop that already divides each micro-batch's loss by their number (HF's Trainer,
 Accelerate) passes ``grad_scale=1 / ranks``; ``grad_scale=1.0`` gives the plain sum.
 
+**Gradient clipping** cannot be ``torch.nn.utils.clip_grad_norm_(model.parameters())``: the routed experts are not
+among them, and before the step each replica holds a partial sum of its expert's gradient. ``max_grad_norm`` of
+:meth:`HFExpertParallel.optimizer` (or of :meth:`~HFExpertParallel.step`; :meth:`~HFExpertParallel.clip_grad_norm_`
+in the low-level API) clips that gradient, after the dense all-reduce and the experts' replica-gradient sum, to one
+global L2 norm over the dense parameters (once) and the experts (each once), exactly as ``clip_grad_norm_`` over
+every parameter of the unswapped model on one process would (:mod:`lrmoe.runtime.clip`). The systems with a
+retention budget (ρ < 1) clip the recalibrated gradient their experts' Adam applies.
+
+**A foreign optimizer** (``torch.optim.AdamW(model.parameters())``, ``transformers.Trainer`` without
+``optimizers=``) would step the dense parameters and never the experts: the model's next training forward after
+such a step raises :class:`ForeignOptimizerError` (:data:`FOREIGN_OPTIMIZER` names the fix; how it is detected:
+:class:`_ForeignStepGuard`).
+
 **Trainer and data parallelism.** ``transformers.Trainer`` works on one process with ``optimizers=(ep.optimizer(...,
-grad_scale=1.0), scheduler)`` and ``max_grad_norm=0`` (:class:`EPOptimizer`). On more than one process it (and
-Accelerate, and any loop) wraps the model in DistributedDataParallel: a swapped model refuses that at the wrapper's
-construction, on every rank, before any step (:class:`DataParallelError`; the message says why and what to use), and
-refuses to run as a copy made by ``nn.DataParallel``. FSDP is not supported and not detected.
+grad_scale=1.0, max_grad_norm=...), scheduler)`` and Trainer's own ``max_grad_norm=0`` (:class:`EPOptimizer`). On
+more than one process it (and Accelerate, and any loop) wraps the model in DistributedDataParallel: a swapped model
+refuses that at the wrapper's construction, on every rank, before any step (:class:`DataParallelError`; the message
+says why and what to use), and refuses to run as a copy made by ``nn.DataParallel``. FSDP is not supported and not
+detected.
 
 Weights. HF fuses the experts as ``gate_up_proj`` [E, 2F, D] (gate rows first: ``linear(x, W).chunk(2)``) and
 ``down_proj`` [E, D, F]; the layer keeps the reference layout ``w_gate_EDF``, ``w_up_EDF``, ``w_down_EFD``
@@ -43,11 +59,12 @@ back (no collective). The training state of the experts (moments, placement, pla
 Planning state. A forward with gradients is a training forward: it plans with the system's policy and advances
 the layer's state (previous counts, the plan whose next placement :meth:`~HFExpertParallel.expert_step` moves to).
 A forward without gradients (evaluation, generation) computes every pair on the placement the slots hold and
-leaves that state as it was. Every rank must run the same number of forwards (they are collective): generate
-with ``synced_gpus=True``. Several training forwards before a step are micro-batches of one iteration (their
-gradients accumulate; the placement holds until the step, :mod:`lrmoe.runtime.layer`). Gradient checkpointing
-(``model.gradient_checkpointing_enable()``, non-reentrant as HF's default) works: the recomputed forward replays the
-plan its original forward made.
+leaves that state as it was (between micro-batches under online replication: on the home slots). Every rank must run
+the same number of forwards (they are collective): generate with ``synced_gpus=True``. Several training forwards
+before a step are micro-batches of one iteration (their gradients accumulate; the placement holds until the step,
+:mod:`lrmoe.runtime.layer`). Activation checkpointing (``model.activation_checkpointing_enable()``, or the
+``gradient_checkpointing_enable()`` it replaces in transformers 5; non-reentrant as HF's default) works: the
+recomputed forward replays the plan its original forward made.
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from lrmoe.runtime.layer import recomputing
+
 TRACE_FORMAT = "lrmoe-trace"
 TRACE_VERSION = 1
 
@@ -395,8 +397,12 @@ class RouterRecorder:
     Each router call contributes its tokens' top-k choices: the integer [tokens, k] tensor of the router's output
     (HF 5.x routers return ``(logits, weights, indices)``), or, for a router that returns only logits, their
     top-``top_k`` (the choice of a softmax router; a router that selects on biased scores must return indices).
-    Every forward of ``model`` closes one step (``auto_step=False``: call :meth:`next_step`). The tokens of a call
-    are split into ``num_ranks`` contiguous blocks, one per virtual source rank.
+    Every ``micro_batches``-th forward of ``model`` closes one step (``auto_step=False``: call :meth:`next_step`),
+    so that with gradient accumulation a step of the trace is an optimizer step, summed over its micro-batches, and
+    the trace's metadata says so (``micro_batches``; the simulator splits each step into that many,
+    :func:`lrmoe.sim.simulator.micro_batch_counts`). A recomputation inside the backward (activation checkpointing)
+    is not a forward. The tokens of a call are split into ``num_ranks`` contiguous blocks, one per virtual source
+    rank.
 
         with RouterRecorder(model) as rec:
             for batch in batches:
@@ -409,10 +415,13 @@ class RouterRecorder:
     """
 
     def __init__(self, model: nn.Module, num_ranks: int = 1, num_experts: int | None = None,
-                 top_k: int | None = None, auto_step: bool = True, routers: list[tuple[str, nn.Module]] | None = None):
-        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
-            raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
-        self.model, self.num_ranks = model, num_ranks
+                 top_k: int | None = None, auto_step: bool = True, routers: list[tuple[str, nn.Module]] | None = None,
+                 micro_batches: int = 1):
+        for name, value in (("num_ranks", num_ranks), ("micro_batches", micro_batches)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.model, self.num_ranks, self.micro_batches = model, num_ranks, micro_batches
+        self._forwards = 0  # model forwards since the last closed step
         config = getattr(model, "config", None)
         self.routers = router_modules(model) if routers is None else list(routers)
         if not self.routers:
@@ -424,11 +433,18 @@ class RouterRecorder:
         self._current: torch.Tensor | None = None
         self._handles = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(self.routers)]
         if auto_step:
-            self._handles.append(model.register_forward_hook(lambda *_: self.next_step()))
+            self._handles.append(model.register_forward_hook(lambda *_: self._forward_done()))
+
+    def _forward_done(self) -> None:
+        if recomputing():
+            return
+        self._forwards += 1
+        if self._forwards >= self.micro_batches:
+            self.next_step()
 
     def _hook(self, layer: int):
         def hook(module, args, output):
-            if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+            if recomputing():
                 return  # a recomputation inside the backward (activation checkpointing): its forward was counted
             idx_TK = self._indices(module, output)
             E = self.num_experts
@@ -461,6 +477,7 @@ class RouterRecorder:
 
     def next_step(self) -> None:
         """Close the current step (a no-op if no router fired since the last one)."""
+        self._forwards = 0
         if self._current is not None:
             self.steps.append(self._current)
             self._current = None
@@ -487,7 +504,8 @@ class RouterRecorder:
         info = {"source": "recorded", "recorder": "hf-router-hooks",
                 "model": getattr(config, "_name_or_path", None) or getattr(config, "model_type", None),
                 "model_type": getattr(config, "model_type", None), "top_k": self.top_k,
-                "routers": [name for name, _ in self.routers], "virtual_ranks": self.num_ranks}
+                "routers": [name for name, _ in self.routers], "virtual_ranks": self.num_ranks,
+                "micro_batches": self.micro_batches}
         return Trace(torch.stack(self.steps), {**info, **meta})
 
 

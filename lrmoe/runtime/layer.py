@@ -33,7 +33,7 @@ micro-batch's loss by k passes ``grad_scale=1 / ranks``; ``grad_scale=1.0`` give
 
 **Activation checkpointing.** A training forward records what it decided (the routed experts, the counts, the
 plan and the dispatch). When the forward runs again inside the backward (torch's non-reentrant
-``torch.utils.checkpoint``, what HF's ``gradient_checkpointing_enable`` runs by default), the layer replays that
+``torch.utils.checkpoint``, what HF's ``activation_checkpointing_enable`` runs by default), the layer replays that
 record instead of planning again: no counts all-gather, no policy call, no push; the router's gates are
 recomputed (they are differentiable), the routed experts must be the recorded ones. So the recomputed activations
 are those of the original plan, bit for bit.
