@@ -422,15 +422,16 @@ class ForeignOptimizerError(RuntimeError):
 
 
 FOREIGN_OPTIMIZER = (
-    "an optimizer other than lrmoe's stepped this model: its dense parameters changed between two training "
-    "forwards while the routed experts' gradients of the backward in between still waited for their optimizer "
-    "step. The routed experts of a model swapped onto lrmoe's expert-parallel layer are not among "
+    "an optimizer other than lrmoe's stepped this model: its dense parameters were stepped (or changed in place) "
+    "between two training forwards while the routed experts' gradients of the backward in between still waited for "
+    "their optimizer step. The routed experts of a model swapped onto lrmoe's expert-parallel layer are not among "
     "model.parameters(), so an optimizer built over them (torch.optim.AdamW(model.parameters()), or "
     "transformers.Trainer without optimizers=) never trains the experts. Use the swapped model's optimizer: "
     "opt = ep.optimizer(torch.optim.AdamW, lr=...) in place of yours, in a plain loop (loss.backward(); opt.step(); "
-    "opt.zero_grad()) or as Trainer(..., optimizers=(ep.optimizer(torch.optim.AdamW, lr=..., grad_scale=1.0), "
-    "scheduler)); or, with your own dense optimizer, ep.step(optimizer) in place of optimizer.step() (README, 'Use "
-    "it with transformers').")
+    "opt.zero_grad()) or, on one process, as Trainer(..., optimizers=(ep.optimizer(torch.optim.AdamW, lr=..., "
+    "grad_scale=1.0), scheduler)) with max_grad_norm=0 in TrainingArguments (clip with ep.optimizer(..., "
+    "max_grad_norm=...)); or, with your own dense optimizer, ep.step(optimizer) in place of optimizer.step() "
+    "(README, 'Use it with transformers').")
 
 
 class _ForeignStepGuard:
@@ -446,9 +447,10 @@ class _ForeignStepGuard:
       optimizer, fused ones included, and any subclass). The swapped model's own optimizer steps its dense part and
       then the experts, which ends the iteration before that forward; so does the low-level API
       (``sync_dense_grads``, any dense optimizer's step, ``expert_step``);
-    * a dense parameter changed in place since the previous training forward (its version counter ``p._version``;
-      catches a hand-written update under ``torch.no_grad()``, not one through ``p.data``, which fused optimizers
-      do not bump either). ``model.load_state_dict`` (a resume) resets this record.
+    * a dense parameter changed in place since the previous training forward (its version counter ``p._version``:
+      e.g. a hand-written update under ``torch.no_grad()``; one through ``p.data`` and a fused optimizer's kernel
+      leave it as it was, the first signal catches the latter). ``model.load_state_dict`` (a resume) resets this
+      record.
 
     Micro-batches (several forwards and backwards before one step), evaluation forwards (no grad), recomputation and
     online replication (it writes expert slots, not dense parameters) change no dense parameter and step no
