@@ -9,8 +9,8 @@ online replication by the greedy rule).
 ``clip_grad_norm_(model.parameters())`` on the swapped model would see the dense parameters only: their norm is
 outside the test's tolerance of the whole model's.
 
-A foreign optimizer: ``torch.optim.AdamW(model.parameters())`` stepping a swapped model raises
-:class:`ForeignOptimizerError` at the next training forward; the legal loops (the optimizer object with
+A foreign optimizer: ``torch.optim.AdamW(model.parameters())`` (foreach or fused) or a hand-written update
+stepping a swapped model's dense parameters raises :class:`ForeignOptimizerError` at the next training forward; the legal loops (the optimizer object with
 micro-batches, gradient checkpointing, evaluation forwards and a resume from its state dicts, the low-level API)
 never do.
 """
@@ -123,14 +123,22 @@ def _train(model, step_fn, steps: int = 2, micro: int = MICRO, rank: int = 0) ->
         step_fn()
 
 
-def _foreign(rank: int) -> tuple:
+def _foreign(rank: int, kind: str) -> tuple:
     model = tiny_model()
     ep = swap_moe_blocks(model, "symi-dropless")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)  # the dense parameters only
+    if kind == "by hand":  # no torch optimizer: seen by the parameters' version counters
 
-    def step():
-        opt.step()
-        opt.zero_grad()
+        @torch.no_grad()
+        def step():
+            for p in model.parameters():
+                p -= LR * p.grad
+            model.zero_grad()
+    else:  # the dense parameters only; a fused optimizer leaves the version counters alone: seen by its step hook
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=kind == "fused")
+
+        def step():
+            opt.step()
+            opt.zero_grad()
 
     try:
         _train(model, step, rank=rank)
@@ -139,8 +147,9 @@ def _foreign(rank: int) -> tuple:
     return "trained", ep.layers[0].micro_batches, ep.layers[0].store.adam_steps
 
 
-def test_a_torch_optimizer_over_model_parameters_is_refused_at_the_next_training_forward():
-    for message, micro_batches, expert_steps in launch(_foreign, 2, timeout_s=60):
+@pytest.mark.parametrize("kind", ["adamw", "fused", "by hand"])
+def test_a_dense_step_without_the_experts_is_refused_at_the_next_training_forward(kind):
+    for message, micro_batches, expert_steps in launch(_foreign, 2, kind, timeout_s=60):
         assert message == FOREIGN_OPTIMIZER
         assert micro_batches == MICRO and expert_steps == 0  # at the second step's first forward, on every rank
 
