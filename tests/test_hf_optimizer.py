@@ -10,9 +10,10 @@ online replication by the greedy rule).
 outside the test's tolerance of the whole model's.
 
 A foreign optimizer: ``torch.optim.AdamW(model.parameters())`` (foreach or fused) or a hand-written update
-stepping a swapped model's dense parameters raises :class:`ForeignOptimizerError` at the next training forward; the legal loops (the optimizer object with
-micro-batches, gradient checkpointing, evaluation forwards and a resume from its state dicts, the low-level API)
-never do.
+stepping a swapped model's dense parameters raises :class:`ForeignOptimizerError` at the next training forward;
+the legal loops (the optimizer object with micro-batches, activation checkpointing, online replication, an
+evaluation forward and a state dict loaded between micro-batches, a resume from its state dicts, the low-level
+API with another dense optimizer) never do.
 """
 
 import copy
