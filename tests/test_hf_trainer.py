@@ -3,10 +3,11 @@ Qwen3-MoE, fp32, CPU.
 
 One process: Trainer, given ``optimizers=(ep.optimizer(AdamW, grad_scale=1.0), scheduler)`` and
 ``max_grad_norm=0``, trains exactly as the plain loop of the README does (the same losses and weights, experts
-included); without ``optimizers=`` its own optimizer would leave the experts untrained, and the swapped model
-refuses it (ForeignOptimizerError) at the first forward after that optimizer's first step. Several ranks:
-DistributedDataParallel, which Trainer and Accelerate wrap the model in there, is refused at its construction on
-every rank, before any step or collective; a script that tries exits non-zero at once.
+included; also when ep.optimizer clips); without ``optimizers=`` its own optimizer would leave the experts
+untrained, and the swapped model refuses it (ForeignOptimizerError) at the first forward after that optimizer's
+first step. Several ranks: DistributedDataParallel, which Trainer and Accelerate wrap the model in there, is
+refused at its construction on every rank, before any step or collective; a script that tries exits non-zero at
+once.
 """
 
 import os
@@ -75,12 +76,12 @@ def trainer(model, optimizer, folder: str) -> Trainer:
 
 
 # -- one process: Trainer is the plain loop ---------------------------------------------------------------------------
-def _plain_loop() -> tuple[list[float], dict]:
+def _plain_loop(max_grad_norm: float = 0.0) -> tuple[list[float], dict]:
     """The README's loop: each micro-batch's mean loss backward, ep.optimizer at its default gradient (the mean
     over micro-batches), the scheduler after each step. Returns each step's mean loss and the final state dict."""
     model = tiny_model()
     ep = swap_moe_blocks(model, SYSTEM)
-    opt = ep.optimizer(torch.optim.AdamW, lr=1e-2)
+    opt = ep.optimizer(torch.optim.AdamW, lr=1e-2, max_grad_norm=max_grad_norm)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     rows, losses = token_rows(), []
     for step in range(STEPS):
@@ -97,13 +98,13 @@ def _plain_loop() -> tuple[list[float], dict]:
     return losses, model.state_dict()
 
 
-def _trainer_equals_plain_loop(rank: int, folder: str) -> dict:
+def _trainer_equals_plain_loop(rank: int, folder: str, max_grad_norm: float) -> dict:
     as_torchrun()  # one process under torchrun's variables: Accelerate wraps the model in a one-rank DDP
-    want_losses, want_state = _plain_loop()
+    want_losses, want_state = _plain_loop(max_grad_norm)
     model = tiny_model()
     ep = swap_moe_blocks(model, SYSTEM)
     # Trainer's loss of a micro-batch is already its share of the step's mean: no division by the micro-batches
-    opt = ep.optimizer(torch.optim.AdamW, lr=1e-2, grad_scale=1.0)
+    opt = ep.optimizer(torch.optim.AdamW, lr=1e-2, grad_scale=1.0, max_grad_norm=max_grad_norm)
     t = trainer(model, opt, folder)
     t.train()
     got = model.state_dict()  # dense weights and the experts gathered from the replica store
@@ -114,11 +115,14 @@ def _trainer_equals_plain_loop(rank: int, folder: str) -> dict:
             # Accelerate reloads the optimizer's state dict when it prepares it: the scheduler must still reach
             # the groups the dense optimizer steps
             "groups_shared": all(a is b for a, b in zip(opt.param_groups, opt.dense.param_groups)),
-            "expert_lr": opt.expert_group["lr"], "adam_steps": ep.layers[0].store.adam_steps}
+            "expert_lr": opt.expert_group["lr"], "adam_steps": ep.layers[0].store.adam_steps,
+            "grad_norm": None if opt.last_grad_norm is None else float(opt.last_grad_norm)}
 
 
-def test_trainer_on_one_process_trains_exactly_as_the_plain_loop(tmp_path):
-    out = launch(_trainer_equals_plain_loop, 1, str(tmp_path), timeout_s=120)[0]
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.5])  # the second clips every step (the norms are about 2-3)
+def test_trainer_on_one_process_trains_exactly_as_the_plain_loop(tmp_path, max_grad_norm):
+    """Also with clipping in ep.optimizer (Trainer's own max_grad_norm=0): the same weights, bitwise."""
+    out = launch(_trainer_equals_plain_loop, 1, str(tmp_path), max_grad_norm, timeout_s=120)[0]
     assert out["wrapped"] == "DistributedDataParallel"  # the guard lets a one-rank DDP through: it changes nothing
     got, want = out["losses"]
     assert len(got) == STEPS
@@ -126,6 +130,7 @@ def test_trainer_on_one_process_trains_exactly_as_the_plain_loop(tmp_path):
     assert out["same_keys"] and not out["unequal"], out["unequal"]  # bitwise
     assert out["groups_shared"] and out["adam_steps"] == STEPS
     assert out["expert_lr"] == pytest.approx(1e-2 * warmup(STEPS))
+    assert (out["grad_norm"] is None) == (max_grad_norm == 0) and (out["grad_norm"] or 1.0) > max_grad_norm
 
 
 def _trainer_resumes(rank: int, folder: str) -> list[str]:
