@@ -49,7 +49,9 @@ class Stage:
     script: str
     quick: list[str] = field(default_factory=list)
     full: list[str] = field(default_factory=list)
-    table: int = -1  # which Markdown table of the stage's output goes into the summary (its headline)
+    # which Markdown table of the stage's output goes into the summary (its headline): its index, or the title of
+    # the section ("## <title>") whose first table it is, where the stage prints other tables before it
+    table: int | str = -1
     # runs beside the stages after it (a deterministic stage on one thread: the simulator), until a measured stage
     background: bool = False
     # times something on this machine: waits for every background stage, so that nothing runs beside it
@@ -62,7 +64,7 @@ STAGES = [
     # the paper-scale simulator (one thread, deterministic): beside metric fidelity, convergence and the frontier
     Stage("ablate", "experiments/ablate.py", quick=["--quick"], full=[], background=True),
     # the simulator again, at per-rank budgets from where the home slots just fit: where memory binds
-    Stage("memory_sweep", "experiments/memory_sweep.py", quick=["--quick"], full=[], table=1),
+    Stage("memory_sweep", "experiments/memory_sweep.py", quick=["--quick"], full=[], table="Where memory binds"),
     Stage("metric_fidelity", "experiments/metric_fidelity.py", quick=[], full=["--draws", "16", "--tokens", "2048"],
           table=-2),
     Stage("convergence", "experiments/convergence.py", quick=["--quick"],
@@ -86,17 +88,24 @@ STAGES = [
 ]
 
 
-def markdown_tables(text: str, which: int = -1) -> str:
-    """The ``which``-th Markdown table a stage printed (default the last: experiments print the headline last)."""
-    blocks, current = [], []
+def markdown_tables(text: str, which: int | str = -1) -> str:
+    """The ``which``-th Markdown table a stage printed (default the last: experiments print the headline last), or,
+    for a string, the first table of the last section titled ``## <which>...`` ("" when there is none)."""
+    blocks, current, sections = [], [], []
     for line in text.splitlines():
         if line.startswith("|"):
             current.append(line)
-        elif current:
+            continue
+        if current:
             blocks.append(current)
             current = []
+        if line.startswith("## "):
+            sections.append((line[3:], len(blocks)))  # the title, and the index its first table will have
     if current:
         blocks.append(current)
+    if isinstance(which, str):
+        starts = [start for title, start in sections if title.startswith(which) and start < len(blocks)]
+        return "\n".join(blocks[starts[-1]]) if starts else ""
     return "\n".join(blocks[which]) if len(blocks) >= abs(which) else ""
 
 

@@ -152,3 +152,17 @@ def test_sigterm_of_the_main_job_stops_its_stage_and_the_stage_s_ranks(tmp_path)
         assert not survivors(pids), "the stage or its ranks outlived the main job"
     finally:
         kill_leftovers(job, pids_in(out, "*.pid"))
+
+
+def test_a_stage_summary_can_name_its_table_by_section_title():
+    """A stage that prints other tables before its headline (the memory sweep prints each ablation group's) names
+    its table by the section title: the summary shows where memory binds, not an ablation group's empty table."""
+    text = ("| a | b |\n|---|---|\n| 1 | 2 |\n\n## Where memory binds\n\n| binds from GB |\n|---|\n| 31.7 |\n\n"
+            "## Next\n| x |")
+    assert reproduce.markdown_tables(text, "Where memory binds") == "| binds from GB |\n|---|\n| 31.7 |"
+    assert reproduce.markdown_tables(text, "Nowhere") == "" and reproduce.markdown_tables(text, 0).startswith("| a")
+    (stage,) = [s for s in reproduce.STAGES if s.name == "memory_sweep"]
+    # the title is the one the memory sweep's report prints (its committed report), and its table says where
+    report = (reproduce.ROOT / "paper_figures" / "results" / "memory_pressure_regimes.md").read_text()
+    table = reproduce.markdown_tables(report, stage.table)
+    assert "binds from GB" in table and len(table.splitlines()) > 2
