@@ -158,9 +158,14 @@ def _trainer_without_optimizers(rank: int, folder: str) -> tuple:
                              max_steps=STEPS, train_sampling_strategy="sequential", use_cpu=True, save_strategy="no",
                              report_to=[], dataloader_num_workers=0, disable_tqdm=True, seed=0)
     t = Trainer(model=model, args=args, train_dataset=Rows(token_rows()))  # Trainer's own AdamW, its clipping
+    return train_until(t, ep, ForeignOptimizerError)
+
+
+def train_until(t, ep, error: type[Exception]) -> tuple:
+    """Train; the error's message (or "trained"), Trainer's optimizer steps and the experts' Adam steps."""
     try:
         t.train()
-    except ForeignOptimizerError as exc:
+    except error as exc:
         return str(exc), t.state.global_step, ep.layers[0].store.adam_steps
     return "trained", t.state.global_step, ep.layers[0].store.adam_steps
 
@@ -217,11 +222,7 @@ def _trainer_on_two_ranks(rank: int, folder: str) -> tuple:
     model = tiny_model()
     ep = swap_moe_blocks(model, SYSTEM)
     t = trainer(model, ep.optimizer(torch.optim.AdamW, lr=1e-2, grad_scale=1 / ep.num_ranks), folder)
-    try:
-        t.train()
-    except DataParallelError as exc:
-        return str(exc), t.state.global_step, ep.layers[0].store.adam_steps
-    return "trained", t.state.global_step, ep.layers[0].store.adam_steps
+    return train_until(t, ep, DataParallelError)
 
 
 def test_trainer_on_two_ranks_is_refused_on_every_rank_before_a_step(tmp_path):
