@@ -33,7 +33,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from lrmoe.analysis import protocol
-from lrmoe.analysis.claims import (MARGIN, arm_gaps, claim_table, early_arms, early_family, gap_table, time_claim,
+from lrmoe.analysis.claims import (MARGIN, arm_gaps, claim_table, early_family, family_gaps, time_claim,
                                    time_ratios)
 from lrmoe.analysis.skew import Scale, check_matched, match_zipf, runs_imbalance, side_by_side
 from lrmoe.config import cluster_preset, model_preset
@@ -423,9 +423,7 @@ def protocol_main(args) -> pd.DataFrame:
         raise SystemExit(f"frontier.py: error: {args.runs} hold no {'' if args.time_only else 'sweep '}run of regime "
                          f"{regime.name}")
     if not args.time_only:
-        # the main family over its own whole seeds; early selection's (DESIGN.md §10.6) over its own
-        gaps = gap_table(rows, [a for a in arms if a not in protocol.EARLY_ARMS])
-        early = gap_table(rows, early_arms()) if set(protocol.EARLY_ARMS) <= set(arms) else None
+        gaps, early = family_gaps(rows, arms)
         if len(gaps) < 2:
             raise SystemExit(f"frontier.py: error: {len(gaps)} whole seed(s) of regime {regime.name}: a claim needs "
                              "two")

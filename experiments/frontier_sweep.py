@@ -28,7 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lrmoe.analysis import protocol
-from lrmoe.analysis.claims import claim_table, early_arms, early_family, gap_table, seed_plan
+from lrmoe.analysis.claims import claim_table, early_family, family_gaps, seed_plan
 from lrmoe.analysis.skew import runs_imbalance
 from lrmoe.integrations.tracking import read_results
 from lrmoe.systems import system_arg
@@ -94,7 +94,7 @@ def report(args) -> str:
         mine = [r for r in rows if r["regime"] == regime and r["arm"] in args.arms]
         lines += [f"## Regime {regime}: {protocol.get_regime(regime).description}", ""]
         try:
-            gaps = gap_table(mine, [a for a in args.arms if a not in protocol.EARLY_ARMS])
+            gaps, early = family_gaps(mine, args.arms)
         except ValueError as exc:
             lines += [f"No table yet: {exc}.", ""]
             continue
@@ -113,15 +113,10 @@ def report(args) -> str:
             planned = len(args.seeds)
             label = "final" if len(gaps) >= planned else f"interim, {len(gaps)} of {planned} seeds"
             lines += [f"Claims ({label}):", "", claim_table(gaps).to_markdown(index=False, floatfmt=".3f"), ""]
-            if set(protocol.EARLY_ARMS) <= set(args.arms):
-                try:
-                    early = gap_table(mine, early_arms())
-                except ValueError as exc:
-                    lines += [f"No table of early selection yet: {exc}.", ""]
-                else:
-                    label = "final" if len(early) >= planned else f"interim, {len(early)} of {planned} seeds"
-                    lines += [f"Early selection's claims (DESIGN.md §10.6, a Holm family of their own; {label}):", "",
-                              claim_table(early, early_family()).to_markdown(index=False, floatfmt=".3f"), ""]
+            if early is not None:
+                label = "final" if len(early) >= planned else f"interim, {len(early)} of {planned} seeds"
+                lines += [f"Early selection's claims (DESIGN.md §10.6, a Holm family of their own; {label}):", "",
+                          claim_table(early, early_family()).to_markdown(index=False, floatfmt=".3f"), ""]
     return "\n".join(lines)
 
 

@@ -104,8 +104,8 @@ def test_frontier_axes_carry_intervals_and_the_time_claim_takes_the_deepest_rho_
 def test_early_family_is_its_own_and_never_costs_the_main_table_a_seed():
     """DESIGN.md §10.6: the early arm (added after seed 0 ran) is read over its own whole seeds, in a Holm family of
     two; the main family keeps every seed whose ten arms finished."""
-    from lrmoe.analysis.claims import early_arms, early_family
-    from lrmoe.analysis.protocol import EARLY_ARMS
+    from lrmoe.analysis.claims import early_family, family_gaps
+    from lrmoe.analysis.protocol import EARLY_ARMS, SWEEP_ARMS
 
     rows = runs(range(10))
     rng = np.random.default_rng(1)
@@ -114,8 +114,7 @@ def test_early_family_is_its_own_and_never_costs_the_main_table_a_seed():
     # planted: early selection 2 points worse than the reference, and 1.8 points worse than late selection (m2)
     rows += [{"regime": "production", "seed": s, "arm": EARLY_ARMS[0],
               "endpoint": refs[s] * (1 + (2.0 + rng.normal(0, 0.1)) / 100)} for s in range(1, 10)]  # not seed 0
-    main = gap_table(rows, list(ARMS))
-    early = gap_table(rows, early_arms())
+    main, early = family_gaps(rows, SWEEP_ARMS)
     assert list(main.index) == list(range(10)) and list(early.index) == list(range(1, 10))
     table = claim_table(early, early_family()).set_index("claim")
     assert table.loc["E1", "word"] == "fails" and table.loc["E2", "word"] == "holds"

@@ -74,6 +74,15 @@ def early_arms(rho: float = protocol.CLAIM_RHO) -> list[str]:
     return [*protocol.REFERENCES, f"lrmoe-rho{rho:g}-unbiased", *protocol.EARLY_ARMS]
 
 
+def family_gaps(rows, arms) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """The gap tables of a regime's two families (DESIGN.md §10.6), each over its own whole seeds: the main
+    family's over ``arms`` less the early arms, and early selection's over :func:`early_arms` when every early arm
+    is among ``arms`` (else None)."""
+    main = gap_table(rows, [a for a in arms if a not in protocol.EARLY_ARMS])
+    early = gap_table(rows, early_arms()) if set(protocol.EARLY_ARMS) <= set(arms) else None
+    return main, early
+
+
 def gap_table(rows, arms=None, references=protocol.REFERENCES) -> pd.DataFrame:
     """Seeds x arms: each arm's endpoint as % above the seed's reference (the mean of the ``references``' endpoints,
     DESIGN.md §10.3). Only whole seeds: those with a finite endpoint for every one of ``arms`` (default: every arm
