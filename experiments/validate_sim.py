@@ -560,6 +560,11 @@ def regimes_main(args) -> pd.DataFrame:
         figs = run.log_figure("ratios", fig)
         plt.close(fig)
     text = regime_report(table, groups, infos, cal_path, first, figs[0].name)
+    if isinstance(args.reuse_benches, str):  # a re-pricing: say whose measurements these are
+        names = ", ".join(f"`{bench_path(args, r).name}`" for r in benches)
+        source = Path(args.reuse_benches).name
+        text = text.replace("\n", f"\n\nRe-priced: the measured side is the benchmarks of `{source}` ({names}), "
+                            "measured earlier; the modelled side is the cost model of this commit.\n", 1)
     report = write_report(out, text)
     print(text)
     print(f"results: {out}; figure: {figs[0]}; report: {report}")
@@ -582,9 +587,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--regimes: measured iterations per arm (--quick: layer_bench's quick size)")
     p.add_argument("--runs", default=None,
                    help="--regimes: the protocol's collected runs the skew is matched to (default: layer_bench's)")
-    p.add_argument("--reuse-benches", action="store_true",
-                   help="--regimes: price the benchmarks an earlier run wrote beside --out "
-                        "(<out>_layer_bench_<regime>.jsonl) instead of measuring again")
+    p.add_argument("--reuse-benches", nargs="?", const=True, default=False, metavar="RESULTS",
+                   help="--regimes: price the benchmarks an earlier run wrote beside its results file RESULTS "
+                        "(default --out; <results>_layer_bench_<regime>.jsonl) instead of measuring again, e.g. "
+                        "to re-price a committed measured point after a change to the cost model")
     add_tracking_args(p, "outputs/validate_sim.jsonl")
     args = p.parse_args(argv)
     outputs = {}
@@ -605,8 +611,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def bench_path(args, regime: str | None = None) -> Path:
-    """Where the layer benchmark this script runs writes its results: beside --out, named for it (and the regime)."""
-    out = Path(args.out)
+    """Where the layer benchmark this script runs writes its results: beside --out, named for it (and the regime);
+    with --reuse-benches RESULTS, where an earlier run wrote them beside RESULTS."""
+    out = Path(args.reuse_benches if isinstance(args.reuse_benches, str) else args.out)
     return out.with_name(f"{out.stem}_layer_bench{f'_{regime}' if regime else ''}.jsonl")
 
 

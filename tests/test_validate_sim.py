@@ -396,6 +396,16 @@ def test_a_regime_point_prices_the_plans_the_layer_ran(tmp_path):
     with pytest.raises(SystemExit):  # an existing results file: refused before any work
         vs.main(["--regimes", "weak", "--reuse-benches", "--calibration", str(cal), "--out", str(points),
                  "--no-wandb"])
+    # re-priced into a new results file from the benchmarks beside an earlier one: the same plans, the same prices
+    repriced = tmp_path / "later" / "repriced.jsonl"
+    third = vs.main(["--regimes", "weak", "--reuse-benches", str(points), "--calibration", str(cal),
+                     "--out", str(repriced), "--no-wandb"])
+    assert np_all_close(third["modelled_ratio"], table["modelled_ratio"])
+    assert not (tmp_path / "later" / "repriced_layer_bench_weak.jsonl").exists()
+    assert "benchmarks of `points.jsonl`" in repriced.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit):  # no benchmark beside the results file named: refused
+        vs.main(["--regimes", "weak", "--reuse-benches", str(tmp_path / "none.jsonl"), "--calibration", str(cal),
+                 "--out", str(tmp_path / "x.jsonl"), "--no-wandb"])
 
 
 def np_all_close(a, b) -> bool:
