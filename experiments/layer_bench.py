@@ -8,7 +8,8 @@ gradient error against the full gradient. Ends with the three LRMoE targets of D
     torchrun --nproc-per-node 4 experiments/layer_bench.py --torchrun  # NCCL on GPUs, gloo on CPU
 
 Traces: synthetic Zipf popularity with AR(1) drift and per-token Gumbel-top-k (``lrmoe.integrations.traces``), one per
-``--skew-param``, labelled synthetic; ``--trace FILE`` adds a recorded one. The layer replays a trace: the
+``--skew-param``, labelled synthetic; ``--trace FILE`` adds a recorded one (one micro-batch of each step where its
+metadata says a step sums several). The layer replays a trace: the
 counts fix how many pairs each rank routes to each expert per step, tokens are random vectors, gate weights
 random. Every policy sees the same tokens at every step, and the policies take turns inside each step, in an
 order that rotates from step to step, so drifts of the machine hit them alike.

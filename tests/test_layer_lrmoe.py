@@ -300,6 +300,18 @@ def test_layer_bench_replays_a_recorded_trace_beside_the_synthetic_ones(tmp_path
     args = bench.parse_args(["--trace", str(tmp_path / "run.npz"), "--steps", "9"])
     with pytest.raises(ValueError, match="--trace"):
         make_traces(args, 4, 16, 4, "qwen3-30b-a3b-debug")
+    # a trace whose steps sum 2 micro-batches: the layer replays one of them, the simulator's split
+    from lrmoe.sim.simulator import split_micro_batches
+
+    two = generate_trace(4, 2, 4, 16, 4, 32, seed=7)
+    two.meta["micro_batches"] = 2
+    two.save(tmp_path / "two.npz")
+    args = bench.parse_args(["--trace", str(tmp_path / "two.npz"), "--trace-layer", "1", "--steps", "3",
+                             "--warmup", "1", "--skew-param", "0.4"])
+    label, half, tokens = make_traces(args, 4, 16, 4, "qwen3-30b-a3b-debug")[-1]
+    assert label == "recorded two (one of 2 micro-batches)" and tokens == 16
+    assert torch.equal(half, split_micro_batches(two.counts_ILNE, 2)[:, 1])
+    assert (half.sum(-1) == 16 * 4).all() and not torch.equal(half * 2, two.counts_ILNE[:, 1])
 
 
 @pytest.mark.script

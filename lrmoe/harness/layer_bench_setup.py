@@ -16,6 +16,7 @@ from lrmoe.bytemodel.memory import footprint
 from lrmoe.planner.placement import MemoryModel
 from lrmoe.systems import SystemContext, get_system
 from lrmoe.integrations.traces import generate_trace, load_trace
+from lrmoe.sim.simulator import micro_batch_counts
 
 
 def system_context(args, num_ranks: int, num_experts: int, memory: MemoryModel, tokens: int,
@@ -53,7 +54,8 @@ def buffer_load(args) -> float:
 
 
 def make_traces(args, num_ranks: int, num_experts: int, top_k: int, model: str):
-    """[(label, counts_INE [steps, N, E], tokens per rank)]: the synthetic traces, then the recorded one."""
+    """[(label, counts_INE [steps, N, E], tokens per rank)]: the synthetic traces, then the recorded one (one
+    micro-batch of each step where the trace records several per step)."""
     steps = args.warmup + args.steps
     out = []
     for s in args.skew_param:
@@ -62,12 +64,16 @@ def make_traces(args, num_ranks: int, num_experts: int, top_k: int, model: str):
         out.append((f"synthetic {args.skew} {s:g}", trace.counts_ILNE[:, 0], args.tokens_per_rank))
     if args.trace:
         trace = load_trace(args.trace)
-        counts = trace.counts_ILNE[:, args.trace_layer]
+        # a step of a trace that sums k micro-batches (its meta's micro_batches) is replayed as one of them: the
+        # layer runs a micro-batch per forward and backward, as the simulator prices it
+        counts_ILNE, k = micro_batch_counts(trace)
+        counts = counts_ILNE[:, args.trace_layer]
         if counts.shape[1:] != (num_ranks, num_experts) or counts.shape[0] < steps:
             raise ValueError(f"--trace {args.trace}: needs at least {steps} steps of [{num_ranks} ranks, "
                              f"{num_experts} experts], got {tuple(counts.shape)}")
         per_rank = counts[0].sum(1)
         if bool((per_rank != per_rank[0]).any()) or int(per_rank[0]) % top_k:
             raise ValueError(f"--trace {args.trace}: every rank must route the same number of tokens·k")
-        out.append((f"recorded {Path(args.trace).stem}", counts[:steps], int(per_rank[0]) // top_k))
+        label = f"recorded {Path(args.trace).stem}" + (f" (one of {k} micro-batches)" if k > 1 else "")
+        out.append((label, counts[:steps], int(per_rank[0]) // top_k))
     return out
