@@ -192,6 +192,26 @@ def test_a_trace_that_sums_micro_batches_is_priced_per_micro_batch():
         simulate(Trace(per_micro, {"micro_batches": 0.5}), SYSTEMS[2], MODEL, CLUSTER)
 
 
+def test_the_placement_of_a_micro_batch_trace_plans_from_the_iterations_sum():
+    """DESIGN.md §3.9: every micro-batch plans its placement from the previous iteration's global counts summed over
+    its micro-batches (what the layer's all-reduce holds), not from one micro-batch's split counts."""
+    step_ILNE = _trace(seed=1) + _trace(seed=2, skew=1.2)  # two micro-batches that route differently
+    seen = []
+
+    class Watched(Symi):  # the real SYMI planner, which also notes the previous counts it was given
+        def plan(self, counts_NE, prev_counts_E=None):
+            seen.append(None if prev_counts_E is None else prev_counts_E.clone())
+            return super().plan(counts_NE, prev_counts_E)
+
+    simulate(Trace(step_ILNE, {"micro_batches": 2}), System("watched", lambda: Watched(3)), MODEL, CLUSTER,
+             layers=[1])
+    assert seen[0] is None and len(seen) == step_ILNE.shape[0]
+    for step, prev_E in enumerate(seen[1:], start=1):
+        assert torch.equal(prev_E, step_ILNE[step - 1, 1].sum(0))
+    with pytest.raises(ValueError, match="shape"):
+        next(iter_plans(step_ILNE, lambda: Symi(3), None, step_ILNE[:, :1]))
+
+
 def test_splitting_a_step_into_micro_batches_keeps_every_row_total():
     """Two different micro-batches summed, then split: each count is the floor or the ceiling of its mean, and each
     (step, layer, source rank) row routes exactly half of its pairs."""

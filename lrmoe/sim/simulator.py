@@ -12,7 +12,8 @@ one: gradients accumulate locally in between and the placement is fixed for the 
 of an iteration is priced on the same counts, one micro-batch's (ours: micro-batches of one step route alike). A
 bare counts tensor holds one micro-batch per step (the synthetic generator's traces); a recorded trace whose
 metadata says it sums k micro-batches per step (``micro_batches``: ``experiments/train.py``, Megatron-Core imports)
-is split into k first, and is priced at k micro-batches unless told otherwise (:func:`micro_batch_counts`).
+is split into k first, and is priced at k micro-batches unless told otherwise (:func:`micro_batch_counts`); its
+placement plans from the previous step's sum over the micro-batches, as the layer's does (DESIGN.md §3.9).
 
 Whole-model memory per rank (:mod:`lrmoe.bytemodel.memory`, the planner's model too): every MoE layer's slots and saved
 activations are alive at the end of the forward, and one layer's in-flight buffers at a time on top of them,
@@ -57,17 +58,23 @@ class System:
 
 
 def iter_plans(trace_counts_ILNE: torch.Tensor, make_policy: Callable[[], Policy],
-               layers: list[int] | None = None) -> Iterator[tuple[int, int, LayerPlan]]:
+               layers: list[int] | None = None,
+               step_counts_ILNE: torch.Tensor | None = None) -> Iterator[tuple[int, int, LayerPlan]]:
     """Yield ``(step, layer, plan)`` in execution order (step-major), one policy object per layer.
 
     ``prev_counts_E`` is the layer's global counts of the previous step (None at the first step), which is
-    what the layer's one small all-reduce in the forward provides to SYMI / LRMoE placement.
+    what the layer's one small all-reduce in the forward provides to SYMI / LRMoE placement. ``step_counts_ILNE``:
+    each step's counts summed over its micro-batches where ``trace_counts_ILNE`` is one micro-batch of each step
+    (DESIGN.md §3.9: every micro-batch plans from the previous iteration's sum); default the counts themselves.
     """
     if trace_counts_ILNE.dim() != 4:
         raise ValueError(f"trace counts must be [steps, layers, ranks, experts], got {tuple(trace_counts_ILNE.shape)}")
+    if step_counts_ILNE is not None and step_counts_ILNE.shape != trace_counts_ILNE.shape:
+        raise ValueError(f"the steps' counts {tuple(step_counts_ILNE.shape)} must have the micro-batch's shape "
+                         f"{tuple(trace_counts_ILNE.shape)}")
     layers = list(range(trace_counts_ILNE.shape[1])) if layers is None else list(layers)
     policies = {layer: make_policy() for layer in layers}
-    global_ILE = trace_counts_ILNE.sum(dim=2)
+    global_ILE = (trace_counts_ILNE if step_counts_ILNE is None else step_counts_ILNE).sum(dim=2)
     for step in range(trace_counts_ILNE.shape[0]):
         for layer in layers:
             prev = global_ILE[step - 1, layer] if step else None
@@ -244,7 +251,8 @@ def simulate(trace, system: System, model: MoEConfig, cluster: ClusterConfig,
     variant_ILH = {name: torch.zeros_like(phase_ILH) for name in priced}
     fixed_N = torch.zeros(n, dtype=torch.float64)
     where = {layer: i for i, layer in enumerate(layers)}
-    for step, layer, plan in iter_plans(trace_counts_ILNE, system.make_policy, layers):
+    summed_ILNE = None if recorded == 1 else trace.counts_ILNE  # the placement plans from the iteration's sum
+    for step, layer, plan in iter_plans(trace_counts_ILNE, system.make_policy, layers, summed_ILNE):
         li = where[layer]
         work = cm.work(plan)
         t: PhaseTimes = cm.price(work)
