@@ -17,6 +17,7 @@ import torch
 from lrmoe.harness.calibrate_cpu import (CalibrationSpec, across_ranks, calibrate, calibration_data,
                                          fit_gemm, fit_line, spec_for_bench, write_calibration)
 from lrmoe.bytemodel.layout import STEP_PHASES
+from lrmoe.harness import sim_validation as sv
 from lrmoe.sim.cost import cpu_gloo_preset
 from lrmoe.integrations.tracking import read_results
 
@@ -196,7 +197,6 @@ def test_micro_benchmarks_run_on_forked_ranks(tmp_path):
 
 # -- the error statistics ------------------------------------------------------------------------------------------
 def test_errors_on_a_hand_case():
-    vs = _script("validate_sim")
     base = {"trace": "t", "policy": "p"}
 
     def frame(col, values):  # values[phase][rank] = per-step ms
@@ -208,7 +208,7 @@ def test_errors_on_a_hand_case():
                                        ("wall", "dispatch_a2a"): [[0.5] * 3, [0.8] * 3]})
     measured = frame("measured_ms", {("cpu", "expert_fwd"): [[9, 1, 1], [2.5, 9, 2.5]],
                                      ("wall", "dispatch_a2a"): [[1, 1, 1], [3, 3, 3]]})
-    cells = vs.compare(predicted, measured).set_index(["clock", "phase"])
+    cells = sv.compare(predicted, measured).set_index(["clock", "phase"])
     fwd = cells.loc[("cpu", "expert_fwd")]
     # each rank's median over steps (1 and 2.5; the 9 ms spikes are a median away), then the slowest rank
     assert fwd["predicted_ms"] == 2 and fwd["measured_ms"] == 2.5 and fwd["error"] == pytest.approx(-0.2)
@@ -217,12 +217,12 @@ def test_errors_on_a_hand_case():
     # a collective by the wall clock: the fastest rank (the last to arrive); the model's slowest rank
     a2a = cells.loc[("wall", "dispatch_a2a")]
     assert a2a["measured_ms"] == 1 and a2a["predicted_ms"] == 0.8 and a2a["error"] == pytest.approx(-0.2)
-    assert vs.phase_statistic("dispatch_a2a", "cpu") == "slowest"
-    table = vs.phase_table(cells.reset_index(), "cpu")
+    assert sv.phase_statistic("dispatch_a2a", "cpu") == "slowest"
+    table = sv.phase_table(cells.reset_index(), "cpu")
     assert list(table["phase"]) == ["expert_fwd"] and table["median_abs_error"].iloc[0] == pytest.approx(0.2)
-    assert vs.relative_error(3.0, 2.0) == 0.5
+    assert sv.relative_error(3.0, 2.0) == 0.5
     with pytest.raises(ValueError, match="positive"):
-        vs.relative_error(pd.Series([1.0]), pd.Series([0.0]))
+        sv.relative_error(pd.Series([1.0]), pd.Series([0.0]))
 
 
 # -- the replay and the script, on a tiny measured run ------------------------------------------------------------
@@ -244,20 +244,19 @@ def tiny_bench(tmp_path_factory):
 
 
 def test_replayed_plans_are_the_plans_the_bench_ran(tiny_bench):
-    vs = _script("validate_sim")
-    config, raw = vs.read_bench(tiny_bench)
-    replay = vs.replay_plans(config)
+    config, raw = sv.read_bench(tiny_bench)
+    replay = sv.replay_plans(config)
     assert set(replay) == {(t, p) for t in ("synthetic zipf 0.8", "recorded recorded") for p in config["policies"]}
     assert any(not torch.equal(plan.keep_NG, plan.fwd_NG) for plan in replay[("synthetic zipf 0.8", "lrmoe")]
                ["plans"]), "the tiny run should trim the backward, so the check covers the compact layout"
-    mismatches = vs.check_replay(raw, replay, config)
+    mismatches = sv.check_replay(raw, replay, config)
     assert mismatches.empty, mismatches.head().to_string()
     # the check fails when the replay is not the run: another seed gives other traces, so other plans
-    other = vs.replay_plans({**config, "seed": config["seed"] + 1})
-    assert not vs.check_replay(raw, other, config).empty
+    other = sv.replay_plans({**config, "seed": config["seed"] + 1})
+    assert not sv.check_replay(raw, other, config).empty
     # a recorded trace that is gone is left out; the synthetic one still replays
-    gone = vs.replay_plans({**config, "trace": str(Path(config["trace"]).with_name("missing.npz"))})
-    assert {t for t, _ in gone} == {"synthetic zipf 0.8"} and vs.check_replay(raw, gone, config).empty
+    gone = sv.replay_plans({**config, "trace": str(Path(config["trace"]).with_name("missing.npz"))})
+    assert {t for t, _ in gone} == {"synthetic zipf 0.8"} and sv.check_replay(raw, gone, config).empty
 
 
 @pytest.mark.script
@@ -269,8 +268,8 @@ def test_validate_sim_reports_one_row_per_covered_phase(tiny_bench, tmp_path):
     cal = write_calibration(calibration_data(spec, _fake_ranks(spec)), tmp_path / "cal.json")
     out = tmp_path / "validate.jsonl"
     table = vs.main(["--bench", str(tiny_bench), "--calibration", str(cal), "--out", str(out), "--no-wandb"])
-    _, raw = vs.read_bench(tiny_bench)
-    timed = [p for p in vs.COVERED if f"{p}.cpu_ms" in raw and raw[f"{p}.cpu_ms"].notna().any()]
+    _, raw = sv.read_bench(tiny_bench)
+    timed = [p for p in sv.COVERED if f"{p}.cpu_ms" in raw and raw[f"{p}.cpu_ms"].notna().any()]
     assert list(table["phase"]) == timed and len(timed) == 10
     assert table["cells"].eq(8).all()  # 2 traces x 4 policies
     predicted = table.set_index("phase")["predicted_ms"]
@@ -349,7 +348,7 @@ def test_a_regime_point_prices_the_plans_the_layer_ran(tmp_path):
     policies = ["static-ep", "symi-dropless", "lrmoe-rho0.5-unbiased", "symi-dropless-rho0.75"]
     lb.main(["--regime", "weak", *REGIME_BENCH, "--hidden", "32", "--ffn", "16", "--no-grad-error",
              "--runs", str(_runs_file(tmp_path / "runs.jsonl")), "--policies", *policies, "--out", str(out)])
-    config, raw = vs.read_bench(out)
+    config, raw = sv.read_bench(out)
     spec = CalibrationSpec(num_ranks=2, hidden=32, ffn=16, num_experts=16, gemm_rows=(1, 8, 32, 128),
                            gemm_groups=(1, 8), a2a_bytes=(0, 1024, 65536), repeats=3)
     cal = write_calibration(calibration_data(spec, _fake_ranks(spec)), tmp_path / "cal.json")
@@ -373,7 +372,7 @@ def test_a_regime_point_prices_the_plans_the_layer_ran(tmp_path):
     assert facts.loc["symi-dropless", "retained_pct"] == 100
 
     # one row per policy and span, for the plans the layer ran; SYMI-dropless is the unit on both sides
-    assert set(zip(table["policy"], table["span"])) == {(p, s) for p in policies for s in vs.SPANS}
+    assert set(zip(table["policy"], table["span"])) == {(p, s) for p in policies for s in sv.SPANS}
     assert (table["steps"] == 2).all()
     symi = table[table["policy"] == "symi-dropless"]
     assert np_all_close(symi[["measured_ratio", "modelled_ratio", "stragglers_ratio"]], 1.0)
@@ -383,7 +382,7 @@ def test_a_regime_point_prices_the_plans_the_layer_ran(tmp_path):
     # the measured statistic is the bench's own headline (slowest rank's forward + backward CPU time, median)
     bench = {r["policy"]: r["slowest_cpu_ms"] for r in read_results(out) if r.get("table") == "policy"}
     assert np_all_close(facts["measured_ms"], pd.Series(bench)[facts.index])
-    assert set(groups["group"]) == set(vs.PHASE_GROUPS) and (groups["modelled_ms"] >= 0).all()
+    assert set(groups["group"]) == set(sv.PHASE_GROUPS) and (groups["modelled_ms"] >= 0).all()
     assert info["covered_median_abs_error"] >= 0
 
     # the script prices that benchmark again: the same table, a report and a figure beside its results file
@@ -415,7 +414,6 @@ def np_all_close(a, b) -> bool:
 
 
 def test_the_ratio_table_on_a_hand_case():
-    vs = _script("validate_sim")
 
     def frame(col, per):  # per[policy][step] = [[rank 0's ms per phase], [rank 1's]] over PHASES below
         return pd.DataFrame([{"trace": "t", "policy": p, "step": s, "rank": r, "phase": ph, col: v}
@@ -427,7 +425,7 @@ def test_the_ratio_table_on_a_hand_case():
                                      "p": [[[1, 1, 0], [1, 2, 0]], [[2, 2, 0], [2, 1, 0]]]})
     predicted = frame("predicted_ms", {"symi-dropless": [[[2, 2, 0], [2, 2, 0]]] * 2,
                                        "p": [[[1, 0, 0], [0, 1, 0]]] * 2})
-    table = vs.ratio_table(predicted, measured).set_index(["policy", "span"])
+    table = sv.ratio_table(predicted, measured).set_index(["policy", "span"])
     layer = table.loc[("p", "layer")]
     # measured: the slowest rank's layer sum per step, SYMI (4, 8) and p (3, 4), medians 6 and 3.5
     assert layer["measured_ms"] == 3.5 and layer["measured_ratio"] == pytest.approx(3.5 / 6)
@@ -441,6 +439,6 @@ def test_the_ratio_table_on_a_hand_case():
     assert table.loc[("p", "iteration"), "measured_ratio"] == pytest.approx(3.5 / 8)
     # modelled and measured must be the same plans
     with pytest.raises(ValueError, match="different plans"):
-        vs.ratio_table(predicted[predicted["step"] == 0], measured)
+        sv.ratio_table(predicted[predicted["step"] == 0], measured)
     with pytest.raises(ValueError, match="symi-dropless did not run"):
-        vs.ratio_table(predicted[predicted["policy"] == "p"], measured[measured["policy"] == "p"])
+        sv.ratio_table(predicted[predicted["policy"] == "p"], measured[measured["policy"] == "p"])
