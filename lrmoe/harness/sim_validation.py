@@ -49,6 +49,7 @@ from lrmoe.integrations.tracking import read_results
 from lrmoe.runtime.distributed.accounting import expected_layer, expected_step
 from lrmoe.sim.cost import PHASES as MODEL_PHASES
 from lrmoe.sim.cost import CostModel, cpu_gloo_preset
+from lrmoe.sim.simulator import iter_plans
 from lrmoe.sim.systems import cost_options
 from lrmoe.systems import get_system
 
@@ -109,15 +110,11 @@ def replay_plans(config: dict) -> dict:
         buffer_load = 1.0 + ns.eps if ns.buffer_load is None else ns.buffer_load
         memory = memory_model(base, ns.spare_slots, tokens, model.top_k, model.hidden, model.expert_ffn, elem,
                                     buffer_load)
-        global_IE = counts_INE.sum(1)
         for name in ns.policies:
             policy, backward = make_policy(
                 name, system_context(ns, n, model.num_experts, memory, tokens, model.top_k))
-            plans, nxt = [], []
-            for step in range(counts_INE.shape[0]):
-                prev = global_IE[step - 1] if step else None
-                plans.append(policy.plan(counts_INE[step], prev))
-                nxt.append(plans[-1].next_placement_NS)
+            plans = [plan for _, _, plan in iter_plans(counts_INE[:, None], lambda: policy)]  # as the simulator
+            nxt = [plan.next_placement_NS for plan in plans]
             out[(label, name)] = {"plans": plans, "next": nxt, "backward": backward, "memory": memory}
     return out
 
