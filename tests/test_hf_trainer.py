@@ -24,8 +24,8 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from transformers import Qwen3MoeForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 from lrmoe.config import MoEConfig  # noqa: E402
-from lrmoe.integrations.hf import (FOREIGN_OPTIMIZER, DataParallelError, ForeignOptimizerError, hf_config,  # noqa: E402
-                                   swap_moe_blocks)
+from lrmoe.integrations.hf import (FOREIGN_OPTIMIZER, GRADIENT_EDIT, DataParallelError,  # noqa: E402
+                                   ForeignOptimizerError, GradientEditError, hf_config, swap_moe_blocks)
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
 
 TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
@@ -174,6 +174,56 @@ def test_trainer_without_the_swapped_models_optimizer_is_refused_after_its_first
     message, steps, expert_steps = launch(_trainer_without_optimizers, 1, str(tmp_path), timeout_s=120)[0]
     assert message == FOREIGN_OPTIMIZER and "ep.optimizer(torch.optim.AdamW, lr=...)" in message
     assert steps == 1 and expert_steps == 0  # at the first forward of its second step
+
+
+def _trainer_clipping_too(rank: int, folder: str) -> tuple:
+    as_torchrun()
+    model = tiny_model()
+    ep = swap_moe_blocks(model, SYSTEM)
+    t = trainer(model, ep.optimizer(torch.optim.AdamW, lr=1e-2, grad_scale=1.0, max_grad_norm=1.0), folder)
+    t.args.max_grad_norm = 1.0  # Trainer's default: it clips model.parameters(), the dense part alone, first
+    return train_until(t, ep, GradientEditError)
+
+
+def test_trainer_clipping_beside_the_swapped_models_optimizer_is_refused_at_its_first_step(tmp_path):
+    """Trainer's own clipping (max_grad_norm > 0) rescales the dense gradients by the dense norm alone before
+    ep.optimizer's step, which would clip them again: refused at that step, before anything is stepped. Its
+    max_grad_norm=0 (which still multiplies every gradient by 1 to log the norm) trains bitwise as the plain loop
+    (the test above)."""
+    message, steps, expert_steps = launch(_trainer_clipping_too, 1, str(tmp_path), timeout_s=120)[0]
+    assert message == GRADIENT_EDIT.format(edited=21, total=21) and "TrainingArguments(max_grad_norm=0)" in message
+    assert steps == 0 and expert_steps == 0
+
+
+def _plain_loop_clipped_outside(rank: int, max_norm: float, allow: bool) -> tuple:
+    """The plain loop with torch's clipping over model.parameters() before ep.optimizer's step, 2 micro-batches."""
+    model = tiny_model()
+    ep = swap_moe_blocks(model, SYSTEM)
+    opt = ep.optimizer(torch.optim.AdamW, lr=1e-2, allow_grad_edits=allow)
+    rows, outcome = token_rows(), []
+    for step in range(2):
+        for m in range(2):
+            x = rows[(step * 2 + m) * BATCH:][:BATCH]
+            model(x, labels=x).loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        try:
+            opt.step()
+            outcome.append(("stepped", norm))
+        except GradientEditError as exc:
+            outcome.append((str(exc), norm))
+        opt.zero_grad()
+    return outcome, ep.layers[0].store.adam_steps
+
+
+def test_a_dense_gradient_edited_before_the_step_is_refused_unless_allowed():
+    clipped, expert_steps = launch(_plain_loop_clipped_outside, 1, 0.01, False, timeout_s=60)[0]
+    assert all(m.startswith("21 of the swapped model's 21 dense gradients") and n > 0.01 for m, n in clipped)
+    assert expert_steps == 0
+    # a clipping that does not bind multiplies by 1: the gradients are what the backward left, nothing to refuse
+    loose, expert_steps = launch(_plain_loop_clipped_outside, 1, 1e6, False, timeout_s=60)[0]
+    assert [m for m, _ in loose] == ["stepped", "stepped"] and expert_steps == 2
+    allowed, expert_steps = launch(_plain_loop_clipped_outside, 1, 0.01, True, timeout_s=60)[0]
+    assert [m for m, _ in allowed] == ["stepped", "stepped"] and expert_steps == 2
 
 
 # -- several ranks: DistributedDataParallel is refused --------------------------------------------------------------

@@ -434,6 +434,24 @@ FOREIGN_OPTIMIZER = (
     "(README, 'Use it with transformers').")
 
 
+GRAD_SAMPLE = 8  # values of each dense gradient EPOptimizer keeps after the backward, to see an edit before its step
+
+
+class GradientEditError(RuntimeError):
+    """The dense gradients were changed in place between the backward and the swapped model's optimizer step."""
+
+
+GRADIENT_EDIT = (
+    "{edited} of the swapped model's {total} dense gradients were changed in place after the backward and before "
+    "ep.optimizer's step: most likely clipped over model.parameters() (torch.nn.utils.clip_grad_norm_, or "
+    "transformers.Trainer with max_grad_norm > 0 in TrainingArguments, its default 1.0). The routed experts are not "
+    "among model.parameters(), so that clipping measures and scales the dense part only, and ep.optimizer's own "
+    "clipping (max_grad_norm=) would scale the dense part a second time. Clip in the optimizer instead: "
+    "ep.optimizer(..., max_grad_norm=1.0), with TrainingArguments(max_grad_norm=0) under Trainer. Gradients that "
+    "are meant to be edited before the step (e.g. a gradient scaler's unscale): ep.optimizer(..., "
+    "allow_grad_edits=True).")
+
+
 class _ForeignStepGuard:
     """Detects a dense step that leaves the experts out (:data:`FOREIGN_OPTIMIZER`), at the model's next training
     forward (grad enabled, not an activation-checkpoint recomputation).
@@ -616,13 +634,14 @@ class HFExpertParallel:
 
     def optimizer(self, dense_optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
                   grad_scale: float | None = None, bias_rate: float = DEFAULT_BIAS_RATE,
-                  max_grad_norm: float = 0.0, **kwargs) -> "EPOptimizer":
+                  max_grad_norm: float = 0.0, allow_grad_edits: bool = False, **kwargs) -> "EPOptimizer":
         """One ``torch.optim.Optimizer`` for the whole swapped model (:class:`EPOptimizer`): ``dense_optimizer(
         self.dense_parameters(), **kwargs)`` for the dense part, the replica store's sharded Adam for the experts
         (its ``lr``, ``betas`` and ``eps`` those of ``kwargs`` when given); ``max_grad_norm`` > 0 clips the global
-        norm over both at every step. No collective."""
+        norm over both at every step; a dense gradient changed in place between the backward and the step raises
+        :class:`GradientEditError` there unless ``allow_grad_edits``. No collective."""
         return EPOptimizer(self, dense_optimizer, grad_scale=grad_scale, bias_rate=bias_rate,
-                           max_grad_norm=max_grad_norm, **kwargs)
+                           max_grad_norm=max_grad_norm, allow_grad_edits=allow_grad_edits, **kwargs)
 
     def zero_grad(self) -> None:
         """Clear the dense and the expert slots' gradients (no collective)."""
@@ -712,7 +731,10 @@ class EPOptimizer(torch.optim.Optimizer):
     torch.optim.AdamW, lr=..., grad_scale=1.0, max_grad_norm=1.0), scheduler))`` with Trainer's own
     ``max_grad_norm=0``. Trainer's micro-batch losses are already shares of the step's mean (hence
     ``grad_scale=1.0``), and its clipping would see the dense parameters only (the experts are not among
-    ``model.parameters()``): clip here instead. So set, it trains exactly as the plain loop
+    ``model.parameters()``): clip here instead. A clipping over ``model.parameters()`` that binds (Trainer's
+    default ``max_grad_norm=1.0``, or torch's in a loop) changes the dense gradients between the backward and this
+    step, which then raises :class:`GradientEditError` before stepping anything (``allow_grad_edits=True``: edits
+    meant to be there, e.g. an unscale). So set, it trains exactly as the plain loop
     (``tests/test_hf_trainer.py``: the same weights, bitwise). Without ``optimizers`` Trainer builds its own
     optimizer over the dense parameters, which would never train the experts: the model's next training forward
     after that optimizer's first step raises :class:`ForeignOptimizerError` (:class:`_ForeignStepGuard`). On more
@@ -724,7 +746,7 @@ class EPOptimizer(torch.optim.Optimizer):
 
     def __init__(self, ep: HFExpertParallel, dense_optimizer: type[torch.optim.Optimizer], *,
                  grad_scale: float | None = None, bias_rate: float = DEFAULT_BIAS_RATE, max_grad_norm: float = 0.0,
-                 **kwargs):
+                 allow_grad_edits: bool = False, **kwargs):
         if not (isinstance(dense_optimizer, type) and issubclass(dense_optimizer, torch.optim.Optimizer)):
             raise ValueError(f"dense_optimizer must be a torch.optim.Optimizer class (e.g. torch.optim.AdamW), got "
                              f"{dense_optimizer!r}")
@@ -741,10 +763,47 @@ class EPOptimizer(torch.optim.Optimizer):
         super().__init__([*self.dense.param_groups, experts], self.dense.defaults)
         self.param_groups = [*self.dense.param_groups, self.param_groups[-1]]  # the dense groups themselves
         self.state = self.dense.state
+        # each dense gradient's version counter and first few values after the backward last accumulated into it:
+        # another version with other values at the step means it was changed in place in between (GradientEditError)
+        self._grad_versions: dict[int, tuple[int, torch.Tensor]] = {}
+        self._grad_hooks = [] if allow_grad_edits else [
+            p.register_post_accumulate_grad_hook(self._noter()) for p in ep.dense_parameters()]
 
     @property
     def expert_group(self) -> dict:
         return self.param_groups[-1]
+
+    def _noter(self):
+        ref = weakref.ref(self)  # the parameters' hooks must not keep the optimizer alive
+
+        def note(p: torch.Tensor) -> None:
+            opt = ref()
+            if opt is not None and p.grad is not None:
+                opt._grad_versions[id(p)] = (p.grad._version, p.grad.detach().reshape(-1)[:GRAD_SAMPLE].clone())
+        return note
+
+    def _check_grad_edits(self) -> None:
+        """GradientEditError when a dense gradient changed in place since the backward last accumulated into it:
+        its version counter moved and its first :data:`GRAD_SAMPLE` values differ. The values tell a rewrite that
+        changes nothing (a one-rank DDP's copy back from its bucket, Trainer's norm for its log, a clipping
+        coefficient of 1) from one that changes the gradient (a clipping that binds, an unscale)."""
+        if not self._grad_hooks:
+            return
+        params = self.ep.dense_parameters()
+        noted, self._grad_versions = self._grad_versions, {}
+        edited = 0
+        for p in params:
+            if p.grad is None or id(p) not in noted:
+                continue
+            version, sample = noted[id(p)]
+            if p.grad._version != version and not torch.equal(p.grad.detach().reshape(-1)[:GRAD_SAMPLE], sample):
+                edited += 1
+        if edited:
+            raise GradientEditError(GRADIENT_EDIT.format(edited=edited, total=len(params)))
+
+    def __del__(self):
+        for hook in getattr(self, "_grad_hooks", ()):
+            hook.remove()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -752,6 +811,7 @@ class EPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_grad_edits()
         ep, group = self.ep, self.expert_group
         scale = ep._scale(self.grad_scale)
         ep.sync_dense_grads(scale)
