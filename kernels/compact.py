@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from .dispatch import choose_backend
+from .dispatch import acc_dtype, choose_backend
 
 SECTIONS = ("rows", "carry")
 
@@ -189,11 +189,6 @@ def compact_plan(dest_P: torch.Tensor, expert_P: torch.Tensor, num_dests: int, n
 
 # --------------------------------------------------------------------------------------------------------------
 # Row movement: a torch reference and the Triton kernels behind one pair of functions.
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The arithmetic dtype of the row movement: float32 (bf16/fp16 upcast), float64 for float64 data."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _scatter_rows_torch(src_XD, dst_MD, plan, section, scale_P, other_MD):

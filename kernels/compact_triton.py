@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .compact import acc_dtype
-from .dispatch import check_kernel_mode, kernel_is_interpreted
+from .dispatch import acc_dtype, check_kernel_mode, kernel_is_interpreted
 
 
 # src_XD [X, D] -> dst_MD [M, D]: for r < R with pos_R[r] >= 0,

@@ -35,6 +35,12 @@ _TRUE = ("1", "true", "on", "yes")
 _FORCED: ContextVar[str | None] = ContextVar("lrmoe_kernel_backend", default=None)
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The arithmetic dtype every backend of the row movement computes in: float32 (bf16/fp16 upcast), float64 for
+    float64 data."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass(frozen=True)
 class BackendChoice:
     """The backend an op runs on (one of :data:`BACKENDS`) and a sentence saying why."""
