@@ -2,6 +2,8 @@
 second sitting adds nothing twice), an unfinished run is left out, and the report says what the runs can say."""
 
 import json
+import sys
+import time
 
 import pytest
 
@@ -45,3 +47,32 @@ def test_collect_is_append_only_and_skips_unfinished_runs(tmp_path, capsys):
     assert len(out.read_text().splitlines()) == len(protocol.PILOT_ARMS)
     text = capsys.readouterr().out
     assert "1 whole seeds" in text and "slowest rank ÷ mean 1.200" in text
+
+
+
+def test_regimes_side_by_side_collect_each_run_once(tmp_path, capsys):
+    """--jobs 2: each regime in a process of its own, both appending to the one results file; the report covers
+    both."""
+    work, out = tmp_path / "work", tmp_path / "collected.jsonl"
+    seed = protocol.PILOT_SEEDS[0]
+    for regime in protocol.REGIMES:
+        for arm, loss in zip(protocol.PILOT_ARMS, (2.0, 2.0, 2.02, 2.04)):
+            fake_run(work / regime / f"seed{seed}" / f"{arm}.jsonl", loss)
+    sweep.main(["--stage", "pilot", "--work", str(work), "--out", str(out), "--collect-only", "--jobs", "2"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["regime"], r["arm"]) for r in rows) == sorted(
+        (regime, arm) for regime in protocol.REGIMES for arm in protocol.PILOT_ARMS)
+    text = capsys.readouterr().out
+    assert all(f"## Regime {regime}" in text for regime in protocol.REGIMES)
+
+
+def test_a_regime_that_fails_stops_the_others_at_once():
+    """The first regime's process that exits non-zero ends the sweep with an error naming it; the one still running
+    is stopped, not waited for."""
+    args = sweep.parse_args(["--stage", "sweep", "--jobs", "2"])
+    commands = {"production": [sys.executable, "-c", "import time; time.sleep(60)"],
+                "weak": [sys.executable, "-c", "import sys; sys.exit(3)"]}
+    start = time.monotonic()
+    with pytest.raises(SystemExit, match="the weak regime's sweep exited with 3; the others were stopped"):
+        sweep.run_side_by_side(args, commands.get)
+    assert time.monotonic() - start < 20
