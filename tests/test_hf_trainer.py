@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from transformers import Qwen3MoeForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 from lrmoe.config import MoEConfig  # noqa: E402
-from lrmoe.integrations.hf import (FOREIGN_OPTIMIZER, GRADIENT_EDIT, DataParallelError,  # noqa: E402
+from lrmoe.integrations.hf import (FOREIGN_OPTIMIZER, FSDP_REFUSAL, GRADIENT_EDIT, DataParallelError,  # noqa: E402
                                    ForeignOptimizerError, GradientEditError, hf_config, swap_moe_blocks)
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
 
@@ -261,6 +261,32 @@ def _replicate(rank: int) -> str:
     except DataParallelError as exc:
         return str(exc)
     return "ran"
+
+
+def _fully_sharded(rank: int, where: str) -> tuple:
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_model()
+    ep = swap_moe_blocks(model, "symi-dropless")
+    for layer in model.model.layers:  # the usual pattern: each decoder layer, then (or not) the root
+        fully_shard(layer)
+    if where == "root":
+        fully_shard(model)
+    x = token_rows()[:BATCH]
+    try:
+        model(x, labels=x).loss.backward()
+    except DataParallelError as exc:
+        return str(exc), ep.layers[0].micro_batches
+    return "trained", ep.layers[0].micro_batches
+
+
+@pytest.mark.parametrize("where", ["root", "layers"])
+def test_fsdp_is_refused_at_the_first_training_forward_on_every_rank(where):
+    """FSDP2's fully_shard on the decoder layers (and the root): every rank refuses at its first training forward,
+    before any expert runs, naming the wrapped module (not the DTensor error the layer would otherwise hit)."""
+    for message, micro_batches in launch(_fully_sharded, 2, where, timeout_s=60):
+        wrapped = "the root" if where == "root" else "module 'model.layers.0'"
+        assert message == FSDP_REFUSAL.format(where=wrapped) and micro_batches == 0, message
 
 
 def test_a_data_parallel_copy_of_the_experts_refuses_to_run():

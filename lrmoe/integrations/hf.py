@@ -75,6 +75,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lrmoe.config import MoEConfig
@@ -390,7 +391,8 @@ class _RefuseDDP:
     ``DistributedDataParallel._active_ddp_module``, the other trace DDP leaves, is set only around a forward (after
     the construction's collectives) and not at all with the Python reducer. A DDP around a module *above* the model
     (``DDP(nn.Sequential(model))``) does not look here; torch's ``_set_params_and_buffers_to_ignore_for_model``
-    replaces the guard. FSDP reads nothing of the kind and is not refused: it is not supported either."""
+    replaces the guard. FSDP reads nothing of the kind: a training forward refuses it (:func:`fsdp_wrapped`, where
+    ``fully_shard`` or an auto-wrapped ``FullyShardedDataParallel`` stands on the path to a swapped block)."""
 
     def __init__(self, num_ranks: int):
         self.num_ranks = num_ranks
@@ -404,16 +406,43 @@ class _RefuseDDP:
         return f"{type(self).__name__}(num_ranks={self.num_ranks})"
 
 
-def _refuse_ddp(model: nn.Module, swapped: list[str], num_ranks: int) -> None:
-    """Put the guard (:class:`_RefuseDDP`) on ``model`` and on every module between it and a swapped block (the
-    block included), so that a DDP around any of them is refused. No collective."""
-    guard = _RefuseDDP(num_ranks)
+def path_to_blocks(swapped: list[str]) -> list[str]:
+    """The names of the model (``""``) and of every module between it and a swapped block, the block included."""
     names = {""}
     for block_name in swapped:
         parts = block_name.split(".")
         names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    for name in names:
+    return sorted(names, key=lambda n: (n.count("."), n))
+
+
+def _refuse_ddp(model: nn.Module, swapped: list[str], num_ranks: int) -> None:
+    """Put the guard (:class:`_RefuseDDP`) on ``model`` and on every module between it and a swapped block (the
+    block included), so that a DDP around any of them is refused. No collective."""
+    guard = _RefuseDDP(num_ranks)
+    for name in path_to_blocks(swapped):
         setattr(model.get_submodule(name), "_ddp_params_and_buffers_to_ignore", guard)
+
+
+FSDP_REFUSAL = (
+    "FSDP (torch's fully_shard or FullyShardedDataParallel) wraps {where} of a model whose MoE blocks run on lrmoe's "
+    "expert-parallel layer: it shards the dense parameters and reduce-scatters their gradients, where ep.optimizer's "
+    "step already all-reduces them, and the routed experts are not among model.parameters() (each rank holds its "
+    "own share of them in the layer's replica store). Train without FSDP: opt = ep.optimizer(torch.optim.AdamW, "
+    "lr=...) in the plain loop (README, 'Use it with transformers').")
+
+
+def fsdp_wrapped(model: nn.Module, names: list[str]) -> str | None:
+    """The first of ``names`` (modules of ``model``, e.g. :func:`path_to_blocks`) that FSDP wraps (FSDP2's
+    ``fully_shard`` turns the module into an ``FSDPModule``; FSDP1's auto-wrap puts a ``FullyShardedDataParallel``
+    in its place), None when none is."""
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+            return name
+    return None
 
 
 # -- an optimizer that leaves the experts out ----------------------------------------------------------------------
@@ -474,8 +503,8 @@ class _ForeignStepGuard:
     online replication (it writes expert slots, not dense parameters) change no dense parameter and step no
     optimizer inside an iteration."""
 
-    def __init__(self, model: nn.Module, layer: EPMoELayer):
-        self.model, self.layer = model, layer
+    def __init__(self, model: nn.Module, layer: EPMoELayer, swapped: list[str]):
+        self.model, self.layer, self.path = model, layer, path_to_blocks(swapped)
         self.param_ids = {id(p) for p in model.parameters()}
         self.versions: list[int] | None = None  # the dense parameters' versions at the last training forward
         self.stepped_outside = False  # a torch optimizer stepped them inside the open iteration
@@ -501,6 +530,9 @@ class _ForeignStepGuard:
         self.versions = None
 
     def check(self) -> None:
+        wrapped = fsdp_wrapped(self.model, self.path)
+        if wrapped is not None:
+            raise DataParallelError(FSDP_REFUSAL.format(where=f"module {wrapped!r}" if wrapped else "the root"))
         versions = [p._version for p in self.model.parameters()]
         changed = self.versions is not None and versions != self.versions
         self.versions = versions
@@ -531,7 +563,7 @@ class HFExpertParallel:
 
     def __init__(self, model: nn.Module, names: list[str], blocks: list[nn.Module], family: Family, system: str):
         self.model, self.names, self.blocks, self.family, self.system = model, names, blocks, family, system
-        self._guard = _ForeignStepGuard(model, blocks[0].experts.layer)
+        self._guard = _ForeignStepGuard(model, blocks[0].experts.layer, names)
         blocks[0].experts.__dict__["guard"] = self._guard  # not a submodule
 
     @property
