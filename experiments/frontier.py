@@ -33,8 +33,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from lrmoe.analysis import protocol
-from lrmoe.analysis.claims import (MARGIN, arm_gaps, claim_table, early_family, family_gaps, time_claim,
-                                   time_ratios)
+from lrmoe.analysis.claims import MARGIN, arm_gaps, decide_regime, time_claim, time_ratios
 from lrmoe.analysis.skew import Scale, check_matched, match_zipf, runs_imbalance, side_by_side
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.analysis.runs import BASELINE, last_per_step, per_run, summarise, time_to_reach
@@ -343,11 +342,30 @@ def regime_times(arms: list[str], regime, zipf_s: float, args) -> tuple[pd.DataF
     return pd.DataFrame.from_dict(times, orient="index")[list(arms)], sims
 
 
+def label_offsets(x, y, width: float = 0.2, height: float = 0.035, step: float = 8.0) -> list[float]:
+    """Vertical offsets (points) for the points' labels, so that no two labels overlap: in axes-fraction units a
+    label spans ``width`` to the right of its point and ``height`` in y; a label that would overlap one placed
+    before moves down by ``step`` points until it is clear (about 290 points of axes height to the fraction)."""
+    def span(v):
+        v = np.asarray(v, dtype=float)
+        return (v - np.nanmin(v)) / max(np.nanmax(v) - np.nanmin(v), 1e-12)
+
+    nx, ny, placed, out = span(x), span(y), [], []
+    for px, py in zip(nx, ny):
+        dy = -2.0
+        while any(abs(px - qx) < width and abs(py + dy / 290 - qy) < height for qx, qy in placed):
+            dy -= step
+        placed.append((px, py + dy / 290))
+        out.append(dy)
+    return out
+
+
 def protocol_plot(points: pd.DataFrame, regime, zipf_s: float, seeds: int):
     """The regime's frontier: x modelled time ÷ SYMI-dropless, y loss gap to the reference, both with 95 %
     intervals (x over trace seeds, y over training seeds)."""
     fig, ax = plt.subplots(figsize=(8, 5))
-    for _, r in points.iterrows():
+    offsets = label_offsets(points.time_mean.to_numpy(float), points.gap_mean.to_numpy(float))
+    for (_, r), dy in zip(points.iterrows(), offsets):
         d = describe(r.arm)
         color = point_color(pd.Series({**d, "policy": r.arm}))
         xerr = [[max(r.time_mean - r.time_ci_low, 0)], [max(r.time_ci_high - r.time_mean, 0)]] \
@@ -356,8 +374,10 @@ def protocol_plot(points: pd.DataFrame, regime, zipf_s: float, seeds: int):
             if r.gap_ci_low == r.gap_ci_low else None
         ax.errorbar(r.time_mean, r.gap_mean, xerr=xerr, yerr=yerr, fmt=MARKERS.get(d["selection"], "D"),
                     color=color, ms=6, capsize=2, lw=0.8)
-        ax.annotate(r.arm.replace("lrmoe-", "").replace("symi-dropless-", "symi-dl-"), (r.time_mean, r.gap_mean),
-                    fontsize=6, xytext=(4, -2), textcoords="offset points")
+        label = "lrmoe cap mode" if r.arm == "lrmoe" else r.arm.replace("lrmoe-", "").replace("symi-dropless-",
+                                                                                               "symi-dl-")
+        ax.annotate(label, (r.time_mean, r.gap_mean),
+                    fontsize=6, xytext=(4, dy), textcoords="offset points")
     ax.axhline(0, color="0.5", lw=0.6)
     ax.axhline(MARGIN, color="0.3", lw=0.6, ls="--")
     ax.axvline(1, color="0.7", lw=0.6, ls=":")
@@ -423,10 +443,11 @@ def protocol_main(args) -> pd.DataFrame:
         raise SystemExit(f"frontier.py: error: {args.runs} hold no {'' if args.time_only else 'sweep '}run of regime "
                          f"{regime.name}")
     if not args.time_only:
-        gaps, early = family_gaps(rows, arms)
-        if len(gaps) < 2:
-            raise SystemExit(f"frontier.py: error: {len(gaps)} whole seed(s) of regime {regime.name}: a claim needs "
-                             "two")
+        try:
+            decided = decide_regime(rows, regime.name)
+        except ValueError as exc:
+            raise SystemExit(f"frontier.py: error: {exc}") from None
+        gaps, early = decided["gaps"], decided["early_gaps"]
     match, times, sims, imbalance = matched_times(rows, regime, arms, args)
     ratios = time_ratios(times)
     with Tracker("frontier", vars(args), results=args.out, seed=0, overwrite=args.overwrite, resume=args.resume,
@@ -447,10 +468,9 @@ def protocol_main(args) -> pd.DataFrame:
             print(text)
             Path(args.out).with_suffix(".md").write_text(text)
             return ratios
-        claims = claim_table(gaps)
-        early_claims = claim_table(early, early_family()) if early is not None and len(early) >= 2 else None
+        claims, early_claims = decided["claims"], decided["early_claims"]
         by_arm = arm_gaps(gaps)
-        if early is not None and len(early) >= 2:
+        if early is not None:
             by_arm = pd.concat([by_arm, arm_gaps(early[list(protocol.EARLY_ARMS)])], ignore_index=True)
         points = by_arm.merge(ratios, on="arm")
         c5 = time_claim(claims, ratios)

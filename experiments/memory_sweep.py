@@ -11,11 +11,13 @@ and with the retention budget rho side by side.
     python experiments/memory_sweep.py --skews zipf:0.2 zipf:0.8   # the earlier record's skews instead
 
 Skews: by default (``--regimes``) the frontier protocol's regimes (DESIGN.md §10.1), each at the Zipf s matched to
-its static-EP training runs (``--runs``) by lrmoe.analysis.skew.regime_zipf, the skew the frontier's time axis uses
-(production 0.141, weak 0.396); only the skew is the regime's (the slots stay memory-sized: that is what the sweep
-varies). ``--skews`` takes family:param values instead: the earlier record ran Zipf 0.2 (low skew: Gini 0.10,
-hottest expert 2.1x the mean) and Zipf 0.8 (high skew: Gini 0.50, 14.6x; DESIGN.md §5.7). Each (model, skew) is one
-run of experiments/ablate.py
+its static-EP training runs (``--runs``, default the protocol's sweep) by lrmoe.analysis.skew.regime_zipf, the skew
+the frontier's time axis uses (over the sweep's 16 seeds: production 0.146, weak 0.419); only the skew is the
+regime's (the slots stay memory-sized: that is what the sweep varies). The headline's quality column is each arm's
+gap claim in that regime, decided from the same runs (lrmoe.analysis.claims.arm_quality), and a third headline row
+names the fastest arm whose claim holds: LRMoE's time at equal quality where memory binds. ``--skews`` takes
+family:param values instead: the earlier record ran Zipf 0.2 (low skew: Gini 0.10, hottest expert 2.1x the mean) and
+Zipf 0.8 (high skew: Gini 0.50, 14.6x; DESIGN.md §5.7). Each (model, skew) is one run of experiments/ablate.py
 through its command line, over every budget of the grid (the same systems, memory model, headroom rule, overheads
 and sensitivity corners, priced at every budget), on fewer layers (``--layers``: their mean stands for the rest) and
 iterations than the ablation to afford the grid; its results file goes to ``--work-dir``, and with ``--resume`` a
@@ -38,6 +40,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from lrmoe.analysis import protocol
+from lrmoe.analysis.claims import arm_quality, quality_text
 from lrmoe.analysis.skew import regime_zipf
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, atomic_write_text, read_results
@@ -52,8 +55,9 @@ SYSTEMS = ["static-ep", "symi-cf1", "symi-dropless", "symi-dropless-rho0.75", "l
            "online-greedy"]
 MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
 ABLATE = Path(__file__).resolve().parent / "ablate.py"
-# the collected runs whose static-EP arm the regimes' skews match (the pilot's, as the frontier's time axis)
-RUNS = "paper_figures/results/frontier_protocol_pilot.jsonl"  # relative to the working directory, else the checkout's
+# the collected runs whose static-EP arm the regimes' skews match and whose claims give each arm's quality: the
+# sweep's, as the frontier's time axis (experiments/frontier.py --regime)
+RUNS = "paper_figures/results/frontier_protocol_sweep.jsonl"  # relative to the working directory, else the checkout's
 ROOT = Path(__file__).resolve().parent.parent
 QUICK_SPARE = (1, 3, 6)  # quick mode: the budgets that hold the home slots and this many spare slots at the mean load
 
@@ -92,12 +96,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not (args.regimes or args.skews):
         args.regimes = ["weak"] if args.quick else list(protocol.REGIMES)
     args.regime_of = {}  # skew -> (regime, its label)
+    args.quality = {}  # regime label -> arm -> its quality claim under the protocol (lrmoe.analysis.claims.arm_quality)
     if args.regimes:
         runs = Path(args.runs) if Path(args.runs).exists() else ROOT / args.runs
         rows = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()]
         for name in args.regimes:
             s = regime_zipf(rows, name).zipf_s
             args.regime_of[f"zipf:{s!r}"] = (name, f"{name}, zipf:{s:.3f}")
+            args.quality[f"{name}, zipf:{s:.3f}"] = arm_quality(rows, name)
         args.skews = list(args.regime_of)
     if args.quick:
         args.models = ["qwen3-30b-a3b"] if args.models == MODELS else args.models
@@ -223,14 +229,17 @@ def ratio_cell(row: dict, tag: str, band: bool = True) -> str:
     return f"{row[tag]:.3f}" + (f" [{lo:.2f}–{hi:.2f}]" if lo is not None and hi is not None else "")
 
 
-def quality(system: str | None) -> str:
-    """The system's quality under the frontier protocol (DESIGN.md §10): its arms' claims are not decided until the
-    sweep's planned seeds have finished; a system that is not an arm has no quality measured under it."""
+def quality(system: str | None, claims: dict[str, dict] | None) -> str:
+    """The system's quality under the frontier protocol (DESIGN.md §10) in the skew's regime: its gap claim's word
+    and estimate, final once the sweep's planned seeds are in (``claims``: lrmoe.analysis.claims.arm_quality; None
+    for a model the protocol does not train)."""
     if system is None:
         return "—"
-    if system in protocol.SWEEP_ARMS:
-        return "undecided (interim: the protocol's sweep is running)"
-    return "not an arm of the protocol: unmeasured"
+    if system not in protocol.SWEEP_ARMS:
+        return "not an arm of the protocol: unmeasured"
+    if claims is None:
+        return f"not measured: the protocol trains {protocol.SIM_MODEL}'s shape only"
+    return quality_text(claims.get(system)) if claims else "no sweep run of this regime: unmeasured"
 
 
 def early_table(args, extra_gb: dict[str, set[float]] | None = None) -> list[str]:
@@ -274,22 +283,36 @@ def report(records: list[dict], run: Tracker, args) -> str:
     arms = tuple(name for name in DEMAND_SIDE if name in protocol.SWEEP_ARMS)
     heads = headline(records)
     arm_heads = {(h["model"], h["skew"]): h for h in headline(records, demand=arms)}
+    # the answer users come for: the fastest arm whose gap claim holds in the skew's regime (equal quality, decided)
+    held = {label: tuple(a for a in arms if q.get(a, {}).get("word") == "holds")
+            for label, q in args.quality.items()}
+    held_heads = {(h["model"], h["skew"]): h for label, demand in held.items() if demand
+                  for h in headline([r for r in records if r.get("skew_label") == label
+                                     and r.get("model") == protocol.SIM_MODEL], demand=demand)}
     lines += ["", "## Headline: where memory binds, the fastest demand-side system ÷ SYMI-dropless and ÷ cost-aware "
               "online [band over the sensitivity corners], at the smallest budget of the binding range where both "
               "fit\n", f"Demand-side: LRMoE's systems ({', '.join(DEMAND_SIDE)}); among the frontier protocol's arms "
-              f"only: {', '.join(arms)} (the others' quality is not measured under it).\n",
+              f"only: {', '.join(arms)} (the others' quality is not measured under it); and among the arms whose "
+              "gap claim holds in the skew's regime (equal quality, decided).\n",
               "| model | skew | GB | among | fastest demand-side (slots) | ÷ SYMI-dropless (slots) | ÷ online (slots) "
               "| quality (frontier protocol) |", "|---|---|---|---|---|---|---|---|"]
     for h in heads:
-        for among, row in (("all", h), ("arms", arm_heads.get((h["model"], h["skew"])))):
+        key = (h["model"], h["skew"])
+        for among, row in (("all", h), ("arms", arm_heads.get(key)), ("holds", held_heads.get(key))):
             if row is None:
+                if among == "holds" and key[1] in args.quality:
+                    why = ("no arm's gap claim holds in this regime" if key[0] == protocol.SIM_MODEL else
+                           f"not measured: the protocol trains {protocol.SIM_MODEL}'s shape only")
+                    lines.append(f"| {key[0]} | {key[1]} | — | holds | {why} | — | — | — |")
                 continue
+            claims = args.quality.get(key[1], {}) if key[0] == protocol.SIM_MODEL else None
             lines.append(f"| {row['model']} | {row['skew']} | {row['mem_gb']:g} | {among} | {fmt(row['best'])} "
                          f"({fmt(row['best_slots'])}) | {ratio_cell(row, 'vs_symi_dropless', not args.no_band)} "
                          f"({fmt(row['symi-dropless slots'])}) | {ratio_cell(row, 'vs_online', not args.no_band)} "
-                         f"({fmt(row['online slots'])}) | {quality(row['best'])} |")
+                         f"({fmt(row['online slots'])}) | {quality(row['best'], claims)} |")
     lines += [""] + early_table(args, {m: {h["mem_gb"] for h in heads if h["model"] == m} for m in args.models})
-    run.log_summary({"binding": bind, "headline": heads, "headline_arms": list(arm_heads.values())})
+    run.log_summary({"binding": bind, "headline": heads, "headline_arms": list(arm_heads.values()),
+                     "headline_holds": list(held_heads.values())})
     return "\n".join(lines)
 
 

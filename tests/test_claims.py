@@ -5,7 +5,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lrmoe.analysis.claims import arm_gaps, claim_table, family, gap_table, seed_plan, time_claim, time_ratios
+from lrmoe.analysis.claims import (arm_gaps, arm_quality, claim_table, decide_regime, family, gap_table, quality_text,
+                                   seed_plan, time_claim, time_ratios)
 from lrmoe.analysis.protocol import ARMS, endpoint
 from lrmoe.analysis.stats import holm
 
@@ -120,3 +121,26 @@ def test_early_family_is_its_own_and_never_costs_the_main_table_a_seed():
     assert table.loc["E1", "word"] == "fails" and table.loc["E2", "word"] == "holds"
     assert table.loc["E2", "estimate"] == pytest.approx(1.8, abs=0.2)
     assert table.p_holm.to_numpy() == pytest.approx(holm(table.p.to_numpy()))  # a family of two
+
+
+def test_arm_quality_gives_each_arm_its_gap_claim_interim_until_the_planned_seeds():
+    """decide_regime reads the sweep's runs of one regime only (a pilot row or another regime's never enters), and
+    arm_quality maps each arm with a gap claim to its word: planted harmless rho 0.9 holds, rho 0.5 fails; final only
+    at the planned seed count; the references are the reference; no whole seeds, no entry."""
+    rows = [{**r, "stage": "sweep"} for r in runs(range(12))]
+    noise = [{**r, "stage": "pilot", "endpoint": 9.0} for r in runs(range(12, 14))]
+    other = [{**r, "stage": "sweep", "regime": "weak", "endpoint": r["endpoint"] * 1.5} for r in runs(range(12))]
+    q = arm_quality(rows + noise + other, "production", planned=12)
+    assert q["static-ep"] == q["symi-dropless"] == {"word": "reference"}
+    assert q["lrmoe-rho0.9-unbiased"]["claim"] == "C4 ρ0.9" and q["lrmoe-rho0.9-unbiased"]["word"] == "holds"
+    assert q["lrmoe-rho0.5-unbiased"]["word"] == "fails" and q["lrmoe"]["claim"] == "C4 cap"
+    assert q["lrmoe-rho0.5-unbiased"]["seeds"] == 12 and q["lrmoe-rho0.5-unbiased"]["final"]
+    assert "lrmoe-rho0.75-random" not in q  # a control: no gap claim of its own
+    text = quality_text(q["lrmoe-rho0.9-unbiased"])
+    assert text.startswith("C4 ρ0.9 holds (") and text.endswith("12 seeds, final)")
+    assert arm_quality(rows, "production", planned=16)["lrmoe"]["final"] is False
+    assert "interim" in quality_text(arm_quality(rows, "production", planned=16)["lrmoe"])
+    assert quality_text(None).endswith("unmeasured")
+    assert arm_quality(noise, "production") == {} and arm_quality(rows, "weak") == {}
+    with pytest.raises(ValueError, match="whole seed"):
+        decide_regime(rows[: len(ARMS)], "production")

@@ -268,3 +268,14 @@ def test_convergence_prints_the_protocol_claims_over_its_runs():
     assert claims.loc["C4 ρ0.75", "estimate"] == pytest.approx(100 * 0.002 / 2.2, rel=0.1)
     assert claims.loc["C4 ρ0.75", "word"] == "holds" and claims.loc["C1", "word"] == "not run"
     assert convergence.protocol_claims(curves({"static-ep": [2.0, 2.2]})) is None
+
+
+def test_frontier_labels_of_nearby_points_never_overlap():
+    """Two arms at nearly the same point (the weak regime's early and late selection) get labels stacked apart;
+    a point far from every other keeps the default offset."""
+    from lrmoe.experiments.frontier import label_offsets
+
+    x, y = [0.943, 0.955, 1.16, 1.017, 1.027], [0.84, 0.83, 0.0, 0.30, 0.30]
+    dy = label_offsets(x, y)
+    assert dy[0] == dy[2] == -2.0 and dy[1] < dy[0]  # the second of the close pair moves down
+    assert dy[4] != dy[3]

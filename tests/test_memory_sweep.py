@@ -182,3 +182,46 @@ def test_the_figures_legend_lies_beside_the_panels():
     run = Run()
     assert memory_sweep.plot(pd.DataFrame(RECORDS[:-1]), run) == ["time_vs_memory"]
     assert run.labels == {"symi-dropless", "lrmoe", "lrmoe-rho0.75", "online"}
+
+
+def test_the_headline_names_the_fastest_arm_whose_gap_claim_holds_and_says_when_none_does():
+    """The report's headline has a third row per cell: the fastest protocol arm whose gap claim holds in the cell's
+    regime (time at equal quality), each row's quality column from that regime's claims; a regime where no claim
+    holds says so instead of naming a system."""
+    import argparse
+
+    from lrmoe.experiments import memory_sweep
+
+    def cell(label, arm_times):
+        recs = [_rec("symi-dropless", 30, 8, 9.0, fits=False, skew=label),
+                _rec("symi-dropless", 32, 10, 5.0, skew=label), _rec("symi-dropless", 40, 16, 4.0, skew=label),
+                _rec("online", 32, 9, 4.8, skew=label), _rec("online", 40, 9, 3.0, skew=label)]
+        return recs + [_rec(arm, gb, 12, t * (gb == 32) + 3.5 * (gb == 40) + 9 * (gb == 30), skew=label)
+                       for arm, t in arm_times.items() for gb in (30, 32, 40)]
+
+    held = {"claim": "C4 cap", "word": "holds", "estimate": -0.1, "ci_low": -0.4, "ci_high": 0.2, "seeds": 16,
+            "final": True}
+    quality = {"production, zipf:0.146": {"lrmoe": held, "lrmoe-rho0.75-unbiased": {**held, "claim": "C4 ρ0.75",
+                                                                                   "word": "undecided"}},
+               "weak, zipf:0.419": {"lrmoe": {**held, "word": "undecided"}}}
+    times = {"lrmoe": 4.5, "lrmoe-rho0.75-unbiased": 4.0}
+    records = [dict(r, model=model) for model in ("qwen3-30b-a3b", "glm-4.5-air")
+               for r in cell("production, zipf:0.146", times) + cell("weak, zipf:0.419", times)]
+
+    class Run:
+        def log_summary(self, summary):
+            self.summary = summary
+
+    args = argparse.Namespace(quality=quality, no_band=True, models=[], cluster="a100-40gb-x8", nodes=2)
+    run = Run()
+    text = memory_sweep.report(records, run, args).splitlines()
+    rows = [line for line in text if line.startswith("| qwen3-30b-a3b |")]
+    prod = [r for r in rows if "production" in r and " 32 | " in r]
+    assert any("| arms | lrmoe-rho0.75-unbiased (12) | 0.800 (10)" in r and "C4 ρ0.75 undecided" in r for r in prod)
+    assert any("| holds | lrmoe (12) | 0.900 (10)" in r and "C4 cap holds (-0.10 %" in r for r in prod)
+    assert any("| weak, zipf:0.419 | — | holds | no arm's gap claim holds in this regime |" in r for r in rows)
+    assert [h["best"] for h in run.summary["headline_holds"]] == ["lrmoe"]
+    # another model than the one the protocol trains: its rows carry no quality and no "holds" row names a system
+    other = [line for line in text if line.startswith("| glm-4.5-air |") and ("| arms |" in line
+                                                                           or "| holds |" in line)]
+    assert other and all("not measured: the protocol trains qwen3-30b-a3b's shape only" in r for r in other)

@@ -5,6 +5,7 @@ pilot's variance asks for.
     gaps = gap_table(rows)                  # seeds x arms, % above the reference, whole seeds only
     table = claim_table(gaps)               # one row per claim: estimate, 95 % interval, Holm p, word
     plan = seed_plan(pilot_gaps)            # per claim: the pilot's sd and the seeds it needs
+    quality = arm_quality(rows, "weak")     # per arm with a gap claim (C4, E1): its word, estimate, final or not
 """
 
 from __future__ import annotations
@@ -136,6 +137,55 @@ def claim_table(gaps: pd.DataFrame, claims: list[Claim] | None = None, alpha: fl
                      "p": test.p, "p_holm": float(adjusted[claim.name]),
                      "word": decide(test, float(adjusted[claim.name]), delta)})
     return pd.DataFrame(rows)
+
+
+def decide_regime(rows, regime: str | None = None) -> dict:
+    """Both families of one regime decided from collected runs, as frontier.py reports them: ``gaps`` and
+    ``claims`` (the main family, over its whole seeds), ``early_gaps`` and ``early_claims`` (DESIGN.md §10.6; None
+    without two whole seeds of the early arms). ``rows``: the protocol's collected runs; only the sweep's count
+    (the pilot's never enter a claim), and only ``regime``'s when given. ValueError without two whole seeds."""
+    rows = [r for r in rows if r.get("stage") == "sweep" and (regime is None or r.get("regime") == regime)]
+    if not rows:
+        raise ValueError(f"no sweep run{'' if regime is None else f' of regime {regime!r}'}")
+    arms = [a for a in protocol.SWEEP_ARMS if any(r["arm"] == a for r in rows)]
+    gaps, early = family_gaps(rows, arms)
+    if len(gaps) < 2:
+        raise ValueError(f"{len(gaps)} whole seed(s){'' if regime is None else f' of regime {regime!r}'}: a claim "
+                         "needs two")
+    early = early if early is not None and len(early) >= 2 else None
+    return {"gaps": gaps, "claims": claim_table(gaps), "early_gaps": early,
+            "early_claims": None if early is None else claim_table(early, early_family())}
+
+
+def arm_quality(rows, regime: str, planned: int = protocol.SWEEP_SEEDS) -> dict[str, dict]:
+    """Per arm whose own gap to the reference has a non-inferiority claim in ``regime`` (C4 at each ρ, C4 cap, E1):
+    that claim's row of :func:`decide_regime` (claim, word, estimate, interval, bound, Holm p, seeds) and ``final``,
+    whether its seeds reached the ``planned`` count (before that the word is interim, DESIGN.md §10.5). The
+    references (static EP, SYMI-dropless: the same maths) map to ``{"word": "reference"}``. Empty when the runs
+    hold no two whole seeds of the regime."""
+    try:
+        decided = decide_regime(rows, regime)
+    except ValueError:
+        return {}
+    tables = [decided["claims"]] + ([decided["early_claims"]] if decided["early_claims"] is not None else [])
+    out = {ref: {"word": "reference"} for ref in protocol.REFERENCES}
+    for table in tables:
+        for row in table.to_dict("records"):
+            if row["kind"] == "noninferior" and row["versus"] == "reference" and "estimate" in row:
+                out[row["arm"]] = {**row, "final": row["seeds"] >= planned}
+    return out
+
+
+def quality_text(quality: dict | None) -> str:
+    """One arm's :func:`arm_quality` entry in words, e.g. ``C4 ρ0.75 undecided (+0.22 % [-0.64, +1.09], 16 seeds,
+    final)``; None (no claim on this arm) reads as unmeasured."""
+    if quality is None:
+        return "no gap claim under the frontier protocol: unmeasured"
+    if quality["word"] == "reference":
+        return "the reference (dropless)"
+    state = "final" if quality["final"] else "interim"
+    return (f"{quality['claim']} {quality['word']} ({quality['estimate']:+.2f} % [{quality['ci_low']:+.2f}, "
+            f"{quality['ci_high']:+.2f}], {quality['seeds']} seeds, {state})")
 
 
 def seed_plan(pilot_gaps: pd.DataFrame, claims: list[Claim] | None = None, alpha: float | None = None,
