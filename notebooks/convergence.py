@@ -2,6 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -16,8 +21,9 @@
 # policy) and compares validation loss at equal steps and at equal modelled time, beside how many backward
 # pairs LRMoE cut on the hottest rank and how many tokens SYMI-cf1 dropped.
 #
-# It reads `outputs/quick/convergence.jsonl` (written by `make reproduce`) or `outputs/full/...` if present; with
-# neither (or in the tests' small mode) it runs a short comparison itself.
+# It reads `outputs/full/convergence.jsonl` or `outputs/quick/...` (written by `make reproduce`) if present, else the
+# committed results of the quick main job (`paper_figures/results/convergence.jsonl`, the tests' small mode reads
+# these too); with none of them it runs a short comparison itself.
 
 # %%
 import os
@@ -37,8 +43,9 @@ from lrmoe.paper_figures import style
 
 QUICK = os.environ.get("LRMOE_NOTEBOOK_QUICK") == "1"
 OUT = Path(os.environ.get("LRMOE_NOTEBOOK_OUT", ROOT / "outputs" / "notebooks"))
+COMMITTED = ROOT / "paper_figures" / "results" / "convergence.jsonl"
 candidates = [ROOT / "outputs" / "full" / "convergence.jsonl", ROOT / "outputs" / "quick" / "convergence.jsonl"]
-results = next((p for p in candidates if p.exists() and not QUICK), None)
+results = next((p for p in [*([] if QUICK else candidates), COMMITTED] if p.exists()), None)
 if results is None:
     results = OUT / "convergence_notebook.jsonl"
     subprocess.run([sys.executable, str(ROOT / "experiments" / "convergence.py"),

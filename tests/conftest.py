@@ -8,6 +8,7 @@
 """
 
 import os
+import sys
 import tempfile
 
 _SANDBOX = tempfile.mkdtemp(prefix="lrmoe-tests-")
@@ -46,6 +47,11 @@ def _deterministic():
     """Every test starts from the same global seed."""
     torch.manual_seed(0)
     yield
+    # and leaves no figure open for the next one (a test that draws does not always close what it drew; matplotlib
+    # is imported only where a test drew)
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is not None:
+        plt.close("all")
 
 
 @pytest.fixture

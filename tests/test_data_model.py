@@ -73,3 +73,30 @@ def test_a_few_steps_lower_the_loss_and_are_deterministic(name):
     assert losses[-1] < losses[0] - 0.5
     assert len(infos) == cfg.num_moe_layers and infos[0].counts_E.sum() == 4 * 32 * cfg.top_k
     assert run()[0] == losses
+
+
+def test_a_pruned_listing_equals_the_whole_listing_less_the_pruned_folders(tmp_path):
+    """list_files(prune=...) walks a ``base/**/pattern`` glob without entering the pruned folders, and yields what
+    the whole listing yields once the caller drops their files; where every file lies inside a pruned folder (the
+    root is then that folder, so its name is not an excluded part), it lists the source whole."""
+    from lrmoe.integrations.data import list_files
+
+    for rel in ("a.py", "pkg/b.py", "pkg/test/c.py", "site-packages/x/d.py", "pkg/e.txt", "deep/er/f.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    source, prune = str(tmp_path / "**" / "*.py"), ("test", "site-packages")
+    root, whole = list_files(source)
+    root_p, pruned = list_files(source, prune=prune)
+    keep = [p for p in whole if not any(part in prune for part in p.relative_to(root).parts)]
+    assert root_p == root and pruned == keep == sorted(tmp_path / r for r in ("a.py", "deep/er/f.py", "pkg/b.py"))
+    only = tmp_path / "only" / "test"
+    only.mkdir(parents=True)
+    (only / "g.py").write_text("y = 2\n")
+    assert list_files(str(tmp_path / "only" / "**" / "*.py"), prune=prune) == (only, [only / "g.py"])
+    # the default corpus, the standard library: the same files as its whole listing (about a second) less the excluded
+    from lrmoe.integrations.data import default_corpus
+
+    exclude = ("test", "idlelib", "site-packages")
+    root, whole = list_files(default_corpus())
+    assert list_files(default_corpus(), prune=exclude) == (
+        root, [p for p in whole if not any(part in exclude for part in p.relative_to(root).parts)])
