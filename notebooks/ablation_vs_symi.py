@@ -25,8 +25,9 @@
 #   same planner code as the real layer on synthetic routing traces, priced by the cost model.
 # * **Measured** (4 gloo ranks on this CPU): `experiments/layer_bench.py`, the real distributed layer.
 #
-# Both are read from `outputs/quick/` (written by `make reproduce`) when present; otherwise (and in the tests'
-# small mode) a small simulator sweep runs here.
+# Both are read from `outputs/quick/` (written by `make reproduce`) when present; the simulator's otherwise from the
+# committed quick ablation (`paper_figures/results/ablate_rev_sizing.jsonl`, the README's table; the tests' small
+# mode reads it too), and with neither a small simulator sweep runs here.
 
 # %%
 import os
@@ -46,8 +47,9 @@ from lrmoe.paper_figures import style
 QUICK = os.environ.get("LRMOE_NOTEBOOK_QUICK") == "1"
 OUT = Path(os.environ.get("LRMOE_NOTEBOOK_OUT", ROOT / "outputs" / "notebooks"))
 RESULTS = ROOT / "outputs" / "quick"
-sim_path = RESULTS / "ablate.jsonl"
-if QUICK or not sim_path.exists():
+COMMITTED = ROOT / "paper_figures" / "results" / "ablate_rev_sizing.jsonl"
+sim_path = next((p for p in [*([] if QUICK else [RESULTS / "ablate.jsonl"]), COMMITTED] if p.exists()), None)
+if sim_path is None:
     sim_path = OUT / "ablate_notebook.jsonl"
     subprocess.run([sys.executable, str(ROOT / "experiments" / "ablate.py"),
                     "--models", "qwen3-30b-a3b", "--ranks", "16", "--skews", "zipf:0.4", "zipf:0.8",
