@@ -142,5 +142,8 @@ def test_arm_quality_gives_each_arm_its_gap_claim_interim_until_the_planned_seed
     assert "interim" in quality_text(arm_quality(rows, "production", planned=16)["lrmoe"])
     assert quality_text(None).endswith("unmeasured")
     assert arm_quality(noise, "production") == {} and arm_quality(rows, "weak") == {}
+    # an arm that never ran has no entry, not a NaN estimate under "not run"
+    missing = arm_quality([r for r in rows if r["arm"] != "lrmoe-rho0.9-unbiased"], "production", planned=12)
+    assert "lrmoe-rho0.9-unbiased" not in missing and missing["lrmoe"]["word"] == "holds"
     with pytest.raises(ValueError, match="whole seed"):
         decide_regime(rows[: len(ARMS)], "production")

@@ -171,7 +171,8 @@ def arm_quality(rows, regime: str, planned: int = protocol.SWEEP_SEEDS) -> dict[
     out = {ref: {"word": "reference"} for ref in protocol.REFERENCES}
     for table in tables:
         for row in table.to_dict("records"):
-            if row["kind"] == "noninferior" and row["versus"] == "reference" and "estimate" in row:
+            # a claim that was not tested ("not run": its arm is missing) has no estimate (NaN in the table's row)
+            if row["kind"] == "noninferior" and row["versus"] == "reference" and pd.notna(row.get("estimate")):
                 out[row["arm"]] = {**row, "final": row["seeds"] >= planned}
     return out
 
