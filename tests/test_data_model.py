@@ -93,6 +93,14 @@ def test_a_pruned_listing_equals_the_whole_listing_less_the_pruned_folders(tmp_p
     only.mkdir(parents=True)
     (only / "g.py").write_text("y = 2\n")
     assert list_files(str(tmp_path / "only" / "**" / "*.py"), prune=prune) == (only, [only / "g.py"])
+    # every kept file in one folder, the pruned ones beside it: the root stays the whole listing's (above both), so
+    # the files' relative paths, which decide the split, are the same; likewise a single kept file
+    for kept in (("sub/x.py", "sub/y.py"), ("sub/x.py",)):
+        case = tmp_path / f"case{len(kept)}"
+        for rel in (*kept, "test/t.py", "site-packages/deep/u.py"):
+            (case / rel).parent.mkdir(parents=True, exist_ok=True)
+            (case / rel).write_text("z = 3\n")
+        assert list_files(str(case / "**" / "*.py"), prune=prune) == (case, sorted(case / r for r in kept))
     # the default corpus, the standard library: the same files as its whole listing (about a second) less the excluded
     from lrmoe.integrations.data import default_corpus
 

@@ -34,34 +34,48 @@ def default_corpus() -> str:
     return os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py")
 
 
-def _walk(base: str, pattern: str, prune: tuple[str, ...]) -> list[str]:
-    """The files under ``base`` (at any depth) whose names match ``pattern``, never descending into a directory
-    named in ``prune``: ``glob("base/**/pattern")`` less the pruned subtrees, without listing them."""
-    found = []
+def _walk(base: str, pattern: str, prune: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """``glob("base/**/pattern")`` without entering the directories named in ``prune``: the matching files outside
+    them, and one matching file from each pruned directory that holds any (its probe, found by walking it only
+    until the first match). The probes stand in for the pruned files where the listing's root is decided."""
+    found, probes = [], []
     for folder, dirs, names in os.walk(base):
-        dirs[:] = [d for d in dirs if d not in prune]
         found += [os.path.join(folder, n) for n in fnmatch.filter(names, pattern)]
-    return found
+        for d in [d for d in dirs if d in prune]:
+            probe = next((os.path.join(f, m[0]) for f, _, ns in os.walk(os.path.join(folder, d))
+                          if (m := fnmatch.filter(ns, pattern))), None)
+            probes += [probe] if probe else []
+        dirs[:] = [d for d in dirs if d not in prune]
+    return found, probes
+
+
+def _root(files: list[str]) -> Path:
+    """The folder relative to which a listing's files are named: their common folder (a lone file's own)."""
+    if len(files) == 1:
+        return Path(files[0]).parent
+    return Path(os.path.commonpath(files)) if files else Path(".")
 
 
 def list_files(source: str, prune: tuple[str, ...] = ()) -> tuple[Path, list[Path]]:
     """Resolve a folder or a glob to (root, sorted files). ``prune``: names of directories whose files the caller
-    skips anyway; a glob of the form ``base/**/pattern`` is then walked without entering them (the standard
-    library's site-packages and tests are most of its tree). Pruning never changes the answer: where it would
-    leave no file (every file inside a pruned directory), the source is listed whole."""
+    skips anyway (relative to the root); a glob of the form ``base/**/pattern`` is then walked without listing them
+    (the standard library's site-packages and tests are most of its tree), and the files returned are the whole
+    listing's less those inside a pruned directory. The root is the whole listing's: one file found in each pruned
+    directory takes part in deciding it, which is exact (the common folder of files outside a directory and one
+    inside it already lies above that directory). Where every file lies inside a pruned directory (the root may
+    then be inside it, where its name no longer excludes anything), the source is listed whole."""
     path = Path(source)
     if path.is_dir():
         root, files = path, sorted(p for p in path.rglob("*") if p.is_file())
     else:
         base, sep, pattern = source.rpartition(os.sep + "**" + os.sep)
         simple = prune and sep and not glob.has_magic(base) and not any(c in pattern for c in "/" + os.sep)
-        listed = _walk(base, pattern, prune) if simple else []
+        listed, probes = _walk(base, pattern, prune) if simple else ([], [])
+        listed = [p for p in listed if os.path.isfile(p)]
         if not listed:
-            listed = glob.glob(source, recursive=True)
-        files = sorted(Path(p) for p in listed if os.path.isfile(p))
-        root = Path(os.path.commonpath([str(p) for p in files])) if files else Path(".")
-        if len(files) == 1:
-            root = files[0].parent
+            listed, probes = [p for p in glob.glob(source, recursive=True) if os.path.isfile(p)], []
+        files = sorted(Path(p) for p in listed)
+        root = _root(listed + [p for p in probes if os.path.isfile(p)])
     if not files:
         raise ValueError(f"no text files found at {source!r}")
     return root, files
