@@ -102,8 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         rows = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()]
         for name in args.regimes:
             s = regime_zipf(rows, name).zipf_s
-            args.regime_of[f"zipf:{s!r}"] = (name, f"{name}, zipf:{s:.3f}")
-            args.quality[f"{name}, zipf:{s:.3f}"] = arm_quality(rows, name)
+            label = f"{name}, zipf:{s:.3f}"
+            args.regime_of[f"zipf:{s!r}"] = (name, label)
+            args.quality[label] = arm_quality(rows, name)
         args.skews = list(args.regime_of)
     if args.quick:
         args.models = ["qwen3-30b-a3b"] if args.models == MODELS else args.models
@@ -229,6 +230,9 @@ def ratio_cell(row: dict, tag: str, band: bool = True) -> str:
     return f"{row[tag]:.3f}" + (f" [{lo:.2f}–{hi:.2f}]" if lo is not None and hi is not None else "")
 
 
+NOT_TRAINED = f"not measured: the protocol trains {protocol.SIM_MODEL}'s shape only"
+
+
 def quality(system: str | None, claims: dict[str, dict] | None) -> str:
     """The system's quality under the frontier protocol (DESIGN.md §10) in the skew's regime: its gap claim's word
     and estimate, final once the sweep's planned seeds are in (``claims``: lrmoe.analysis.claims.arm_quality; None
@@ -238,7 +242,7 @@ def quality(system: str | None, claims: dict[str, dict] | None) -> str:
     if system not in protocol.SWEEP_ARMS:
         return "not an arm of the protocol: unmeasured"
     if claims is None:
-        return f"not measured: the protocol trains {protocol.SIM_MODEL}'s shape only"
+        return NOT_TRAINED
     return quality_text(claims.get(system)) if claims else "no sweep run of this regime: unmeasured"
 
 
@@ -301,8 +305,7 @@ def report(records: list[dict], run: Tracker, args) -> str:
         for among, row in (("all", h), ("arms", arm_heads.get(key)), ("holds", held_heads.get(key))):
             if row is None:
                 if among == "holds" and key[1] in args.quality:
-                    why = ("no arm's gap claim holds in this regime" if key[0] == protocol.SIM_MODEL else
-                           f"not measured: the protocol trains {protocol.SIM_MODEL}'s shape only")
+                    why = "no arm's gap claim holds in this regime" if key[0] == protocol.SIM_MODEL else NOT_TRAINED
                     lines.append(f"| {key[0]} | {key[1]} | — | holds | {why} | — | — | — |")
                 continue
             claims = args.quality.get(key[1], {}) if key[0] == protocol.SIM_MODEL else None
