@@ -1,0 +1,84 @@
+"""Hugging Face transformers drop-in: the sparse MoE blocks of a Qwen3-MoE or GLM-4.5 (``glm4_moe``) model on the
+expert-parallel layer, running any system of the registry (:mod:`lrmoe.systems`), on gloo or NCCL.
+
+What is swapped is the block's fused experts module only (``block.experts``, HF's ``forward(hidden_TD,
+top_k_index, top_k_weights)``); the block's own forward, its router (``block.gate``), the shared experts and the
+rest of the model stay HF's. So HF's router decides (its parameter names, its precision, fp32 for GLM;
+``norm_topk_prob`` either way, ``routed_scaling_factor``, the ``e_score_correction_bias`` buffer, group-limited
+routing with ``n_group`` / ``topk_group``), its hooks still collect ``output_router_logits``, and its top-k
+indices and weights reach the layer as ``routing=`` (:class:`~lrmoe.runtime.routing.RouterOutput`): the layer plans,
+dispatches and computes the experts, and the router gradient flows back through HF's weights.
+
+    dist.init_process_group(...)                     # every rank, then the same model on every rank
+    ep = swap_moe_blocks(model, "lrmoe")             # each rank keeps its slots and optimizer shard of the experts
+    opt = ep.optimizer(torch.optim.AdamW, lr=1e-3,   # a torch Optimizer: HF's dense parameters and the experts,
+                       max_grad_norm=1.0)            # clipped to one global gradient norm over both
+    for ids in micro_batches:                        # gradient accumulation: k micro-batches, one step
+        model(ids, labels=ids).loss.backward()
+    opt.step(); opt.zero_grad()                      # dense all-reduce, clipping, AdamW, expert Adam +
+                                                     # redistribution, GLM bias
+    model.save_pretrained(path, is_main_process=rank == 0)   # every rank: the experts are gathered
+
+**One gradient convention.** Every method here that reduces gradients (:meth:`HFExpertParallel.sync_dense_grads`,
+:meth:`~HFExpertParallel.expert_step`, :meth:`~HFExpertParallel.gather_expert_grads`, :meth:`~HFExpertParallel.step`
+and the optimizer object's ``step``) defaults to the gradient of the *mean* loss over the ranks and the step's
+micro-batches: the summed gradients times 1 / (ranks x micro-batches), the micro-batches being the training
+forwards since the last step. A loop that already divides each micro-batch's loss by their number (HF's Trainer,
+Accelerate) passes ``grad_scale=1 / ranks``; ``grad_scale=1.0`` gives the plain sum.
+
+**Gradient clipping** cannot be ``torch.nn.utils.clip_grad_norm_(model.parameters())``: the routed experts are not
+among them, and before the step each replica holds a partial sum of its expert's gradient. ``max_grad_norm`` of
+:meth:`HFExpertParallel.optimizer` (or of :meth:`~HFExpertParallel.step`; :meth:`~HFExpertParallel.clip_grad_norm_`
+in the low-level API) clips that gradient, after the dense all-reduce and the experts' replica-gradient sum, to one
+global L2 norm over the dense parameters (once) and the experts (each once), exactly as ``clip_grad_norm_`` over
+every parameter of the unswapped model on one process would (:mod:`lrmoe.runtime.clip`). The systems with a
+retention budget (ρ < 1) clip the recalibrated gradient their experts' Adam applies.
+
+**A foreign optimizer** (``torch.optim.AdamW(model.parameters())``, ``transformers.Trainer`` without
+``optimizers=``) would step the dense parameters and never the experts: the model's next training forward after
+such a step raises :class:`ForeignOptimizerError` (:data:`FOREIGN_OPTIMIZER` names the fix; how it is detected:
+:class:`_ForeignStepGuard`).
+
+**Trainer and data parallelism.** ``transformers.Trainer`` works on one process with ``optimizers=(ep.optimizer(...,
+grad_scale=1.0, max_grad_norm=...), scheduler)`` and Trainer's own ``max_grad_norm=0`` (:class:`EPOptimizer`). On
+more than one process it (and Accelerate, and any loop) wraps the model in DistributedDataParallel: a swapped model
+refuses that at the wrapper's construction, on every rank, before any step (:class:`DataParallelError`; the message
+says why and what to use), and refuses to run as a copy made by ``nn.DataParallel``. FSDP is not supported and not
+detected.
+
+Weights. HF fuses the experts as ``gate_up_proj`` [E, 2F, D] (gate rows first: ``linear(x, W).chunk(2)``) and
+``down_proj`` [E, D, F]; the layer keeps the reference layout ``w_gate_EDF``, ``w_up_EDF``, ``w_down_EFD``
+(:func:`hf_to_reference`, :func:`reference_to_hf`). The swapped module owns no parameter of its own: the replica
+store holds the slots and the fp32 master shards (DESIGN.md §3.5), stepped by :meth:`HFExpertParallel.step`, never
+by the dense optimizer. Its ``state_dict`` emits HF's two fused tensors, gathered from every rank's shard, so
+``model.state_dict()`` and ``save_pretrained`` of a swapped model are **collective** (call them on every rank, as
+with FSDP's full state dict) and give what the unmodified HF class loads; ``load_state_dict`` takes HF's tensors
+back (no collective). The training state of the experts (moments, placement, planning state) is per rank:
+:meth:`HFExpertParallel.expert_state_dict`.
+
+Planning state. A forward with gradients is a training forward: it plans with the system's policy and advances
+the layer's state (previous counts, the plan whose next placement :meth:`~HFExpertParallel.expert_step` moves to).
+A forward without gradients (evaluation, generation) computes every pair on the placement the slots hold and
+leaves that state as it was (between micro-batches under online replication: on the home slots). Every rank must run
+the same number of forwards (they are collective): generate with ``synced_gpus=True``. Several training forwards
+before a step are micro-batches of one iteration (their gradients accumulate; the placement holds until the step,
+:mod:`lrmoe.runtime.layer`). Activation checkpointing (``model.activation_checkpointing_enable()``, or the
+``gradient_checkpointing_enable()`` it replaces in transformers 5; non-reentrant as HF's default) works: the
+recomputed forward replays the plan its original forward made.
+"""
+
+from lrmoe.integrations.hf.data_parallel import (DATA_PARALLEL_REFUSAL, FSDP_REFUSAL, DataParallelError, ddp_refusal,
+                                                 fsdp_wrapped, path_to_blocks)
+from lrmoe.integrations.hf.expert_parallel import EPOptimizer, HFExpertParallel
+from lrmoe.integrations.hf.experts import EPExperts
+from lrmoe.integrations.hf.families import (DEFAULT_BIAS_RATE, FAMILIES, Family, hf_config, hf_to_reference,
+                                            moe_blocks, reference_to_hf)
+from lrmoe.integrations.hf.foreign_optimizer import (FOREIGN_OPTIMIZER, GRAD_SAMPLE, GRADIENT_EDIT,
+                                                     ForeignOptimizerError, GradientEditError)
+from lrmoe.integrations.hf.swap import gather_trace, swap_moe_blocks
+
+__all__ = ["DATA_PARALLEL_REFUSAL", "DEFAULT_BIAS_RATE", "FAMILIES", "FOREIGN_OPTIMIZER", "FSDP_REFUSAL",
+           "GRADIENT_EDIT", "GRAD_SAMPLE", "DataParallelError", "EPExperts", "EPOptimizer", "Family",
+           "ForeignOptimizerError", "GradientEditError", "HFExpertParallel", "ddp_refusal", "fsdp_wrapped",
+           "gather_trace", "hf_config", "hf_to_reference", "moe_blocks", "path_to_blocks", "reference_to_hf",
+           "swap_moe_blocks"]
