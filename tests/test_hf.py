@@ -349,15 +349,15 @@ def test_every_gradient_method_defaults_to_the_mean_over_ranks_and_micro_batches
 @pytest.mark.slow  # about 10 s of CPU, minutes of wall time on a loaded machine: `make test-all`
 @pytest.mark.timeout(600)
 def test_the_readme_example_runs(tmp_path):
-    """README "Use it with transformers": the example (micro-batches, checkpointing, the optimizer object with
+    """docs/hf.md, "Use it with transformers": the example (micro-batches, checkpointing, the optimizer object with
     clipping, a recorder stepping per optimizer step) runs and its checkpoint loads into the unmodified class."""
     import re
     import subprocess
     import sys
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Use it with transformers"):]
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "hf.md").read_text()
+    section = guide[guide.index("# Use it with transformers"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert "ep.optimizer(" in code and "activation_checkpointing_enable()" in code and "MICRO_BATCHES" in code
     assert "max_grad_norm=" in code and "micro_batches=MICRO_BATCHES" in code
