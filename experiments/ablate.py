@@ -59,7 +59,8 @@ from lrmoe.systems import check_systems, system_arg, system_names_help
 from lrmoe.checks import (fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg,
                           positive_int_arg)
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
-from lrmoe.integrations.traces import generate_trace, gini, max_over_mean
+from lrmoe.traces.stats import gini, max_over_mean
+from lrmoe.traces.synthetic import generate_trace
 
 MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
 SKEW_FAMILIES = ("zipf", "dirichlet")

@@ -27,7 +27,7 @@ from lrmoe.planner.quotas import rank_caps, retention_quotas
 from lrmoe.planner.replica_routing import route_backward, route_forward
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
-from lrmoe.integrations.traces import generate_trace
+from lrmoe.traces.synthetic import generate_trace
 
 POLICY_NAMES = ("lrmoe", "lrmoe-tight", "symi-dropless", "symi-cf1", "static-ep", "capacity-cf1")
 TARGET_MS = 1.0

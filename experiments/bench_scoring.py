@@ -33,7 +33,7 @@ from lrmoe.recal.recalibrate import pair_groups, proportional_quotas
 from lrmoe.recal.scoring import METRIC_REGISTRY, PairParts
 from lrmoe.recal.selection import MODES, select
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
-from lrmoe.integrations.traces import sample_topk, zipf_popularity
+from lrmoe.traces.synthetic import sample_topk, zipf_popularity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

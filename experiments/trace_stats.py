@@ -22,7 +22,8 @@ from tqdm import tqdm
 from lrmoe.config import model_preset
 from lrmoe.checks import positive_int_arg
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
-from lrmoe.integrations.traces import generate_trace, load_trace
+from lrmoe.traces.synthetic import generate_trace
+from lrmoe.traces.trace import load_trace
 
 SKEWS = [("zipf", 0.2), ("zipf", 0.4), ("zipf", 0.6), ("zipf", 0.8), ("dirichlet", 4.0), ("dirichlet", 1.0),
          ("dirichlet", 0.5)]

@@ -70,7 +70,7 @@ from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
 from lrmoe.checks import non_negative_float_arg, non_negative_int_arg
 from lrmoe.integrations.tracking import add_tracking_args, atomic_write, check_tracking_args, output_problem
-from lrmoe.integrations.traces import Trace
+from lrmoe.traces.trace import Trace
 
 DEFAULT_PRESET = "qwen3-30b-a3b-debug"
 HF_CONFIGS = {"qwen3": "qwen3-30b-a3b-debug", "glm": "glm-4.5-air-debug"}  # --hf-config shorthands

@@ -51,7 +51,7 @@ from lrmoe.config import model_preset
 from lrmoe.recal.recalibrate import Recalibration, pair_groups, pair_hook, proportional_quotas
 from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.recal.scoring import METRICS
-from lrmoe.integrations.traces import zipf_popularity
+from lrmoe.traces.synthetic import zipf_popularity
 from lrmoe.paper_figures import style
 
 QUICK = os.environ.get("LRMOE_NOTEBOOK_QUICK") == "1"  # the tests run every notebook in a small mode

@@ -287,7 +287,7 @@ def _bench():
 
 
 def test_layer_bench_replays_a_recorded_trace_beside_the_synthetic_ones(tmp_path):
-    from lrmoe.integrations.traces import generate_trace
+    from lrmoe.traces.synthetic import generate_trace
 
     bench = _bench()
     generate_trace(4, 2, 4, 16, 4, 32, seed=7).save(tmp_path / "run.npz")

@@ -136,7 +136,7 @@ def test_symi_dropless_keeps_no_more_spare_slots_than_its_own_plans_fit():
     give 1.126 x the mean, and 3 spare slots beside uniform buffers for that load fit), and the 3-spare plans of the
     next iterations then ran out of memory at 32.56 GB though they fit at 31.65 and 33.47 GB. SYMI-dropless keeps
     at most the spare slots its plans fit, so its slots never fall as the budget grows and it fits at every budget."""
-    from lrmoe.integrations.traces import generate_trace
+    from lrmoe.traces.synthetic import generate_trace
     from lrmoe.sim.cells import Cell, CellRules, build_systems, cost_kwargs, planned_headrooms, system_context
     from lrmoe.sim.simulator import simulate
     from lrmoe.systems import get_system, spare_at

@@ -118,7 +118,7 @@ def test_cost_aware_rule_pushes_fewer_copies_than_the_greedy_one_on_a_skewed_tra
     """On a Zipf 0.8 trace at paper scale (2 nodes x 8 A100s, the cost model's push cost), the cost-aware rule
     pushes fewer copies than the greedy one, and each rank's load stays within the threshold of the greedy's."""
     from lrmoe.config import cluster_preset, model_preset
-    from lrmoe.integrations.traces import generate_trace
+    from lrmoe.traces.synthetic import generate_trace
     from lrmoe.sim.cost import CostModel
 
     m, c = model_preset(model), cluster_preset("a100-40gb-x8").with_nodes(2)

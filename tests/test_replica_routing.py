@@ -270,7 +270,7 @@ def test_balanced_is_near_the_brute_force_optimum(inputs):
 def test_balanced_routing_with_empty_slots_and_heavy_skew_assigns_every_pair_once():
     # regression: the descent's float shares drifted from the counts and the integer split overflowed
     from lrmoe.planner.placement import lrmoe_placement
-    from lrmoe.integrations.traces import generate_trace
+    from lrmoe.traces.synthetic import generate_trace
 
     counts = generate_trace(1, 1, 8, 128, 8, 4096, skew_param=0.8, seed=0).counts_ILNE[0, 0]
     placement = lrmoe_placement(torch.ones(128, dtype=torch.float64), 8, 16, 16)

@@ -18,7 +18,8 @@ from lrmoe.planner.policies import LRMoE, Capacity, StaticEP, Symi
 from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.sim.cost import CATEGORIES, PHASES, CostModel
 from lrmoe.sim.simulator import System, iter_plans, one_intra_op_thread, simulate, split_micro_batches
-from lrmoe.integrations.traces import Trace, generate_trace
+from lrmoe.traces.synthetic import generate_trace
+from lrmoe.traces.trace import Trace
 
 D, F, E, K, T = 8, 5, 8, 2, 16
 PLAN_FIELDS = ("placement_NS", "fwd_NG", "dropped_NE", "keep_NG", "bwd_flows_V4", "floor_excess_N", "bwd_cap_N",

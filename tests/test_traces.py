@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from lrmoe.integrations.traces import (Trace, generate_trace, gini, inclusion_probs, load_trace, max_over_mean,
-                                       rank_loads, sample_routing, sample_topk, zipf_popularity)
+from lrmoe.integrations.traces import sample_routing
+from lrmoe.traces.stats import gini, max_over_mean, rank_loads
+from lrmoe.traces.synthetic import generate_trace, inclusion_probs, sample_topk, zipf_popularity
+from lrmoe.traces.trace import Trace, load_trace
 
 
 def test_trace_round_trips_and_never_overwrites(tmp_path):
@@ -76,13 +78,30 @@ def test_bad_trace_input_raises():
         Trace(-torch.ones(1, 1, 1, 2, dtype=torch.long))
 
 
+def test_loading_a_trace_file_imports_neither_the_distributed_stack_nor_wandb(tmp_path):
+    """The trace file sits below the simulator (DESIGN.md §7): a fresh process that loads one and reads its shape
+    and metadata imports no torch (which itself imports torch.distributed), no runtime and no W&B."""
+    import subprocess
+    import sys
+
+    path = generate_trace(2, 3, 4, 8, 2, 16, seed=5).save(tmp_path / "t.npz")
+    probe = ("import sys; from lrmoe.traces.trace import load_trace; t = load_trace(sys.argv[1]); "
+             "print(t.shape, t.meta['source']); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'wandb') "
+             "or m.startswith('lrmoe.runtime') or m.startswith('lrmoe.integrations')))")
+    out = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=300,
+                         check=True).stdout.splitlines()
+    assert out[0] == "(2, 3, 4, 8) synthetic"
+    assert out[1] == "[]", f"loading a trace imported {out[1]}"
+
+
 # -- loading is checked: every bad file names itself and what is wrong -------------------------------------------
 def test_a_file_that_is_not_a_trace_gets_an_error_naming_it(tmp_path):
     import json
 
     import numpy as np
 
-    from lrmoe.integrations.traces import TraceFormatError
+    from lrmoe.traces.trace import TraceFormatError
 
     cases = {}
     (tmp_path / "notes.txt").write_text("step,layer,counts\n1,2,3\n")
@@ -123,7 +142,7 @@ def test_a_file_that_is_not_a_trace_gets_an_error_naming_it(tmp_path):
 
 
 def test_join_ranks_concatenates_source_ranks():
-    from lrmoe.integrations.traces import join_ranks
+    from lrmoe.traces.trace import join_ranks
 
     a, b = generate_trace(2, 3, 1, 8, 2, 16, seed=1), generate_trace(2, 3, 2, 8, 2, 16, seed=2)
     joined = join_ranks([a, b])
@@ -169,7 +188,8 @@ def test_imported_megatron_trace_equals_the_counts_it_encodes(tmp_path):
 
 
 def test_bad_megatron_records_name_file_and_line(tmp_path):
-    from lrmoe.integrations.traces import TraceFormatError, import_megatron_trace
+    from lrmoe.integrations.traces import import_megatron_trace
+    from lrmoe.traces.trace import TraceFormatError
 
     ok = {"step": 0, "layer": 0, "rank": 0, "topk": 2, "top_indices": [[0, 1]]}
     cases = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 from _scripts import load_experiment
 
-from lrmoe.integrations.traces import load_trace
+from lrmoe.traces.trace import load_trace
 
 train = load_experiment("train")
 pytestmark = [pytest.mark.script, pytest.mark.timeout(600)]

@@ -230,7 +230,7 @@ def test_errors_on_a_hand_case():
 def tiny_bench(tmp_path_factory):
     """A 2-rank layer_bench on a synthetic and a recorded trace: capacity (drops), SYMI, and LRMoE without a spare
     slot under a tight memory budget (its quotas trim the backward), compact (metric m2) and padded."""
-    from lrmoe.integrations.traces import generate_trace
+    from lrmoe.traces.synthetic import generate_trace
 
     folder = tmp_path_factory.mktemp("bench")
     generate_trace(3, 2, 2, 16, 4, 32, seed=5).save(folder / "recorded.npz")

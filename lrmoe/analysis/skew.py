@@ -21,7 +21,7 @@ import numpy as np
 from lrmoe.analysis import protocol
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.integrations.load_stats import load_stats
-from lrmoe.integrations.traces import generate_trace
+from lrmoe.traces.synthetic import generate_trace
 
 STATS = ("rank_max_over_mean", "gini", "expert_max_over_mean")
 RUN_KEYS = {"rank_max_over_mean": "load/rank_max_over_mean_mean", "gini": "load/gini_mean",

@@ -15,7 +15,8 @@ from pathlib import Path
 from lrmoe.bytemodel.memory import footprint
 from lrmoe.planner.placement import MemoryModel
 from lrmoe.systems import SystemContext, get_system
-from lrmoe.integrations.traces import generate_trace, load_trace
+from lrmoe.traces.synthetic import generate_trace
+from lrmoe.traces.trace import load_trace
 from lrmoe.sim.simulator import micro_batch_counts
 
 

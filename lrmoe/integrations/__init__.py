@@ -4,7 +4,8 @@ traces, load statistics, and results files with W&B tracking.
 * :mod:`~lrmoe.integrations.hf`: Qwen3-MoE and GLM-4.5 blocks of ``transformers`` on the expert-parallel layer;
 * :mod:`~lrmoe.integrations.model`: the small MoE transformer of the training runs;
 * :mod:`~lrmoe.integrations.data`: the text corpus and its batches;
-* :mod:`~lrmoe.integrations.traces`: routing traces, recorded or generated (Zipf, Dirichlet);
+* :mod:`~lrmoe.integrations.traces`: routing traces recorded from Hugging Face routers or imported from Megatron-Core
+  (the trace type, its file and the generator are :mod:`lrmoe.traces`);
 * :mod:`~lrmoe.integrations.load_stats`: per-rank load statistics of a plan, for logs;
 * :mod:`~lrmoe.integrations.tracking`: results files (locked, atomic, resumable) and W&B runs.
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from lrmoe.planner.plan import LayerPlan
-from lrmoe.integrations.traces import gini
+from lrmoe.traces.stats import gini
 
 PERCENTILES = (50, 90, 99)
 LAYER_KEYS = ("tokens_per_expert_min", "tokens_per_expert_max", "tokens_per_expert_mean", "tokens_per_expert_std",

@@ -41,6 +41,7 @@ from lrmoe.config import ClusterConfig, MoEConfig
 from lrmoe.bytemodel.memory import model_peak
 from lrmoe.planner.plan import LayerPlan, Policy
 from lrmoe.sim.cost import CATEGORIES, PHASES, CostModel, PhaseTimes
+from lrmoe.traces.trace import Trace
 
 
 @dataclass(frozen=True)
@@ -179,13 +180,14 @@ def split_micro_batches(counts_ILNE: torch.Tensor, k: int) -> torch.Tensor:
     return floor_ILNE + (place_ILNE < short_ILN1).long()
 
 
-def micro_batch_counts(trace) -> tuple[torch.Tensor, int]:
+def micro_batch_counts(trace: Trace | torch.Tensor) -> tuple[torch.Tensor, int]:
     """(one micro-batch's counts [I, L, N, E], the micro-batches each step of the trace sums) of what
-    :func:`simulate` is given: a counts tensor is one micro-batch per step; a trace object (``counts_ILNE`` and
-    ``meta``: :class:`lrmoe.integrations.traces.Trace`) sums ``meta["micro_batches"]`` of them (1 when absent),
-    split by :func:`split_micro_batches`."""
+    :func:`simulate` is given: a counts tensor is one micro-batch per step; a :class:`~lrmoe.traces.trace.Trace`
+    sums ``meta["micro_batches"]`` of them (1 when absent), split by :func:`split_micro_batches`."""
     if torch.is_tensor(trace):
         return trace, 1
+    if not isinstance(trace, Trace):
+        raise TypeError(f"simulate takes a Trace or a counts tensor [I, L, N, E], got {type(trace).__name__}")
     k = trace.meta.get("micro_batches") or 1
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"the trace's meta says micro_batches={k!r}: not a positive int")
@@ -209,13 +211,13 @@ def one_intra_op_thread() -> Iterator[None]:
 
 
 @one_intra_op_thread()
-def simulate(trace, system: System, model: MoEConfig, cluster: ClusterConfig,
+def simulate(trace: Trace | torch.Tensor, system: System, model: MoEConfig, cluster: ClusterConfig,
              cost_kwargs: dict | None = None, layers: list[int] | None = None, warmup: int = 1,
              micro_batches: int | None = None, progress: Callable[[int], None] | None = None,
              variants: dict[str, dict] | None = None) -> SimResult:
     """Plan and cost every (step, layer) of a trace for one system. ``progress(1)`` is called per layer-step.
 
-    ``trace``: a trace (:class:`lrmoe.integrations.traces.Trace`), or its ``counts_ILNE`` as one micro-batch of
+    ``trace``: a :class:`~lrmoe.traces.trace.Trace`, or its ``counts_ILNE`` as one micro-batch of
     every step; a trace that records k micro-batches per step (its meta's ``micro_batches``) is priced on one k-th
     of each step (:func:`micro_batch_counts`). Its rank and expert dimensions must match the cluster and the model.
     ``micro_batches``: the micro-batches of an iteration, each priced on those counts (default: the trace's k, 1

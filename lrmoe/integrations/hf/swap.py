@@ -11,7 +11,8 @@ from lrmoe.integrations.hf.data_parallel import _refuse_ddp
 from lrmoe.integrations.hf.experts import EPExperts
 from lrmoe.integrations.hf.expert_parallel import HFExpertParallel
 from lrmoe.integrations.hf.families import _family, hf_to_reference, moe_blocks
-from lrmoe.integrations.traces import RouterRecorder, Trace, join_ranks
+from lrmoe.integrations.traces import RouterRecorder
+from lrmoe.traces.trace import Trace, join_ranks
 from lrmoe.planner.plan import Policy
 from lrmoe.planner.policies import initial_placement
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups
