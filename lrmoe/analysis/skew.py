@@ -3,7 +3,7 @@
 The statistic matched is static expert parallelism's per-rank load, slowest rank ÷ mean, per layer and iteration,
 averaged (``load_stats``' ``rank_max_over_mean``): the straggler ratio I_S of DESIGN.md §5.5. The runs measure it
 at their scale (the static-EP arm's evaluation records); :func:`match_zipf` finds the Zipf exponent at which the
-synthetic generator (:func:`lrmoe.integrations.traces.generate_trace`) gives the same ratio at the simulated
+synthetic generator (:func:`lrmoe.traces.synthetic.generate_trace`) gives the same ratio at the simulated
 scale, by bisection (the ratio rises with s). Beside it, both sides' per-expert Gini and hottest ÷ mean are
 reported: they are not matched (the scales differ in experts, ranks and tokens), only shown.
 
