@@ -11,7 +11,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 STAMP := $(VENV)/.lrmoe-installed
 MODE ?= quick
 
-.PHONY: setup links lint import-graph test test-all browser test-browser reproduce figures clean-venv
+.PHONY: setup links lint import-graph test test-all test-core browser test-browser reproduce figures clean-venv
 
 # Python keeps the bytecode it compiles (its default; some machines switch that off with PYTHONDONTWRITEBYTECODE).
 # The tests and the main job start dozens of Python processes: without the cache each one compiles pandas,
@@ -83,6 +83,19 @@ $(BROWSER_STAMP): $(STAMP)
 # JupyterLab and Chromium on this machine, a few minutes: apart from `make test`, which stays quick
 test-browser: browser
 	$(PY) -m pytest -q -n 0 -m browser
+
+# The core install alone (torch, numpy, triton; the `hf` extra for transformers, and pytest), without the
+# experiments' and notebooks' extras (W&B, pandas, scipy, seaborn, Jupyter): the drop-in's exactness tests run on it.
+CORE_VENV ?= .venv-core
+test-core:
+	@test -x $(CORE_VENV)/bin/python || $(PYTHON) -m venv $(CORE_VENV)
+	@$(CORE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) uv
+	@links="$${PIP_FIND_LINKS:-$$($(CORE_VENV)/bin/python -m pip config get global.find-links 2>/dev/null)}"; \
+	    $(CORE_VENV)/bin/uv pip install --quiet --python $(CORE_VENV)/bin/python $${links:+--find-links "$$links"} \
+	        -c $(CONSTRAINTS) torch
+	$(CORE_VENV)/bin/uv pip install --quiet --python $(CORE_VENV)/bin/python -c $(CONSTRAINTS) -e '.[hf]' pytest pytest-timeout
+	$(CORE_VENV)/bin/python -c "import importlib.util as u, sys; extra = [m for m in ('wandb', 'pandas', 'scipy', 'seaborn', 'matplotlib') if u.find_spec(m)]; sys.exit(f'not a core install: {extra}' if extra else 0)"
+	$(CORE_VENV)/bin/python -m pytest -q tests/test_hf.py
 
 reproduce: setup
 	$(PY) experiments/reproduce.py --mode $(MODE)

@@ -1,0 +1,80 @@
+"""The manifest of a results folder: for every file, what produced it. A results file (JSON lines) names its
+producer in its header (script, arguments, git commit); a report, figure or calibration file is named after the
+results file it belongs to (the longest results file name it starts with).
+
+    python -m lrmoe.paper_figures.manifest paper_figures/results      # writes paper_figures/results/MANIFEST.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+NAME = "MANIFEST.md"
+KNOWN = {"SUMMARY.md": "the main job's summary (`experiments/reproduce.py`)",
+         "explorer.png": "a screenshot of the metric explorer in JupyterLab (`make test-browser`)"}
+
+
+def header(path: Path) -> dict | None:
+    """The first run header of a results file, or None (not a results file of this package)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                record = json.loads(line)
+                if record.get("kind") == "run":
+                    return record
+                if "kind" not in record:  # a collected file: one line per run, no header
+                    return None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None
+
+
+def producer(hdr: dict) -> str:
+    argv = " ".join(hdr.get("argv") or [])
+    commit = (hdr.get("git_commit") or "unknown")[:10]
+    return f"`{hdr.get('name', '?')}`: `{argv}` at commit {commit}"
+
+
+def manifest(folder: Path) -> str:
+    from lrmoe.paper_figures.figures import FIGURES  # the figures make_all draws: name -> (results stem, function)
+
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != NAME and not p.name.startswith("."))
+    stems = sorted((p.stem for p in files if p.suffix == ".jsonl"), key=len, reverse=True)
+    lines = [f"# What produced each file of {folder.name}/", "",
+             "Made by `python -m lrmoe.paper_figures.manifest`; a results file names its producer in its header, "
+             "the rest are named after the results file they belong to. Superseded files are removed; git keeps "
+             "them.", "", "| file | produced by |", "|---|---|"]
+    for p in files:
+        hdr = header(p) if p.suffix == ".jsonl" else None
+        if hdr is not None:
+            what = producer(hdr)
+        elif p.suffix == ".jsonl":
+            what = "collected runs (one line per run, no header): `experiments/frontier_sweep.py`"
+        elif p.stem in FIGURES:
+            what = f"`paper_figures/figures.py` `{p.stem}` from `{FIGURES[p.stem][0]}.jsonl` (`make figures`)"
+        elif p.name in KNOWN:
+            what = KNOWN[p.name]
+        else:
+            owner = next((s for s in stems if p.stem.startswith(s)), None)
+            what = f"from `{owner}.jsonl`" if owner else "a screenshot or figure without a results file"
+        lines.append(f"| `{p.name}` | {what} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", nargs="?", default="paper_figures/results", help="results folder")
+    args = parser.parse_args(argv)
+    folder = Path(args.folder)
+    if not folder.is_dir():
+        parser.error(f"{folder} is not a folder")
+    (folder / NAME).write_text(manifest(folder), encoding="utf-8")
+    print(f"wrote {folder / NAME}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
