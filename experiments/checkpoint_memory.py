@@ -21,7 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, read_results
+from lrmoe.integrations.tracking import Tracker, add_tracking_args
+
+from lrmoe.results import read_results
 
 TRAIN = Path(__file__).resolve().parent / "train.py"
 

@@ -34,7 +34,8 @@ from lrmoe.analysis.runs import last_per_step, per_run, summarise, time_to_reach
 from lrmoe.config import model_preset
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
 from lrmoe.checks import non_negative_float_arg, non_negative_int_arg, positive_int_arg
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args, read_results
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
+from lrmoe.results import read_results
 
 RHOS = (0.9, 0.75, 0.6, 0.5)
 # the full sweep: the references, LRMoE in cap mode, and the retention budget at each rho with m2 top-k, m2

@@ -42,7 +42,8 @@ from lrmoe.sim.simulator import simulate
 from lrmoe.sim.systems import plan_twins
 from lrmoe.systems import get_system
 from lrmoe.checks import fraction_arg, non_negative_float_arg, positive_float_arg, positive_int_arg
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args, read_results, write_report
+from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args, write_report
+from lrmoe.results import read_results
 from lrmoe.traces.synthetic import generate_trace
 
 REFERENCE = "symi-dropless"  # the x axis' unit

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from lrmoe.analysis import protocol
 from lrmoe.analysis.claims import claim_table, early_family, family_gaps, seed_plan
 from lrmoe.analysis.skew import runs_imbalance
-from lrmoe.integrations.tracking import read_results
+from lrmoe.results import read_results
 from lrmoe.checks import positive_int_arg
 from lrmoe.systems import system_arg
 

@@ -43,7 +43,8 @@ from lrmoe.analysis import protocol
 from lrmoe.analysis.claims import arm_quality, quality_text
 from lrmoe.analysis.skew import regime_zipf
 from lrmoe.config import cluster_preset, model_preset
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, atomic_write_text, read_results
+from lrmoe.integrations.tracking import Tracker, add_tracking_args
+from lrmoe.results import atomic_write_text, read_results
 from lrmoe.paper_figures.style import legend_outside, palette
 from lrmoe.sim.cells import TOKENS
 from lrmoe.sim.memory_sweep import (DEMAND_SIDE, EARLY, PLACEMENTS, binding_range, budget_grid, early_selection_gain,

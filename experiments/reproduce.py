@@ -21,8 +21,12 @@ never read as complete and never read twice. A stage's process dies with the mai
 Each stage runs in its own process group, which the job stops whole (the stage and the ranks it started) when it
 fails, is interrupted or gets SIGTERM; a SIGKILLed job's stages get the kernel's parent-death signal.
 
---overwrite removes only what the job writes (each stage's results file, marker, figures, work folder and
-checkpoints named after it, the W&B runs, the figures, SUMMARY.md), never anything else in the folder.
+What the job writes is recorded in the folder's manifest (``.reproduce.manifest.json``, lrmoe.results.Manifest),
+stage by stage: each stage's results file, marker, figures, report, work folder and W&B runs (by run id), the
+figures and SUMMARY.md. --overwrite removes exactly what the manifest lists for the stages it runs (``--only``: those
+alone; the figures only when 'figures' runs), never anything else, and the job refuses to start where a file it did
+not write lies under a name its stages write (``<stage>.*``, ``<stage>_*``, ``<stage>/``). --resume skips a
+completed stage only when it ran with the same arguments as this run would give it; else it names the difference.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lrmoe.integrations.tracking import atomic_write_text
+from lrmoe.results import Manifest, atomic_write_text, read_headers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,29 +119,68 @@ def stage_outputs(out: Path, name: str, names: list[str]) -> list[Path]:
     longer = [other for other in names if other != name and other.startswith(name)]
     named = [p for p in (*out.glob(f"{name}.*"), *out.glob(f"{name}_*"))
              if not any(p.name.startswith((f"{other}.", f"{other}_")) or p.name == other for other in longer)]
-    return [*named, out / f".{name}.jsonl.lock", out / f".{name}.stdout", out / name]
+    hidden = [out / f".{name}.jsonl.{what}" for what in ("lock", "manifest.json")]
+    return [*named, *hidden, out / f".{name}.stdout", out / name]
 
 
-def job_outputs(out: Path) -> list[Path]:
-    """What the job writes in ``out`` beside its stages' outputs: SUMMARY.md, the figures, the W&B runs."""
+def figure_outputs(out: Path) -> list[Path]:
+    """The figures the job draws (its 'figures' part)."""
     from lrmoe.paper_figures.figures import FIGURES
 
-    figures = [out / "figures" / f"{name}.{ext}" for name in FIGURES for ext in ("png", "pdf")]
-    wandb = [*(out / "wandb").glob("offline-run-*"), *(out / "wandb").glob("run-*"),
-             *(out / "wandb").glob("debug*.log"), out / "wandb" / "latest-run"]
-    return [out / "SUMMARY.md", *figures, *wandb]
+    return [out / "figures" / f"{name}.{ext}" for name in FIGURES for ext in ("png", "pdf")]
 
 
-def remove_outputs(paths: list[Path]) -> None:
-    """Remove these files and folders (those that exist); then their folders, if that left them empty."""
-    for path in paths:
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-        elif path.is_dir():
-            shutil.rmtree(path)
-    for folder in {p.parent for p in paths}:
-        if folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
+def outputs_of(out: Path, part: str, names: list[str]) -> list[Path]:
+    """The names one part of the job (a stage, 'figures', 'summary') writes in ``out``."""
+    if part == "figures":
+        return figure_outputs(out)
+    if part == "summary":
+        return [out / "SUMMARY.md"]
+    return stage_outputs(out, part, names)
+
+
+def account(manifest: Manifest, out: Path, stage: str, names: list[str]) -> None:
+    """Record in ``manifest`` what stage ``stage`` wrote: every file under its names (the job refused to start
+    where one was not its own, so any there now is the stage's) and its W&B runs (the run ids of its results
+    file's headers)."""
+    manifest.add(*(p for p in stage_outputs(out, stage, names) if p.exists() or p.is_symlink()), tag=stage,
+                 save=False)
+    for header in read_headers(out / f"{stage}.jsonl"):
+        if header.get("run_id"):
+            manifest.wandb_runs[header["run_id"]] = [stage, "wandb"]
+    if stage in manifest.open:
+        manifest.open.remove(stage)
+    manifest.save()
+
+
+def stage_argv(stage: Stage, mode: str, out: Path) -> list[str]:
+    """The stage's own arguments in this mode."""
+    return [a.format(out=out) for a in stage_identity(stage, mode)[2:]]
+
+
+def stage_identity(stage: Stage, mode: str) -> list[str]:
+    """What decides a stage's results: the mode and its arguments (before the folder is filled in, so that a moved
+    folder is the same run). What a stage wrote is reused only for the same identity."""
+    return ["--mode", mode, *(stage.quick if mode == "quick" else stage.full)]
+
+
+def argv_difference(old: list[str], new: list[str]) -> str:
+    """The arguments that differ between two command lines, as 'was ... ; now ...'."""
+    return f"was `{' '.join(old) or '(none)'}`, now `{' '.join(new) or '(none)'}`"
+
+
+def out_dir_problem(out: Path) -> str | None:
+    """Why the job could not write in ``out`` (None: it can)."""
+    if out.exists() and not out.is_dir():
+        return f"--out-dir {out} is a file, not a folder"
+    folder = out
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"--out-dir {out}: {folder} is a file, not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"--out-dir {out}: the folder {folder} is not writable"
+    return None
 
 
 @dataclass
@@ -230,7 +272,7 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
                         help="remove what an earlier run of the job wrote in the output folder first (nothing else)")
     parser.add_argument("--resume", action="store_true",
                         help="skip the stages that completed; redo the others, superseding what they left")
-    parser.add_argument("--only", nargs="*", help="run only these stages ('figures': the figures)")
+    parser.add_argument("--only", nargs="+", help="run only these stages ('figures': the figures)")
     args = parser.parse_args(argv)
     stages = STAGES if stages is None else stages
     names = [stage.name for stage in stages] + ["figures"]
@@ -240,14 +282,35 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
     if args.overwrite and args.resume:
         parser.error("--overwrite and --resume contradict each other; choose one")
     out = Path(args.out_dir or ROOT / "outputs" / args.mode)
+    if problem := out_dir_problem(out):
+        parser.error(problem)
+    try:
+        manifest = Manifest(out, "reproduce")
+    except ValueError as exc:
+        parser.error(str(exc))
+    for killed in list(manifest.open):  # a stage of a killed job: what lies under its names it wrote
+        account(manifest, out, killed, names)
     selected = [stage for stage in stages if not args.only or stage.name in args.only]
-    earlier = [p for p in (*job_outputs(out), *(q for name in names for q in stage_outputs(out, name, names)))
-               if p.exists() or p.is_symlink()] if out.is_dir() else []
+    parts = [st.name for st in selected] + [p for p in ("figures",) if not args.only or p in args.only] + ["summary"]
+    foreign = [p for part in parts for p in manifest.foreign(outputs_of(out, part, names))] if out.is_dir() else []
+    if foreign:
+        parser.error(f"{out} holds {', '.join(str(p.relative_to(out)) for p in foreign[:5])}"
+                     f"{' ...' if len(foreign) > 5 else ''}, named like this job's outputs but not written by it: "
+                     f"move them away or choose another --out-dir (nothing was removed)")
+    earlier = [p for p in (manifest._abs(rel) for rel in manifest.files) if p.exists() or p.is_symlink()]
     if earlier and not (args.overwrite or args.resume):
-        parser.error(f"{out} holds the results of an earlier run ({earlier[0].name}, ...); pass --overwrite to "
-                     f"replace them or --resume to finish the stages that did not complete")
+        parser.error(f"{out} holds the results of an earlier run ({earlier[0].relative_to(out)}, ...); pass "
+                     f"--overwrite to replace them or --resume to finish the stages that did not complete")
+    if args.resume:
+        for stage in selected:
+            stored = manifest.identity.get(stage.name)
+            wanted = stage_identity(stage, args.mode)
+            if (out / f"{stage.name}.jsonl").exists() and stored is not None and stored != wanted:
+                parser.error(f"--resume: stage {stage.name} ran with other arguments "
+                             f"({argv_difference(stored, wanted)}); pass --overwrite to redo it")
     if args.overwrite:
-        remove_outputs([*job_outputs(out), *(p for st in selected for p in stage_outputs(out, st.name, names))])
+        removed = manifest.remove(tags=parts)
+        print(f"--overwrite: removed {len(removed)} file(s) and folder(s) the job's earlier run wrote", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "SUMMARY.md").unlink(missing_ok=True)  # the job's end marker: present only once this run completes
     # each stage starts its own W&B service, which dies with it: none that outlives a killed stage (one this job
@@ -290,7 +353,11 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
             done.unlink(missing_ok=True)
             if code := collect_background(wait=stage.measured):
                 return code
-            extra = [a.format(out=out) for a in (stage.quick if args.mode == "quick" else stage.full)]
+            extra = stage_argv(stage, args.mode, out)
+            manifest.identity[stage.name] = stage_identity(stage, args.mode)
+            manifest.open.append(stage.name)
+            manifest.add(out / f"{stage.name}.jsonl", out / f".{stage.name}.stdout", out / f"{stage.name}.done",
+                         tag=stage.name)
             cmd = [sys.executable, str(ROOT / stage.script), "--out", str(results), *extra]
             if results.exists():  # an interrupted stage: its tracker supersedes what the killed attempt left
                 cmd.append("--resume")
@@ -314,16 +381,23 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
     finally:  # an error, Ctrl-C or SIGTERM of the job: no stage, nor any rank of one, keeps running
         stop([run for run in stages_run if run.proc.poll() is None])
         restore()
+        for run in stages_run:
+            account(manifest, out, run.stage.name, names)
     for stage in stages:
+        if stage.name not in sections and stage_complete(out, stage):  # --only: the other stages' last results
+            sections[stage.name] = (out / f"{stage.name}.done").read_text()
         if stage.name in sections:
             summary += [f"## {stage.name}", "", sections[stage.name], ""]
     if not args.only or "figures" in args.only:
         from lrmoe.paper_figures import figures
 
         print("== figures", flush=True)
+        manifest.add(*figure_outputs(out), tag="figures")  # before drawing: a killed drawing's files are the job's
         made = figures.draw_all(out, out / "figures")
+        manifest.add(*(p for paths in made.values() for p in paths), tag="figures")
         summary += ["## figures", "", *[f"* {name}: {paths[0].relative_to(out)}" for name, paths in made.items()], ""]
     summary.append(f"Total wall time: {time.time() - started:.0f} s.")
+    manifest.add(out / "SUMMARY.md", tag="summary")
     atomic_write_text(out / "SUMMARY.md", "\n".join(summary) + "\n")
     print("\n".join(summary))
     print(f"\nOutputs in {out}: SUMMARY.md, one results file per stage, figures (PNG + PDF); "

@@ -69,7 +69,8 @@ from lrmoe.runtime.routing import update_expert_bias
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
 from lrmoe.checks import non_negative_float_arg, non_negative_int_arg
-from lrmoe.integrations.tracking import add_tracking_args, atomic_write, check_tracking_args, output_problem
+from lrmoe.integrations.tracking import add_tracking_args, check_tracking_args, output_problem
+from lrmoe.results import atomic_write
 from lrmoe.traces.trace import Trace
 
 DEFAULT_PRESET = "qwen3-30b-a3b-debug"
@@ -348,7 +349,7 @@ def checkpoint_path(args, step: int, rank: int) -> Path:
 
 def save_checkpoint(args, step, rank, run, gen, counts, history, world: int) -> None:
     """This rank's checkpoint (every rank calls it: the HF model's state dict is collective), written atomically
-    and fsynced (lrmoe.integrations.tracking.atomic_write): a crash mid-save leaves the previous one intact."""
+    and fsynced (lrmoe.results.atomic_write): a crash mid-save leaves the previous one intact."""
     path = checkpoint_path(args, step, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"step": step, "architecture": run.architecture, **run.state_dict(), "gen": gen.get_state(),
@@ -429,7 +430,8 @@ def plan_resume(args, world: int) -> None:
     ``args.start_step`` (0, or the step of the checkpoint --resume continues from). ValueError when --resume would
     mix runs (a checkpoint of another run; checkpoints whose results file is missing) or when a fresh run would
     start over an earlier run's checkpoints without --overwrite."""
-    from lrmoe.integrations.tracking import new_run_id, read_results
+    from lrmoe.integrations.tracking import new_run_id
+    from lrmoe.results import read_results
 
     args.start_step = 0
     steps = checkpoint_steps(args)

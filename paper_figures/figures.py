@@ -14,7 +14,7 @@ import pandas as pd
 import seaborn as sns
 
 from lrmoe.systems import canonical
-from lrmoe.integrations.tracking import read_results
+from lrmoe.results import read_results
 
 from lrmoe.paper_figures import style
 

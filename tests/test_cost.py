@@ -588,7 +588,7 @@ def test_the_scoring_figures_are_the_committed_benchmarks():
     """Every (metric, mode) price is the committed bench_scoring run's, read back from the file it cites."""
     from pathlib import Path
 
-    from lrmoe.integrations.tracking import read_results
+    from lrmoe.results import read_results
     from lrmoe.sim import overheads
 
     path = Path(__file__).resolve().parent.parent / "paper_figures" / "results" / "bench_scoring.jsonl"

@@ -154,7 +154,8 @@ def test_headline_says_so_when_nothing_qualifies_or_the_control_wins():
 def test_frontier_script_writes_its_table_figure_and_headline(tmp_path):
     """End to end on a synthetic convergence file and one simulated layer: the results file holds one record per
     system, the per-run table and the headline; the figure comes as PNG and PDF, the report says both scales."""
-    from lrmoe.integrations.tracking import Tracker, read_results
+    from lrmoe.integrations.tracking import Tracker
+    from lrmoe.results import read_results
 
     conv = tmp_path / "convergence.jsonl"
     systems = {p: SYSTEMS[p] for p in ("static-ep", "symi-dropless", "symi-cf1", "lrmoe-rho0.75",
@@ -199,7 +200,8 @@ def test_a_scale_where_a_system_runs_out_of_memory_is_an_error():
 def test_slim_leaves_the_load_statistics_out_of_the_aggregate_only(tmp_path):
     """A finished sweep resumed with --slim trains nothing and writes an aggregate without load/* keys; the per-run
     files keep theirs."""
-    from lrmoe.integrations.tracking import Tracker, read_results
+    from lrmoe.integrations.tracking import Tracker
+    from lrmoe.results import read_results
 
     out = tmp_path / "sweep.jsonl"
     args = ["--policies", "static-ep", "symi-cf1", "--ranks", "2", "--steps", "10", "--seeds", "0", "1",
@@ -225,7 +227,7 @@ def test_protocol_frontier_matches_the_skew_and_decides_the_claims(tmp_path):
     cuts is an error."""
     import json
 
-    from lrmoe.integrations.tracking import read_results
+    from lrmoe.results import read_results
 
     arms = ("static-ep", "symi-dropless", "lrmoe-rho0.75-unbiased", "lrmoe-rho0.75-random-unbiased")
     rng = np.random.default_rng(0)

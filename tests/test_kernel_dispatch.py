@@ -132,7 +132,7 @@ def test_bench_gpu_code_paths_run_on_cpu_interpreted(interp):
 
 @needs_interp
 def test_bench_cpu_part_writes_results_and_summary(interp, tmp_path):
-    from lrmoe.integrations.tracking import read_results
+    from lrmoe.results import read_results
 
     bench = _load_bench()
     out = tmp_path / "bench.jsonl"

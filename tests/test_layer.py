@@ -314,7 +314,7 @@ def _bench_script():
 def test_layer_bench_under_the_fork_launcher(tmp_path):
     from _scripts import load_experiment
 
-    from lrmoe.integrations.tracking import read_results
+    from lrmoe.results import read_results
 
     bench = load_experiment("layer_bench")
     out = tmp_path / "bench.jsonl"

@@ -321,7 +321,7 @@ def test_layer_bench_quick_runs_every_policy_and_reports_the_targets(tmp_path):
     out = tmp_path / "bench.jsonl"
     bench.main(["--ranks", "2", "--tokens-per-rank", "32", "--steps", "2", "--warmup", "0", "--skew-param", "0.8",
                 "--hidden", "32", "--ffn", "16", "--no-wandb", "--out", str(out)])
-    from lrmoe.integrations.tracking import read_results
+    from lrmoe.results import read_results
 
     records = read_results(out)
     policies = {r["policy"] for r in records if r["table"] == "policy"}

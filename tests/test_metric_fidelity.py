@@ -7,7 +7,7 @@ import torch
 from _scripts import load_experiment
 
 from lrmoe.config import model_preset
-from lrmoe.integrations.tracking import read_results
+from lrmoe.results import read_results
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ["qwen3-30b-a3b-debug", "glm-4.5-air-debug"]

@@ -220,7 +220,7 @@ def test_bad_input_raises_value_error_naming_it(call, message):
 def test_metric_fidelity_quick_run(tmp_path):
     """At ρ = 1 the harness must measure no error at all; at ρ = 0.5 on heavy-tailed token gradients the
     gradient-norm metric must beat random in the biased mode (a large, robust effect)."""
-    from lrmoe.integrations.tracking import read_results
+    from lrmoe.results import read_results
 
     fidelity = load_experiment("metric_fidelity")
     out = tmp_path / "fidelity.jsonl"
@@ -237,7 +237,7 @@ def test_metric_fidelity_quick_run(tmp_path):
 
 
 def test_bench_scoring_quick_run(tmp_path):
-    from lrmoe.integrations.tracking import read_results
+    from lrmoe.results import read_results
 
     bench = load_experiment("bench_scoring")
     out = tmp_path / "bench.jsonl"

@@ -166,3 +166,110 @@ def test_a_stage_summary_can_name_its_table_by_section_title():
     report = (reproduce.ROOT / "paper_figures" / "results" / "memory_pressure_regimes.md").read_text()
     table = reproduce.markdown_tables(report, stage.table)
     assert "binds from GB" in table and len(table.splitlines()) > 2
+
+
+WANDB_STAND_IN = textwrap.dedent("""
+    import json, os, sys
+    args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+    out = args["--out"]
+    name = os.path.basename(out).split(".")[0]
+    run_id = f"{name}-{os.getpid()}"
+    with open(out, "w") as f:  # a results file with its run header, as a stage's Tracker writes it
+        f.write(json.dumps({"kind": "run", "run_id": run_id, "name": name}) + "\\n")
+    # the run's local W&B folder, named as W&B names it (WANDB_DIR is the job's folder)
+    os.makedirs(os.path.join(os.environ["WANDB_DIR"], "wandb", f"offline-run-20260101_000000-{run_id}"))
+    os.makedirs(os.path.join(os.path.dirname(out), name), exist_ok=True)  # its work folder
+    open(os.path.join(os.path.dirname(out), name, "ckpt.pt"), "w").write("x")
+    print("| stage |\\n|---|\\n| " + name + " |")
+""")
+
+
+def wandb_stages(tmp_path):
+    script = tmp_path / "stand_in.py"
+    script.write_text(WANDB_STAND_IN)
+    return [reproduce.Stage("first", str(script)), reproduce.Stage("second", str(script))]
+
+
+def run_folders(out, stage):
+    return sorted(p.name for p in (out / "wandb").glob(f"offline-run-*-{stage}-*"))
+
+
+def test_overwrite_refuses_foreign_files_named_like_a_stage_s_outputs_and_removes_nothing(tmp_path, capsys):
+    """Issue 38 (1): a user's trace_stats_v1.jsonl, trace_stats.py and trace_stats/ folder matched the old globs
+    and were deleted; now the job names them and stops, before removing anything."""
+    out = tmp_path / "job"
+    stages = wandb_stages(tmp_path)
+    assert reproduce.main(["--out-dir", str(out), "--only", "first"], stages=stages) == 0
+    theirs = [out / "first_v1.jsonl", out / "first.py", out / "first" / "notes.txt"]
+    for path in theirs:
+        path.write_text("mine")
+    ours = sorted(p for p in out.rglob("*") if p.is_file() and p not in theirs)
+    with pytest.raises(SystemExit) as exc:
+        reproduce.main(["--out-dir", str(out), "--only", "first", "--overwrite"], stages=stages)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "first_v1.jsonl" in err and "not written by it" in err
+    assert all(p.read_text() == "mine" for p in theirs)
+    assert all(p.exists() for p in ours)
+
+
+def test_overwrite_removes_its_own_wandb_runs_by_id_and_keeps_another_project_s(tmp_path):
+    """Issue 38 (1): every wandb/offline-run-* was removed, another project's unsynced run too."""
+    out = tmp_path / "job"
+    stages = wandb_stages(tmp_path)
+    assert reproduce.main(["--out-dir", str(out), "--only", "first"], stages=stages) == 0
+    (old_run,) = run_folders(out, "first")
+    other = out / "wandb" / "offline-run-20250101_000000-someone-else"
+    other.mkdir()
+    (other / "run.wandb").write_text("unsynced")
+    assert reproduce.main(["--out-dir", str(out), "--only", "first", "--overwrite"], stages=stages) == 0
+    assert old_run not in run_folders(out, "first") and len(run_folders(out, "first")) == 1
+    assert (other / "run.wandb").read_text() == "unsynced"
+
+
+def test_only_one_stage_overwrite_keeps_the_other_stages_outputs_and_summary(tmp_path):
+    """Issue 38 (1): ``--only X --overwrite`` removed every stage's W&B runs and SUMMARY.md and redrew none."""
+    out = tmp_path / "job"
+    stages = wandb_stages(tmp_path)
+    assert reproduce.main(["--out-dir", str(out), "--only", "first", "second"], stages=stages) == 0
+    second = [run_folders(out, "second"), (out / "second.jsonl").read_text(), (out / "second.done").read_text()]
+    assert reproduce.main(["--out-dir", str(out), "--only", "first", "--overwrite"], stages=stages) == 0
+    assert [run_folders(out, "second"), (out / "second.jsonl").read_text(),
+            (out / "second.done").read_text()] == second
+    assert (out / "second" / "ckpt.pt").exists()
+    summary = (out / "SUMMARY.md").read_text()
+    assert "## first" in summary and "## second" in summary
+
+
+def test_resume_refuses_a_stage_that_ran_with_other_arguments(tmp_path, capsys):
+    """Issue 38 (3), the main job's part: a completed stage is reused only for the arguments it ran with."""
+    out = tmp_path / "job"
+    stages = wandb_stages(tmp_path)
+    assert reproduce.main(["--out-dir", str(out), "--only", "first"], stages=stages) == 0
+    stages[0].quick = ["--steps", "20"]
+    with pytest.raises(SystemExit) as exc:
+        reproduce.main(["--out-dir", str(out), "--only", "first", "--resume"], stages=stages)
+    assert exc.value.code == 2 and "--steps 20" in capsys.readouterr().err
+
+
+def test_only_with_no_names_is_an_error(tmp_path, capsys):
+    """Issue 38 (17): ``--only`` alone ran the whole job."""
+    with pytest.raises(SystemExit) as exc:
+        reproduce.main(["--out-dir", str(tmp_path / "job"), "--only"], stages=wandb_stages(tmp_path))
+    assert exc.value.code == 2
+    assert not (tmp_path / "job").exists()
+
+
+def test_an_out_dir_that_cannot_be_written_is_an_error(tmp_path, capsys):
+    """Issue 38 (16): a traceback instead of exit 2 (here, under a file; a read-only folder too, where the user is
+    not root)."""
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        reproduce.main(["--out-dir", str(tmp_path / "a_file" / "job")], stages=wandb_stages(tmp_path))
+    assert exc.value.code == 2 and "is a file" in capsys.readouterr().err
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        with pytest.raises(SystemExit) as exc:
+            reproduce.main(["--out-dir", str(locked / "job")], stages=wandb_stages(tmp_path))
+        assert exc.value.code == 2 and "not writable" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from _scripts import load_experiment
 
-from lrmoe.integrations.tracking import read_results
+from lrmoe.results import read_results
 
 ROOT = Path(__file__).resolve().parent.parent
 train = load_experiment("train")

@@ -291,7 +291,7 @@ def _ablate_module():
 
 
 def test_ablation_runner_writes_results_headline_and_figures(tmp_path, capsys):
-    from lrmoe.integrations.tracking import read_results
+    from lrmoe.results import read_results
 
     ablate = _ablate_module()
     out = tmp_path / "ablate.jsonl"

@@ -11,8 +11,9 @@ import textwrap
 import matplotlib.pyplot as plt
 import pytest
 
-from lrmoe.integrations import tracking
-from lrmoe.integrations.tracking import Tracker, atomic_write_text, read_results, wandb_mode
+from lrmoe import results as results_module
+from lrmoe.integrations.tracking import Tracker, wandb_mode
+from lrmoe.results import atomic_write_text, read_results
 
 
 def test_offline_run_results_file_and_no_overwrite(tmp_path, capsys):
@@ -146,7 +147,7 @@ def test_a_crash_during_the_rewrite_loses_nothing(tmp_path, monkeypatch):
     def crash(*_):
         raise KeyboardInterrupt  # the process dies between writing the new file and renaming it
 
-    monkeypatch.setattr(tracking.os, "replace", crash)
+    monkeypatch.setattr(results_module.os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
         Tracker("exp", results=results, resume=True, resume_step=2, wandb=False)
     assert results.read_bytes() == before
@@ -224,3 +225,51 @@ def test_argv_names_paths_relative_to_the_working_folder(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     assert portable_argv([str(tmp_path / "experiments" / "x.py"), "--out", str(tmp_path / "o.jsonl"), "/elsewhere/y",
                           "rel/z"]) == ["experiments/x.py", "--out", "o.jsonl", "/elsewhere/y", "rel/z"]
+
+
+def test_overwrite_refuses_a_results_file_the_script_did_not_write(tmp_path, capsys):
+    """--overwrite replaces only what this script wrote (its manifest, or the run header of an older file)."""
+    import argparse
+
+    from lrmoe.integrations.tracking import add_tracking_args, check_tracking_args
+
+    def check(out, name="exp"):
+        parser = argparse.ArgumentParser()
+        add_tracking_args(parser, "x.jsonl")
+        check_tracking_args(parser, parser.parse_args(["--out", str(out), "--overwrite", "--no-wandb"]), name)
+
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text('{"mine": 1}\n')
+    with pytest.raises(SystemExit) as exc:
+        check(notes)
+    assert exc.value.code == 2 and "not a results file of exp" in capsys.readouterr().err
+    results = tmp_path / "exp.jsonl"
+    with Tracker("exp", results=results, wandb=False) as run:
+        run.log({"x": 1.0})
+    check(results)  # its own: fine
+    with pytest.raises(SystemExit):
+        check(results, name="other")
+
+
+def test_overwrite_removes_the_replaced_run_s_figures_and_wandb_run_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    results = tmp_path / "exp.jsonl"
+    with Tracker("exp", results=results) as run:
+        run.log({"x": 1.0})
+        fig, ax = plt.subplots()
+        old_figure = run.log_figure("old", fig)
+        old_run = run.run_id
+    theirs = tmp_path / "exp_notes.png"
+    theirs.write_text("mine")
+    assert list((tmp_path / "wandb").glob(f"*-{old_run}"))
+    with Tracker("exp", results=results, overwrite=True) as run:
+        run.log({"x": 2.0})
+        new_run = run.run_id
+    assert not any(p.exists() for p in old_figure), "a figure of the replaced run stayed beside the new results"
+    assert not list((tmp_path / "wandb").glob(f"*-{old_run}")) and list((tmp_path / "wandb").glob(f"*-{new_run}"))
+    assert theirs.read_text() == "mine"
+    with pytest.raises(FileExistsError, match="not written by"), Tracker("exp", results=results, overwrite=True,
+                                                                         wandb=False) as run:
+        run.log({"x": 3.0})
+        run.log_figure("notes", plt.subplots()[0])  # would save over the user's exp_notes.png
+    assert theirs.read_text() == "mine"

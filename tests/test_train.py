@@ -173,7 +173,8 @@ def refused(capsys, tmp_path, *argv) -> str:
 
 @pytest.mark.timeout(300)
 def test_resume_continues_only_its_own_run_from_checkpoints_beside_its_results(tmp_path, capsys):
-    from lrmoe.integrations.tracking import Tracker, read_results
+    from lrmoe.integrations.tracking import Tracker
+    from lrmoe.results import read_results
 
     out, ckpt = tmp_path / "a.jsonl", tmp_path / "a.ckpt"
     base = ["--policy", "symi-cf1", "--steps", "3", "--ckpt-every", "1", "--seed", "1"]

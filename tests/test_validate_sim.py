@@ -19,7 +19,7 @@ from lrmoe.harness.calibrate_cpu import (CalibrationSpec, across_ranks, calibrat
 from lrmoe.bytemodel.layout import STEP_PHASES
 from lrmoe.harness import sim_validation as sv
 from lrmoe.sim.cost import cpu_gloo_preset
-from lrmoe.integrations.tracking import read_results
+from lrmoe.results import read_results
 
 ROOT = Path(__file__).resolve().parent.parent
 

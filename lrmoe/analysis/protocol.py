@@ -131,7 +131,7 @@ def collect_run(results, **identity) -> dict:
     (regime, seed, arm, stage), its endpoint, its validation curve, the mean over its evaluations of the routing
     imbalance statistics, and the mean over its steps of the hottest rank's forward and retained backward pairs
     (both ÷ the mean forward pairs) and of the dropped fraction."""
-    from lrmoe.integrations.tracking import read_results
+    from lrmoe.results import read_results
 
     records = {r["step"]: r for r in read_results(results)}  # a resumed step: the later record wins
     rows = [records[s] for s in sorted(records)]

@@ -45,7 +45,7 @@ from lrmoe.bytemodel.layout import PHASES as LAYER_PHASES
 from lrmoe.config import model_preset
 from lrmoe.harness.calibrate_cpu import CLOCKS
 from lrmoe.harness.layer_bench_setup import make_policy, make_traces, memory_model, system_context
-from lrmoe.integrations.tracking import read_results
+from lrmoe.results import read_results
 from lrmoe.runtime.distributed.accounting import expected_layer, expected_step
 from lrmoe.sim.cost import PHASES as MODEL_PHASES
 from lrmoe.sim.cost import CostModel, cpu_gloo_preset

@@ -7,7 +7,8 @@ traces, load statistics, and results files with W&B tracking.
 * :mod:`~lrmoe.integrations.traces`: routing traces recorded from Hugging Face routers or imported from Megatron-Core
   (the trace type, its file and the generator are :mod:`lrmoe.traces`);
 * :mod:`~lrmoe.integrations.load_stats`: per-rank load statistics of a plan, for logs;
-* :mod:`~lrmoe.integrations.tracking`: results files (locked, atomic, resumable) and W&B runs.
+* :mod:`~lrmoe.integrations.tracking`: the Tracker (resumable results files, W&B runs) and the scripts' output
+  flags; the files themselves (atomic writes, locks, readers, manifests) are :mod:`lrmoe.results`.
 
 Shape letters (DESIGN.md §8 has the full glossary): I iterations, L layers, T tokens, K top-k, E experts, N ranks.
 """

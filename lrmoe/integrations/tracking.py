@@ -27,12 +27,16 @@ by its ``step``. ``resume=True`` continues that run from a checkpoint at ``resum
 
 So every reader sees each step once, with the values of the attempt that completed it, and needs no rule of its
 own. ``--resume`` is not a way to add a second run to a file: give that run its own ``--out``.
+
+What a Tracker writes (the results file, its figures, its report, its W&B run) goes into the results file's
+manifest (lrmoe.results.Manifest); ``overwrite=True`` removes what the replaced run recorded there, and
+``--overwrite`` refuses a results file that this script did not write. The file format, its readers and the lock
+live in lrmoe.results, which imports neither W&B nor torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -43,7 +47,10 @@ import time
 import uuid
 from importlib import metadata
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import Any
+
+from lrmoe.results import (FileLock, Manifest, atomic_write_text, complete_lines, parse_lines, read_headers,
+                           read_results)
 
 _PACKAGES = ("torch", "triton", "numpy", "wandb", "lrmoe")
 
@@ -134,60 +141,6 @@ def portable_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
-    """Write ``path`` so that readers see either the old file or the whole new one, never a part, and the new one
-    survives a power cut once this returns: ``write(f)`` fills a temporary file in the same folder, which is fsynced,
-    renamed over ``path``, and the folder fsynced."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """:func:`atomic_write` of ``text`` (UTF-8)."""
-    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (POSIX; a no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _complete_lines(path: Path) -> list[str]:
-    """The lines of a results file that were written completely (each ends with a newline): a run killed while
-    writing a record leaves at most one unterminated last line, which is not a record."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    return [line for line in lines[:-1] if line.strip()]
-
-
-def _parse(path: Path, lines: list[str]) -> list[dict]:
-    records = []
-    for i, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}, line {i}: not a JSON record ({exc})") from None
-    return records
-
-
 def new_run_id(name: str) -> str:
     """A fresh run id: the script's name, the time and a random suffix."""
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -203,31 +156,6 @@ def check_resumable(path: Path, name: str, headers: list[dict], has_lines: bool)
     if has_lines and not headers:
         raise ValueError(f"--resume: {path} holds no run header (no lrmoe script wrote it): give this run its own "
                          f"--out")
-
-
-class _FileLock:
-    """An exclusive lock on a hidden file beside ``path`` (``flock``: the kernel drops it when its holder dies,
-    even by SIGKILL). Two live writers of one results file would interleave their records."""
-
-    def __init__(self, path: Path):
-        self.path = path.with_name(f".{path.name}.lock")
-        self._file = open(self.path, "a")
-        try:
-            import fcntl
-
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # no flock on this platform: no protection, as before
-            pass
-        except OSError as exc:
-            self._file.close()
-            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise RuntimeError(f"results file {path} is being written by another live process (lock "
-                                   f"{self.path}); wait for it or stop it before resuming") from None
-            raise
-
-    def release(self) -> None:
-        if not self._file.closed:
-            self._file.close()  # closing the only descriptor releases the flock
 
 
 class Tracker:
@@ -251,11 +179,14 @@ class Tracker:
                                   f"replace it or resume=True (--resume) to continue the run it holds")
         self.results.parent.mkdir(parents=True, exist_ok=True)
         self.quiet = quiet
-        self._lock = _FileLock(self.results)
+        self._lock = FileLock(self.results)
         self._file = None
+        self._overwrite = overwrite
         self.wandb_run = None
         self.wandb_dir: Path | None = None
         try:
+            self.manifest = Manifest.of(self.results)
+            self._adopt_legacy()
             self.run_id = run_id or new_run_id(name)
             self.attempt = 1
             self.resumed_from_step = None
@@ -276,11 +207,21 @@ class Tracker:
             self.finish()
             raise
 
+    def _adopt_legacy(self) -> None:
+        """A results file of this script written before manifests existed: it and the figures its records name are
+        this script's (its run header says so), so --overwrite may replace them."""
+        if not self.results.is_file() or self.manifest.written(self.results):
+            return
+        headers = read_headers(self.results)
+        if headers and headers[-1].get("name") == self.name:
+            figures = [p for rec in read_results(self.results, "figure") for p in rec.get("paths", [])]
+            self.manifest.add(self.results, *(p for p in figures if Path(p).is_file()), tag=self.name)
+
     # -- resuming -----------------------------------------------------------------------------------------
     def _supersede(self, resume_step: int | None) -> None:
         """Continue the file's run: rewrite it (atomically) without the records past ``resume_step``."""
-        lines = _complete_lines(self.results)
-        records = _parse(self.results, lines)
+        lines = complete_lines(self.results)
+        records = parse_lines(self.results, lines)
         headers = [r for r in records if r.get("kind") == "run"]
         check_resumable(self.results, self.name, headers, bool(records))
         if headers:
@@ -296,7 +237,7 @@ class Tracker:
             return (rec.get("kind") == "record" and resume_step is not None and isinstance(step, (int, float))
                     and step <= resume_step)
 
-        keep = [line for line, rec in zip(lines, records) if kept(rec)]
+        keep = [line for (_, line), rec in zip(lines, records) if kept(rec)]
         steps = [r["step"] for r in records if r.get("kind") == "record" and isinstance(r.get("step"), (int, float))]
         self._wandb_logged_to = int(max(steps)) if steps and self.attempt > 1 else -1
         self.resumed_from_step = resume_step
@@ -327,6 +268,7 @@ class Tracker:
             run_folder = Path(where).parent if where else self.wandb_dir
             print(f"W&B: offline ({why}); run saved in {run_folder}; upload it with `wandb sync {run_folder}`",
                   flush=True)
+        self.manifest.add_wandb_run(self.run_id, self.wandb_dir / "wandb", tag=self.name)
 
     def _wandb_log(self, values: dict, step: int) -> None:
         if self.wandb_run is not None and values and step > self._wandb_logged_to:
@@ -336,7 +278,10 @@ class Tracker:
     def _write(self, record: dict) -> None:
         if self._file is None:  # the first record: the file (and its run header) is written only now, so a run
             # that fails before it has anything to say leaves no header-only file behind (nor replaces the old one)
+            if self._overwrite:  # what the replaced run wrote goes with it (its figures, report, W&B runs)
+                self.manifest.remove(keep_wandb=[self.run_id])
             self._file = open(self.results, self._mode, encoding="utf-8")
+            self.manifest.add(self.results, tag=self.name)
             header, self._header = self._header, None
             self._write(header)
         self._file.write(json.dumps(_jsonable(record), sort_keys=False) + "\n")
@@ -373,6 +318,10 @@ class Tracker:
         """Save a matplotlib figure as PNG and PDF beside the results file, and log the PNG to W&B."""
         stem = self.results.with_name(f"{self.results.stem}_{name}")
         paths = [stem.with_suffix(".png"), stem.with_suffix(".pdf")]
+        if foreign := self.manifest.foreign(paths):
+            raise FileExistsError(f"figure {foreign[0]} exists and was not written by this script's runs of "
+                                  f"{self.results}; move it away")
+        self.manifest.add(*paths, tag=self.name)
         for path in paths:
             fig.savefig(path, dpi=150, bbox_inches="tight")
         self._write({"kind": "figure", "run_id": self.run_id, "name": name, "paths": [str(p) for p in paths]})
@@ -398,16 +347,6 @@ class Tracker:
 
     def __exit__(self, *exc) -> None:
         self.finish()
-
-
-def read_results(path: str | os.PathLike, kind: str = "record") -> list[dict]:
-    """The records of one kind ("run", "record", "summary", "figure") from a results file, in file order.
-
-    A resumed run has already superseded the records of its killed attempt (see the module docstring), so each
-    step appears once; a run still being written (or killed while writing) may end in an unterminated line,
-    which is skipped."""
-    path = Path(path)
-    return [rec for rec in _parse(path, _complete_lines(path)) if rec.get("kind") == kind]
 
 
 def add_tracking_args(parser, default_results: str) -> None:
@@ -459,7 +398,7 @@ def report_problem(results: str | os.PathLike, replace: bool, name: str) -> str 
             ours = f.readline().startswith(_REPORT_MARK)
         if not ours and results.is_file():
             try:
-                headers = [r for r in _parse(results, _complete_lines(results)) if r.get("kind") == "run"]
+                headers = [r for r in parse_lines(results, complete_lines(results)) if r.get("kind") == "run"]
             except ValueError:  # not a results file
                 headers = []
             ours = bool(headers) and headers[-1].get("name") == name
@@ -474,8 +413,25 @@ def report_problem(results: str | os.PathLike, replace: bool, name: str) -> str 
 def write_report(results: str | os.PathLike, text: str) -> Path:
     """Write the Markdown report of ``results`` (atomically, marked as a report of that file); its path."""
     report = report_path(results)
+    Manifest.of(results).add(report)
     atomic_write_text(report, f"{_REPORT_MARK}{Path(results).name} -->\n{text}")
     return report
+
+
+def foreign_results(out: Path, name: str) -> str | None:
+    """Why ``--overwrite`` may not replace ``out``: neither its manifest nor its run header says script ``name``
+    wrote it (None: it may)."""
+    try:
+        if Manifest.of(out).tag_of(out) == name:
+            return None
+    except ValueError as exc:
+        return str(exc)
+    headers = read_headers(out)
+    if headers and headers[-1].get("name") == name:
+        return None
+    whose = f"a run of {headers[-1].get('name')!r}" if headers else "no run of any lrmoe script"
+    return (f"--overwrite: {out} holds {whose}, not a results file of {name}: --overwrite replaces only what "
+            f"this script wrote; choose another --out")
 
 
 def check_tracking_args(parser, args, name: str, outputs: dict[str, Any] | None = None, report: bool = False) -> None:
@@ -494,15 +450,17 @@ def check_tracking_args(parser, args, name: str, outputs: dict[str, Any] | None 
                          f"it holds")
         if problem := output_problem("--out", out, replace=True):
             parser.error(problem)
+        if args.overwrite and out.is_file() and (problem := foreign_results(out, name)):
+            parser.error(problem)
         if args.resume and out.is_file():
             try:
-                records = _parse(out, _complete_lines(out))
+                records = parse_lines(out, complete_lines(out))
                 check_resumable(out, name, [r for r in records if r.get("kind") == "run"], bool(records))
             except ValueError as exc:
                 parser.error(str(exc))
         if out.parent.is_dir():
             try:
-                _FileLock(out).release()
+                FileLock(out).release()
             except (RuntimeError, OSError) as exc:
                 parser.error(str(exc))
     for flag, path in (outputs or {}).items():
