@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from .amp import amp_backward, amp_forward
 from .dispatch import acc_dtype, choose_backend
 
 SECTIONS = ("rows", "carry")
@@ -271,6 +272,7 @@ class _Pack(torch.autograd.Function):
     """Forward: pack. Backward: the unpack of the packed gradient onto the rows (and carry rows)."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx, rows_XD, carry_YD, plan: CompactPlan, backend: str):
         ctx.plan, ctx.backend = plan, backend
         ctx.shapes = (rows_XD.shape[0], None if carry_YD is None else carry_YD.shape[0])
@@ -283,6 +285,7 @@ class _Pack(torch.autograd.Function):
         return packed_MD
 
     @staticmethod
+    @amp_backward
     @once_differentiable
     def backward(ctx, grad_MD):
         plan, backend = ctx.plan, ctx.backend
@@ -300,6 +303,7 @@ class _Unpack(torch.autograd.Function):
     weights) into that section, and the weights' gradient as row dot products."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx, packed_MD, weight_P, plan: CompactPlan, section: str, num_rows: int, backend: str):
         ctx.plan, ctx.section, ctx.backend = plan, section, backend
         packed_MD = packed_MD.contiguous()
@@ -312,6 +316,7 @@ class _Unpack(torch.autograd.Function):
         return _gather_reduce(packed_MD, pos_XK, w_XK, packed_MD.dtype, backend)
 
     @staticmethod
+    @amp_backward
     @once_differentiable
     def backward(ctx, grad_XD):
         packed_MD, weight_P = ctx.saved_tensors

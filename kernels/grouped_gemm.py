@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .amp import amp_backward, amp_forward
 from .dispatch import choose_backend
 
 
@@ -110,12 +111,14 @@ class GroupedMM(torch.autograd.Function):
     """``y = grouped_mm(x, w, offs)``; backward dX = grouped_mm(dY, w^T, offs), dW_e = X_e^T dY_e."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx, x_MK, w_EKN, offs_E, backend: str):
         ctx.save_for_backward(x_MK, w_EKN, offs_E)
         ctx.backend = backend
         return _mm(x_MK, w_EKN, offs_E, backend)
 
     @staticmethod
+    @amp_backward
     @once_differentiable
     def backward(ctx, dy_MN):
         x_MK, w_EKN, offs_E = ctx.saved_tensors

@@ -51,6 +51,7 @@ from torch.autograd.function import once_differentiable
 
 from lrmoe.runtime.dispatch import Dispatch, TokenDispatcher
 from lrmoe.runtime.expert_compute import Activations, SwiGLUExperts, slot_offsets
+from lrmoe.kernels.amp import amp_backward, amp_forward, autocast_dtype
 from lrmoe.kernels.compact import CompactPlan, compact_plan, pack, unpack
 from lrmoe.bytemodel.layout import CARRY, MOVED, STAY, backward_counts, pair_matrix_NN, plan_selects, receive_layout
 from lrmoe.recal.scoring import PairParts, get_metric
@@ -410,22 +411,38 @@ class ExpertExchange:
 
 
 class _Exchange(torch.autograd.Function):
-    """x_TD, slots_SW → o_MD (see the module doc). The backward is :meth:`ExpertExchange.backward`."""
+    """x_TD, slots_SW → o_MD (see the module doc). The backward is :meth:`ExpertExchange.backward`.
+
+    Under autocast (bf16 mixed precision) the exchange computes in the autocast dtype, as autocast's matmuls do:
+    the tokens and the slots' weights are cast to it, the all-to-alls and the grouped GEMMs run in it with autocast
+    off (one dtype throughout), and o_MD comes back in x_TD's dtype, so the weighted combine runs in the model's
+    dtype (HF's experts accumulate into an fp32 buffer the same way). The gradients return in the inputs' dtypes:
+    fp32 slots keep fp32 gradients for the replica store's fp32 master step (DESIGN.md §3.5)."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx, x_TD: Tensor, slots_SW: Tensor, state: ExpertExchange):
-        o_MD, saved = state.forward(x_TD, slots_SW)
+        ctx.dtypes = (x_TD.dtype, slots_SW.dtype)
+        low = autocast_dtype(x_TD)
+        if low is not None:
+            x_TD, slots_SW = x_TD.to(low), slots_SW.to(low)
+        with torch.autocast(x_TD.device.type, enabled=False):
+            o_MD, saved = state.forward(x_TD, slots_SW)
         ctx.state = state
         ctx.save_for_backward(x_TD, slots_SW, *saved.act, saved.h_norm_M, saved.o_MD)
-        return o_MD
+        return o_MD.to(ctx.dtypes[0])
 
     @staticmethod
+    @amp_backward
     @once_differentiable
     def backward(ctx, grad_o_MD: Tensor):
         x_TD, slots_SW, x_MD, gate_MF, up_MF, h_MF, h_norm_M, o_MD = ctx.saved_tensors
         saved = Saved(x_TD, slots_SW, Activations(x_MD, gate_MF, up_MF, h_MF), h_norm_M, o_MD)
-        dx_TD, d_slots = ctx.state.backward(grad_o_MD.contiguous(), saved, ctx.needs_input_grad[0])
-        return dx_TD, d_slots, None
+        with torch.autocast(x_TD.device.type, enabled=False):
+            dx_TD, d_slots = ctx.state.backward(grad_o_MD.to(x_TD.dtype).contiguous(), saved,
+                                                ctx.needs_input_grad[0])
+        x_dtype, slots_dtype = ctx.dtypes
+        return None if dx_TD is None else dx_TD.to(x_dtype), d_slots.to(slots_dtype), None
 
 
 def expert_exchange(x_TD: Tensor, slots_SW: Tensor, state: ExpertExchange) -> Tensor:

@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lrmoe.kernels.amp import amp_backward, amp_forward
+
 
 def _check_splits(name: str, splits: list[int], world_size: int) -> list[int]:
     splits = [int(s) for s in splits]
@@ -41,11 +43,13 @@ class _AllToAllRows(torch.autograd.Function):
     """Rows ``in_splits[r]`` of the input go to rank r; rows ``out_splits[r]`` arrive from rank r, in rank order."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx, x_MD, in_splits, out_splits, group, on_backward):
         ctx.in_splits, ctx.out_splits, ctx.group, ctx.on_backward = in_splits, out_splits, group, on_backward
         return _a2a(x_MD, in_splits, out_splits, group)
 
     @staticmethod
+    @amp_backward
     def backward(ctx, grad_RD):
         if ctx.on_backward is not None:
             ctx.on_backward("start")
