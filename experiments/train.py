@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lrmoe.config import MoEConfig, cluster_preset, model_preset
+from lrmoe.config import MoEConfig, cluster_preset, full_scale_preset, model_preset
 from lrmoe.harness.rss import peak_bytes, reset_peak
 from lrmoe.integrations.data import get_batch, load_corpus
 from lrmoe.runtime.clip import clip_grad_norm_
@@ -75,6 +75,7 @@ from lrmoe.traces.trace import Trace
 
 DEFAULT_PRESET = "qwen3-30b-a3b-debug"
 HF_CONFIGS = {"qwen3": "qwen3-30b-a3b-debug", "glm": "glm-4.5-air-debug"}  # --hf-config shorthands
+ENGINES = ("distributed", "emulated")  # --engine: how the ranks run (the same worker either way)
 
 
 def system_context(args, cfg, world: int) -> SystemContext:
@@ -277,13 +278,13 @@ def build(args, world: int, device: torch.device):
     run = (HFModel if args.hf_config else NativeModel)(args, cfg, world, device)
     cost = None
     if args.cost_model:
-        # modelled time: this run's plans priced as if every pair were a full-size pair of the model family
-        # (the preset without "-debug", with this run's experts and top-k) on a node of the cluster preset
+        # modelled time: this run's plans priced as if every pair were a full-size pair of the model family (the
+        # paper-scale preset the debug one scales down, with this run's experts and top-k) on a node of the cluster
+        # preset
         from lrmoe.sim.cost import CostModel
         from lrmoe.sim.systems import cost_options
 
-        full = model_preset(args.preset.removesuffix("-debug")).replace(num_experts=cfg.num_experts,
-                                                                          top_k=cfg.top_k)
+        full = full_scale_preset(args.preset).replace(num_experts=cfg.num_experts, top_k=cfg.top_k)
         cluster = cluster_preset(args.cost_model).replace(num_ranks=world, ranks_per_node=world)
         cost = CostModel(full, cluster, **cost_options(get_system(args.policy)))  # priced as the system's entry says
     return cfg, run, cost
@@ -550,6 +551,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", default="lrmoe", type=system_arg, help=system_names_help())
     parser.add_argument("--ranks", type=int, default=4, help="ranks of the fork launcher")
     parser.add_argument("--torchrun", action="store_true", help="run under torchrun (one process per rank)")
+    parser.add_argument("--engine", choices=ENGINES, default="distributed",
+                        help="'distributed': one process per rank (the fork launcher, gloo), the reference for "
+                             "exactness and time; 'emulated': the --ranks ranks as threads of this process taking "
+                             "turns, every exchange a local gather (lrmoe.runtime.inprocess), the same code")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=64)
@@ -626,6 +631,9 @@ def parse_args(argv=None):
         args.ckpt_dir = str(Path(args.out).with_suffix(".ckpt")) if args.out else None
     if args.resume and not args.out:
         parser.error("--resume continues the run of a results file: name it with --out")
+    if args.engine == "emulated" and (args.torchrun or args.hf_config):
+        parser.error(f"--engine emulated runs lrmoe's own transformer on the fork launcher's --ranks: drop "
+                     f"{'--torchrun' if args.torchrun else '--hf-config'}")
     return args
 
 
@@ -643,7 +651,7 @@ def check_args(args) -> None:
         cfg = model_preset(args.preset)
         if args.cost_model:
             cluster_preset(args.cost_model)
-            model_preset(args.preset.removesuffix("-debug"))
+            full_scale_preset(args.preset)
         check_systems([args.policy], system_context(args, cfg, world))
         if args.hf_config:
             from lrmoe.integrations.hf import hf_config  # imports transformers here, once, before the ranks fork
@@ -677,10 +685,14 @@ def main(argv=None) -> list[dict]:
         history = worker(info.rank, args)
         dist.destroy_process_group()
         return history
-    from lrmoe.runtime.distributed.launch import launch
-
     if args.overwrite:
         remove_checkpoints(args)
+    if args.engine == "emulated":  # the same worker on in-process ranks (lrmoe.runtime.inprocess)
+        from lrmoe.runtime.inprocess import launch_inprocess
+
+        return launch_inprocess(worker, args.ranks, args, timeout_s=args.timeout)[0]
+    from lrmoe.runtime.distributed.launch import launch
+
     # Read the corpus and import what the ranks' optimizers import, once, here: the forked ranks inherit both (a
     # process reads a corpus once) instead of spending seconds on each.
     load_corpus(args.data, max_bytes=args.max_bytes)

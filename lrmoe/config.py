@@ -215,7 +215,16 @@ _MODELS = {
         name="glm-4.5-air-debug", hidden=64, expert_ffn=32, num_experts=16, top_k=4, router="sigmoid_bias",
         num_layers=3, first_dense_layers=1, dense_ffn=128, num_shared_experts=1, shared_ffn=32,
         num_heads=4, num_kv_heads=2, vocab_size=256, seq_len=128, dtype="float32"),
+    # Qwen3-30B-A3B's routing shape (its 128 experts, top-8; the time axis's 16 ranks) on the debug model's small
+    # dimensions, for the emulated engine (docs/emulated.md: the pilot that chose them).
+    "qwen3-30b-a3b-routing-debug": MoEConfig(
+        name="qwen3-30b-a3b-routing-debug", hidden=64, expert_ffn=32, num_experts=128, top_k=8,
+        router="softmax_topk", num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=256, seq_len=128,
+        dtype="float32"),
 }
+# The paper-scale preset each debug preset scales down (what a training run's modelled time prices it as).
+_FULL_SCALE = {"qwen3-30b-a3b-debug": "qwen3-30b-a3b", "glm-4.5-air-debug": "glm-4.5-air",
+               "qwen3-30b-a3b-routing-debug": "qwen3-30b-a3b"}
 
 # --- cluster presets -----------------------------------------------------------------------------------------
 _CLUSTERS = {
@@ -247,6 +256,11 @@ def model_preset(name: str) -> MoEConfig:
         return _MODELS[name]
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; known: {sorted(_MODELS)}") from None
+
+
+def full_scale_preset(name: str) -> MoEConfig:
+    """The paper-scale model preset that preset ``name`` scales down (itself when it is one)."""
+    return model_preset(_FULL_SCALE.get(name, name))
 
 
 def cluster_preset(name: str, num_nodes: int | None = None) -> ClusterConfig:

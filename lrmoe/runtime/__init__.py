@@ -9,7 +9,9 @@
 * :mod:`~lrmoe.runtime.clip`: gradient clipping by the global norm over the dense parameters and the experts;
 * :mod:`~lrmoe.runtime.reference`: the dense single-process reference every test compares against;
 * :mod:`~lrmoe.runtime.distributed`: all-to-all and point-to-point, the launcher, the replica substrate, the
-  accountant.
+  accountant;
+* :mod:`~lrmoe.runtime.inprocess`: the emulated engine: the ranks as turn-taking threads of one process, on an
+  in-process ``torch.distributed`` backend that gives gloo's results bit for bit (the same code runs on it).
 
 Shape letters (DESIGN.md §8 has the full glossary): T tokens of a rank, K top-k, P = T·K pairs, D hidden width,
 F expert FFN width, E experts, N ranks, S slots per rank, G = N·S global slots, M pair rows at home in packed order,

@@ -1,0 +1,211 @@
+"""The emulated engine (lrmoe.runtime.inprocess): its process group gives what gloo gives, bit for bit (the ring
+all-reduce's summation order included), it fails fast instead of hanging, and train.py's --engine emulated trains
+the same losses and weights as the distributed runtime (fork launcher, gloo) on the same seed and data."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from _scripts import load_experiment
+
+from lrmoe.integrations.traces import load_trace
+from lrmoe.runtime.distributed.comm import all_gather_rows, all_to_all_rows, exchange_rows
+from lrmoe.runtime.distributed.launch import LaunchError, launch
+from lrmoe.runtime.inprocess import launch_inprocess
+from lrmoe.runtime.inprocess.group import ring_chunk
+
+train = load_experiment("train")
+pytestmark = [pytest.mark.timeout(900)]
+
+# the arms of DESIGN.md §10.2 / §10.6 the check covers: the references, LRMoE m2 unbiased, random 1/p, SYMI's random
+# trim (all at rho 0.75), cap mode and early selection
+ARMS = ("static-ep", "symi-dropless", "lrmoe-rho0.75-unbiased", "lrmoe-rho0.75-random-unbiased",
+        "symi-dropless-rho0.75", "lrmoe", "lrmoe-rho0.75-early-unbiased")
+
+
+# -- the process group against gloo -----------------------------------------------------------------------------------
+def _collectives(rank: int, sizes: list[int]) -> list:
+    """Every collective the runtime uses, on data that makes the summation order visible."""
+    N = dist.get_world_size()
+    out = []
+    for n in sizes:
+        g = torch.Generator().manual_seed(1000 * n + rank)
+        scale = torch.logspace(-8, 8, n, dtype=torch.float64)[torch.randperm(n, generator=g)]
+        for dtype in (torch.float32, torch.float64):
+            x = (torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dtype)
+            dist.all_reduce(x)
+            out.append(x)
+    m = torch.tensor([float(rank), -float(rank)])
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    out.append(m)
+    out.append(all_gather_rows(torch.tensor([rank, 7 * rank])))
+    send = [(rank + r) % 3 for r in range(N)]  # uneven, some zero
+    recv = [(q + rank) % 3 for q in range(N)]
+    out.append(all_to_all_rows(torch.arange(sum(send) * 2, dtype=torch.float32).view(-1, 2) + 100 * rank, send, recv))
+    got = exchange_rows({p: torch.full((p + 1,), float(rank)) for p in range(N) if p != rank and p != 1},
+                        {q: rank + 1 for q in range(N) if q != rank and rank != 1}, torch.float32,
+                        torch.device("cpu"))
+    out.append(sorted((q, t.tolist()) for q, t in got.items()))
+    pair = dist.new_group([0, N - 1])
+    z = torch.tensor([1.0 + rank])
+    if rank in (0, N - 1):
+        dist.all_reduce(z, group=pair)
+    out.append(z)
+    b = torch.tensor([float(rank)])
+    dist.broadcast(b, src=N - 1)
+    dist.barrier()
+    out.append(b)
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_every_collective_matches_gloo_bit_for_bit(ranks):
+    # 600,001 float64 elements over 2 ranks make 6 ring segments of at most 1 MiB, not the minimum 4: the chunk
+    # boundary moves (300,003, not 300,002), and with it which rank's value a sum starts from
+    sizes = [1, 5, 1001, 600_001] if ranks == 2 else [1, 7, 1001]
+    assert ring_chunk(600_001, 8, 2) == 300_003
+    emulated = launch_inprocess(_collectives, ranks, sizes, timeout_s=120)
+    distributed = launch(_collectives, ranks, sizes, timeout_s=120)
+    for rank, (a, b) in enumerate(zip(emulated, distributed)):
+        for x, y in zip(a, b):
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype and torch.equal(x, y), (rank, x, y)
+            else:
+                assert x == y, (rank, x, y)
+    assert not dist.is_initialized()  # the caller's world is untouched
+
+
+def _default_world(rank: int):
+    return dist.get_rank(), dist.get_world_size(), dist.get_backend(), torch.rand(1).item()
+
+
+def test_each_rank_has_its_own_world_and_random_generator():
+    torch.manual_seed(3)
+    expected = torch.rand(1).item()
+    torch.manual_seed(3)
+    got = launch_inprocess(_default_world, 4)
+    assert [g[:3] for g in got] == [(r, 4, "inprocess") for r in range(4)]
+    assert all(g[3] == expected for g in got)  # every rank starts from the caller's generator, as a fork does
+
+
+def _fails_on_rank_2(rank: int):
+    if rank == 2:
+        raise KeyError("rank 2's own error")
+    dist.barrier()
+    return rank
+
+
+def _skips_a_collective(rank: int):
+    if rank != 1:
+        dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def test_a_failing_rank_and_a_deadlock_raise_at_once_and_the_next_launch_runs():
+    with pytest.raises(LaunchError, match="rank 2's own error"):
+        launch_inprocess(_fails_on_rank_2, 4, timeout_s=60)
+    with pytest.raises(LaunchError, match="deadlock"):
+        launch_inprocess(_skips_a_collective, 3, timeout_s=60)
+    assert not dist.is_initialized()
+    assert [g[0] for g in launch_inprocess(_default_world, 2)] == [0, 1]
+    assert launch(_default_world, 2, timeout_s=60)[1][:2] == (1, 2)  # the fork launcher is unaffected
+
+
+# -- train.py: the engines against each other -------------------------------------------------------------------------
+def _run(tmp, engine: str, policy: str, steps: int, ranks: int = 4, preset: str = "qwen3-30b-a3b-debug",
+         extra_slots: int = 1, batch: int = 4, seq_len: int = 64, eval_batches: int = 2):
+    """One train.py run at the protocol's settings (DESIGN.md §10.2: cosine with warm-up, aux 0.1, ε 0.1, 1 spare
+    slot per 4 home slots), its per-step records and its checkpoints (every rank's state at the last step)."""
+    out = tmp / f"{engine}-{policy}.jsonl"
+    history = train.main(["--preset", preset, "--policy", policy, "--engine", engine, "--ranks", str(ranks),
+                          "--steps", str(steps), "--batch", str(batch), "--seq-len", str(seq_len),
+                          "--eval-every", str(steps), "--eval-batches", str(eval_batches), "--lr-schedule", "cosine",
+                          "--warmup", str(min(10, steps - 1)), "--aux-coef", "0.1", "--extra-slots", str(extra_slots),
+                          "--eps", "0.1", "--seed", "1000", "--ckpt-every", str(steps), "--out", str(out),
+                          "--trace-out", str(tmp / f"{engine}-{policy}.npz"), "--max-bytes", "400000",
+                          "--no-wandb", "--quiet", "--timeout", "1800"])
+    states = [train.read_checkpoint(train.checkpoint_path(train.parse_args(["--out", str(out)]), steps, r))
+              for r in range(ranks)]
+    return history, states
+
+
+def _tensors(state, prefix=""):
+    """Every tensor of a checkpoint, by its path (weights, optimizer moments, routing counts)."""
+    if isinstance(state, torch.Tensor):
+        yield prefix, state
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            yield from _tensors(v, f"{prefix}/{k}")
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            yield from _tensors(v, f"{prefix}/{i}")
+
+
+def assert_same_run(a, b, rel=1e-5):
+    """Losses, validation losses and every weight and optimizer state within ``rel`` (relative to the tensor's
+    largest entry), the routing and the plans' records equal."""
+    (hist_a, states_a), (hist_b, states_b) = a, b
+    assert len(hist_a) == len(hist_b)
+    for ra, rb in zip(hist_a, hist_b):
+        for key in ("loss", "val_loss"):
+            if key in ra or key in rb:
+                assert math.isclose(ra[key], rb[key], rel_tol=rel), (ra["step"], key, ra[key], rb[key])
+        for key in ("dropped_frac", "fwd_pairs_max", "bwd_pairs_max", "bwd_pairs_mean"):
+            assert math.isclose(ra[key], rb[key], rel_tol=rel, abs_tol=1e-9), (ra["step"], key)
+    for rank, (sa, sb) in enumerate(zip(states_a, states_b)):
+        ta, tb = dict(_tensors({k: v for k, v in sa.items() if k != "run"})), \
+            dict(_tensors({k: v for k, v in sb.items() if k != "run"}))
+        assert ta.keys() == tb.keys()
+        assert any("slots_SW" in k for k in ta) and any("master_EW" in k for k in ta)
+        for key, x in ta.items():
+            y = tb[key]
+            if not x.is_floating_point():
+                assert torch.equal(x, y), (rank, key)
+                continue
+            if x.numel():
+                assert float((x - y).abs().max()) <= rel * max(float(y.abs().max()), 1e-30), (rank, key)
+
+
+@pytest.mark.script
+@pytest.mark.parametrize("policy", ["lrmoe-rho0.75-random-unbiased", "lrmoe-rho0.75-early-unbiased"])
+def test_emulated_training_equals_the_distributed_runtime_over_a_few_steps(tmp_path, policy):
+    """The fast check of the slow one below: one arm that samples with 1/p (random stream, replicas, quotas) and
+    early selection, 3 steps at 4 ranks: the same losses and weights."""
+    assert_same_run(_run(tmp_path, "emulated", policy, 3), _run(tmp_path, "distributed", policy, 3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ARMS)
+def test_emulated_training_equals_the_distributed_runtime_over_20_steps(tmp_path, policy):
+    emulated = _run(tmp_path, "emulated", policy, 20)
+    assert_same_run(emulated, _run(tmp_path, "distributed", policy, 20))
+    assert torch.equal(load_trace(tmp_path / f"emulated-{policy}.npz").counts_ILNE,
+                       load_trace(tmp_path / f"distributed-{policy}.npz").counts_ILNE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["static-ep", "lrmoe-rho0.75-unbiased", "lrmoe"])
+def test_emulated_training_at_qwen3s_routing_shape_equals_16_gloo_ranks(tmp_path, policy):
+    """128 experts, top-8, 16 ranks (2 spare slots per 8 home slots, the regime's share), 3 steps."""
+    kw = dict(ranks=16, preset="qwen3-30b-a3b-routing-debug", extra_slots=2, batch=2, seq_len=64, eval_batches=1)
+    assert_same_run(_run(tmp_path, "emulated", policy, 3, **kw), _run(tmp_path, "distributed", policy, 3, **kw))
+
+
+@pytest.mark.script
+def test_an_emulated_run_at_qwen3s_routing_shape_records_every_layers_counts(tmp_path):
+    history, _ = _run(tmp_path, "emulated", "lrmoe-rho0.75-unbiased", 2, ranks=16,
+                      preset="qwen3-30b-a3b-routing-debug", extra_slots=2, batch=1, seq_len=16, eval_batches=1)
+    trace = load_trace(tmp_path / "emulated-lrmoe-rho0.75-unbiased.npz")
+    assert trace.counts_ILNE.shape == (2, 2, 16, 128)  # steps, layers, ranks, experts
+    assert (trace.counts_ILNE.sum(dim=(2, 3)) == 16 * 1 * 16 * 8).all()  # ranks × batch × seq × top-k
+    assert trace.meta["model"] == "qwen3-30b-a3b-routing-debug" and len(history) == 2
+
+
+def test_bad_engine_arguments_are_refused_before_any_rank_starts(capsys):
+    for argv in (["--engine", "emulated", "--torchrun"], ["--engine", "emulated", "--hf-config", "qwen3"],
+                 ["--engine", "threads"]):
+        with pytest.raises(SystemExit) as exc:
+            train.parse_args(argv)
+        assert exc.value.code == 2
+    assert "--engine" in capsys.readouterr().err
