@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from _scripts import load_experiment
 
-from lrmoe.integrations.traces import load_trace
+from lrmoe.traces.trace import load_trace
 from lrmoe.runtime.distributed.comm import all_gather_rows, all_to_all_rows, exchange_rows
 from lrmoe.runtime.distributed.launch import LaunchError, launch
 from lrmoe.runtime.inprocess import launch_inprocess
