@@ -139,9 +139,21 @@ class Online:
         counts_NE = check_counts(counts_NE)
         N, E = counts_NE.shape
         self._check_ranks(E, N)
-        home_NS = home_placement(E, N, self.spare_slots)
+        return self.plan_on(counts_NE, home_placement(E, N, self.spare_slots))
+
+    def plan_on(self, counts_NE: Tensor, placement_NS: Tensor, next_placement_NS: Tensor | None = None) -> LayerPlan:
+        """This forward's plan on the base placement the slots hold (:meth:`placement`, the home layout with empty
+        spare slots), which is also the next iteration's: the replicas come from this forward's counts."""
+        counts_NE = check_counts(counts_NE)
+        N, E = counts_NE.shape
+        self._check_ranks(E, N)
+        home_NS = placement_NS
+        if tuple(home_NS.shape) != (N, E // N + self.spare_slots):
+            raise ValueError(f"online replication plans on its home placement [{N}, {E // N + self.spare_slots}], "
+                             f"got shape {tuple(home_NS.shape)}")
         placement_NS = online_replicas(counts_NE.sum(0), N, self.spare_slots, self.ranks_per_node,
                                        self.push_cost_rows)
         fwd_NG = forward_on(counts_NE, replica_table(placement_NS, E), self.forward, self.balance_iters)
-        return LayerPlan.dropless(placement_NS, fwd_NG, E, policy=self.name, next_placement_NS=home_NS,
+        nxt = home_NS if next_placement_NS is None else next_placement_NS
+        return LayerPlan.dropless(placement_NS, fwd_NG, E, policy=self.name, next_placement_NS=nxt,
                                   push_src_G=push_sources(placement_NS, home_NS))

@@ -309,3 +309,16 @@ class PlacingPolicy(Policy, Protocol):
 
     def placement(self, popularity_E: Tensor, num_ranks: int, total_pairs: int) -> Tensor: ...
 
+
+
+@runtime_checkable
+class SplitPolicy(PlacingPolicy, Protocol):
+    """A :class:`PlacingPolicy` whose plan splits into its placement, from the previous iteration's counts (off the
+    critical path: :mod:`lrmoe.runtime.placement_ahead`), and ``plan_on``, what needs this iteration's counts.
+
+    ``plan(counts_NE, prev)`` equals ``plan_on(counts_NE, placement(popularity(prev), N, total),
+    placement(counts_NE.sum(0), N, total))`` exactly (total = counts_NE.sum()); ``next_placement_NS`` None leaves the
+    plan's next placement unfilled (the caller computes it itself)."""
+
+    def plan_on(self, counts_NE: Tensor, placement_NS: Tensor,
+                next_placement_NS: Tensor | None = None) -> LayerPlan: ...

@@ -8,6 +8,12 @@ iteration (from prev_counts_E) and for the next one (from this iteration's globa
 the plan carries ``next_placement_NS`` and nobody plans again to learn where the weights go. Pure: no
 ``torch.distributed``, the same counts give the same plan on every rank.
 
+``plan`` is ``plan_on(counts_NE, placement_NS, next_placement_NS)`` after the two placements: ``plan_on`` is the
+part that needs this iteration's counts (forward routing over the replicas, capacities, caps, quotas, backward
+routing), the critical path between the counts all-gather and the dispatch; the placements need only the previous
+iteration's counts, so the layer computes them while an iteration runs (:mod:`lrmoe.runtime.placement_ahead`)
+and calls ``plan_on`` alone: the same plan, bit for bit, but its ``next_placement_NS`` (DESIGN.md §4).
+
 * :class:`StaticEP`  expert parallelism, one replica per expert at home, dropless.
 * :class:`Capacity`  static placement with GShard/DeepSpeed capacity ceil(cf · tokens · k / E); overflow dropped.
 * :class:`Symi`      SYMI (DESIGN.md §3): Algorithm 1 placement, even split; SYMI-cf1 drops, SYMI-dropless not.
@@ -40,8 +46,8 @@ QUOTA_MODES = ("budget", "cap")
 DEFAULT_EPS = 0.1  # LRMoE's balance slack when none is given
 
 
-def _check_prev(prev_counts_E: Tensor | None, num_experts: int) -> Tensor:
-    """The popularity used for placement: prev_counts_E validated, or uniform when absent."""
+def placement_popularity(prev_counts_E: Tensor | None, num_experts: int) -> Tensor:
+    """The popularity a plan places from: prev_counts_E validated, or uniform when absent."""
     if prev_counts_E is None:
         return torch.ones(num_experts, dtype=torch.float64)
     prev = torch.as_tensor(prev_counts_E)
@@ -56,7 +62,7 @@ def _placements(policy: PlacingPolicy, counts_NE: Tensor, prev_counts_E: Tensor 
     """(this iteration's placement, the next one's): from prev_counts_E and from counts_NE's global counts."""
     N, E = counts_NE.shape
     total = int(counts_NE.sum())
-    return (policy.placement(_check_prev(prev_counts_E, E), N, total),
+    return (policy.placement(placement_popularity(prev_counts_E, E), N, total),
             policy.placement(counts_NE.sum(0), N, total))
 
 
@@ -87,9 +93,12 @@ class StaticEP:
 
     def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
         counts_NE = check_counts(counts_NE)
-        placements = _placements(self, counts_NE, prev_counts_E)
-        return LayerPlan.dropless(placements[0], route_forward(counts_NE, placements[0], "even"), counts_NE.shape[1],
-                                  policy=self.name, next_placement_NS=placements[1])
+        return self.plan_on(counts_NE, *_placements(self, counts_NE, prev_counts_E))
+
+    def plan_on(self, counts_NE: Tensor, placement_NS: Tensor, next_placement_NS: Tensor | None = None) -> LayerPlan:
+        counts_NE = check_counts(counts_NE)
+        return LayerPlan.dropless(placement_NS, route_forward(counts_NE, placement_NS, "even"), counts_NE.shape[1],
+                                  policy=self.name, next_placement_NS=next_placement_NS)
 
 
 class Capacity:
@@ -109,11 +118,14 @@ class Capacity:
 
     def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
         counts_NE = check_counts(counts_NE)
-        placements = _placements(self, counts_NE, prev_counts_E)
+        return self.plan_on(counts_NE, *_placements(self, counts_NE, prev_counts_E))
+
+    def plan_on(self, counts_NE: Tensor, placement_NS: Tensor, next_placement_NS: Tensor | None = None) -> LayerPlan:
+        counts_NE = check_counts(counts_NE)
         dropped_NE = apply_capacity(counts_NE, gshard_capacity(counts_NE, self.cf))
-        fwd_NG = route_forward(counts_NE - dropped_NE, placements[0], "even")
-        return LayerPlan.forward_only(placements[0], fwd_NG, dropped_NE, policy=self.name, drop_by=self.drop_by,
-                                      next_placement_NS=placements[1])
+        fwd_NG = route_forward(counts_NE - dropped_NE, placement_NS, "even")
+        return LayerPlan.forward_only(placement_NS, fwd_NG, dropped_NE, policy=self.name, drop_by=self.drop_by,
+                                      next_placement_NS=next_placement_NS)
 
 
 class Symi:
@@ -133,15 +145,17 @@ class Symi:
 
     def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
         counts_NE = check_counts(counts_NE)
-        placements = _placements(self, counts_NE, prev_counts_E)
-        placement_NS = placements[0]
+        return self.plan_on(counts_NE, *_placements(self, counts_NE, prev_counts_E))
+
+    def plan_on(self, counts_NE: Tensor, placement_NS: Tensor, next_placement_NS: Tensor | None = None) -> LayerPlan:
+        counts_NE = check_counts(counts_NE)
         if self.cf is None:
             return LayerPlan.dropless(placement_NS, route_forward(counts_NE, placement_NS, "even"),
-                                      counts_NE.shape[1], policy=self.name, next_placement_NS=placements[1])
+                                      counts_NE.shape[1], policy=self.name, next_placement_NS=next_placement_NS)
         dropped_NE = apply_capacity(counts_NE, symi_capacity(counts_NE, placement_NS, self.cf))
         fwd_NG = route_forward(counts_NE - dropped_NE, placement_NS, "even")
         return LayerPlan.forward_only(placement_NS, fwd_NG, dropped_NE, policy=self.name,
-                                      next_placement_NS=placements[1])
+                                      next_placement_NS=next_placement_NS)
 
 
 class LRMoE:
@@ -263,12 +277,14 @@ class LRMoE:
 
     def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
         counts_NE = check_counts(counts_NE)
+        return self.plan_on(counts_NE, *_placements(self, counts_NE, prev_counts_E))
+
+    def plan_on(self, counts_NE: Tensor, placement_NS: Tensor, next_placement_NS: Tensor | None = None) -> LayerPlan:
+        counts_NE = check_counts(counts_NE)
         N, E = counts_NE.shape
-        placements = _placements(self, counts_NE, prev_counts_E)
-        placement_NS = placements[0]
         table = replica_table(placement_NS, E)
         fwd_NG = forward_on(counts_NE, table, self.forward, self.balance_iters)
-        plan = LayerPlan.dropless(placement_NS, fwd_NG, E, policy=self.name, next_placement_NS=placements[1])
+        plan = LayerPlan.dropless(placement_NS, fwd_NG, E, policy=self.name, next_placement_NS=next_placement_NS)
         if not (self.quotas or self.backward_routing):
             return plan
         cap_N = self.caps(plan.fwd_load_N, placement_NS.shape[1], fwd_NG.sum(1))
@@ -302,7 +318,13 @@ class Trimmed:
         return self.policy.placement(popularity_E, num_ranks, total_pairs)
 
     def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
-        plan = self.policy.plan(counts_NE, prev_counts_E)
+        return self._trim(self.policy.plan(counts_NE, prev_counts_E))
+
+    def plan_on(self, counts_NE: Tensor, placement_NS: Tensor, next_placement_NS: Tensor | None = None) -> LayerPlan:
+        """The wrapped policy's ``plan_on``, trimmed (the wrapped policy must have one)."""
+        return self._trim(self.policy.plan_on(counts_NE, placement_NS, next_placement_NS))
+
+    def _trim(self, plan: LayerPlan) -> LayerPlan:
         if len(plan.bwd_flows_V4) or not torch.equal(plan.keep_NG, plan.fwd_NG):
             raise ValueError(f"Trimmed wraps plans that keep every computed pair where it ran; policy "
                              f"{plan.policy!r} already trims or moves its backward")

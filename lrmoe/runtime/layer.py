@@ -9,8 +9,13 @@ One forward, on every rank (DESIGN.md §4, the data flows one way):
       all-to-all back) → weighted un-permute (+ shared expert)
 
 Every rank runs the same policy on the same all-gathered counts, so all ranks hold the same plan without further
-communication, and each derives its all-to-all split sizes from it. The layer never looks at which policy made the
-plan: static EP, capacity with drops, SYMI or LRMoE placements all arrive as a :class:`~lrmoe.planner.plan.LayerPlan`.
+communication, and each derives its all-to-all split sizes from it. The placement part of a plan needs only the
+previous iteration's counts: for a policy that splits (:class:`~lrmoe.planner.plan.SplitPolicy`, every registry
+policy) the layer computes it on a background thread while the iteration runs and calls only
+``policy.plan_on(counts_NE, placement_NS)`` between the all-gather and the dispatch, the same plan bit for bit
+(:mod:`lrmoe.runtime.placement_ahead`; ``placement_ahead=False`` plans inside ``policy.plan`` as before).
+The layer never looks at which policy made the plan: static EP, capacity with drops, SYMI or LRMoE placements all
+arrive as a :class:`~lrmoe.planner.plan.LayerPlan`.
 
 **Iterations and micro-batches.** An iteration is every training forward (one with gradients) between two
 :meth:`EPMoELayer.expert_step` calls: one, or k micro-batches whose gradients accumulate. Within an iteration the
@@ -68,8 +73,9 @@ from lrmoe.runtime.dispatch import Comm, Dispatch, TokenDispatcher, assign_pairs
 from lrmoe.runtime.distributed.accounting import Accountant
 from lrmoe.runtime.expert_compute import SwiGLUExperts
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, ReplicaStore
-from lrmoe.planner.plan import LayerPlan, Policy
+from lrmoe.planner.plan import LayerPlan, Policy, SplitPolicy
 from lrmoe.planner.policies import initial_placement
+from lrmoe.runtime.placement_ahead import PlacementAhead
 from lrmoe.runtime.reference import EXPERT_WEIGHTS, SHARED_WEIGHTS, swiglu
 from lrmoe.runtime.routing import RouterOutput, route
 
@@ -173,7 +179,7 @@ class EPMoELayer(nn.Module):
                  groups: RangeGroups, *, routed_scaling: float = 1.0, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, adam: AdamConfig = AdamConfig(),
                  accountant: Accountant | None = None, kernel_backend: str | None = None,
-                 backward: BackwardConfig | None = None, replica_grad: str = "range"):
+                 backward: BackwardConfig | None = None, replica_grad: str = "range", placement_ahead: bool = True):
         super().__init__()
         missing = [k for k in EXPERT_WEIGHTS if k not in weights]
         if missing:
@@ -215,6 +221,8 @@ class EPMoELayer(nn.Module):
         self.last_plan: LayerPlan | None = None
         self.last_dispatch: Dispatch | None = None
         self._iteration_policy = None
+        # placements off the critical path (lrmoe.runtime.placement_ahead); False: every plan places itself
+        self.placement_ahead = PlacementAhead() if placement_ahead else None
 
     # -- parameters --------------------------------------------------------------------------------------------
     @property
@@ -296,7 +304,7 @@ class EPMoELayer(nn.Module):
                 counts_NE = gathered_NE[:, :-1]
                 if self.store.pushed:
                     self.store.unpush()  # online replication: the previous micro-batch's replicas make room
-                plan = policy.plan(counts_NE, self.prev_counts_E)
+                plan = self._plan(policy, counts_NE)
                 check_layer_plan(plan, counts_NE, self.placement_NS, recalibrated=self.backward_config is not None)
             if plan.push_src_G is not None:  # online replication: weights into the spare slots before the compute
                 self.store.push(plan.placement_NS, plan.push_src_G)
@@ -328,10 +336,24 @@ class EPMoELayer(nn.Module):
                 self.iteration_counts_NE + counts_NE
             self.micro_batches += 1
             self._iteration_policy = policy
+            if self._places_ahead(policy):  # the next placement, while this iteration runs
+                self.placement_ahead.submit(policy, self.iteration_counts_NE, int(counts_NE.sum()))
             self.decisions.append(Decision(routed.idx_TK.detach().clone(), counts_NE, plan, dispatch))
             self.last_plan, self.last_dispatch = plan, dispatch
         return y_TD, EPMoEInfo(scores_TE=routed.scores_TE, counts_E=counts_NE.sum(0), gate_TK=gate_TK,
                                dispatch=dispatch, record=record if self.backward_config is not None else None)
+
+    def _places_ahead(self, policy) -> bool:
+        return self.placement_ahead is not None and isinstance(policy, SplitPolicy)
+
+    def _plan(self, policy: Policy, counts_NE: torch.Tensor) -> LayerPlan:
+        """The plan of this forward: ``policy.plan``, or, for a policy that splits, its critical-path part alone
+        on the placement computed ahead (the same plan, with its next placement left to :meth:`next_placement`)."""
+        if not self._places_ahead(policy):
+            return policy.plan(counts_NE, self.prev_counts_E)
+        placement_NS = self.placement_ahead.current_for(policy, self.prev_counts_E, self.num_ranks, self.num_experts,
+                                                        int(counts_NE.sum()))
+        return policy.plan_on(counts_NE, placement_NS)
 
     def _replayed(self, idx_TK: torch.Tensor) -> Decision:
         """The recorded decision of the forward being recomputed: the latest of this iteration that routed the
@@ -353,12 +375,15 @@ class EPMoELayer(nn.Module):
         """What a training forward advances (counts, micro-batches, recorded decisions, the last plan): for a side
         forward that must leave no trace, e.g. a benchmark's reference gradient (:meth:`restore_planning_state`)."""
         return (self.prev_counts_E, self.iteration_counts_NE, self.micro_batches, list(self.decisions),
-                self.last_plan, self.last_dispatch, self._iteration_policy)
+                self.last_plan, self.last_dispatch, self._iteration_policy,
+                None if self.placement_ahead is None else self.placement_ahead.job)
 
     def restore_planning_state(self, state: tuple) -> None:
         """Back to a :meth:`planning_state`, with the replicas a side forward pushed emptied (no gradient kept)."""
         (self.prev_counts_E, self.iteration_counts_NE, self.micro_batches, self.decisions, self.last_plan,
-         self.last_dispatch, self._iteration_policy) = state
+         self.last_dispatch, self._iteration_policy, job) = state
+        if self.placement_ahead is not None:
+            self.placement_ahead.job = job
         self.store.unpush(keep_grads=False)
 
     def _note_grad(self, grad_TD: torch.Tensor) -> None:
@@ -393,10 +418,17 @@ class EPMoELayer(nn.Module):
 
     def next_placement(self) -> torch.Tensor:
         """The placement for the next iteration: one micro-batch's plan carries it; after several, the iteration's
-        policy places from their summed counts (for the pairs of one micro-batch, as the plans did)."""
+        policy places from their summed counts (for the pairs of one micro-batch, as the plans did). With the
+        placement computed ahead, the background job's result (the same function of the same counts)."""
         plan, policy = self.last_plan, self._iteration_policy
         if plan is None:
             return self.placement_NS.clone()
+        if self._places_ahead(policy):
+            ahead = self.placement_ahead.next_for(policy, self.iteration_counts_NE, int(plan.routed_NE.sum()))
+            if ahead is not None:
+                return ahead.clone()
+            if self.micro_batches == 1:  # no job for these counts (state restored by hand): place now
+                return policy.placement(self.iteration_counts_NE.sum(0), self.num_ranks, int(plan.routed_NE.sum()))
         if self.micro_batches > 1 and hasattr(policy, "placement"):
             return policy.placement(self.iteration_counts_NE.sum(0), self.num_ranks, int(plan.routed_NE.sum()))
         return plan.next_placement_NS.clone()
@@ -418,6 +450,7 @@ class EPMoELayer(nn.Module):
         nxt = self.next_placement() if next_placement_NS is None else next_placement_NS
         self.store.step(nxt, self.mean_grad_scale() if grad_scale is None else grad_scale, collected=collected)
         if self.iteration_counts_NE is not None:
-            self.prev_counts_E = self.iteration_counts_NE.sum(0)
+            self.prev_counts_E = self.iteration_counts_NE.sum(0) if self.placement_ahead is None else \
+                self.placement_ahead.summed_counts(self.iteration_counts_NE)
         self.iteration_counts_NE, self.micro_batches, self.decisions = None, 0, []
         return self.placement_NS
