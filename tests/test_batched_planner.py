@@ -1,0 +1,105 @@
+"""The batched critical-path planner (lrmoe.planner.batched): every layer's plan equals the per-layer ``plan_on``,
+tensor for tensor, on many random micro-batches, with the edge cases (zero counts, one expert, one rank, a hot
+expert whose pairs are all on one source, capacities below and above the demand), and for every registry system."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from lrmoe.planner.batched import plan_layers, replica_index_LG
+from lrmoe.planner.placement import replica_table
+from lrmoe.planner.plan import LayerPlan
+from lrmoe.planner.policies import Capacity, StaticEP, Symi, placement_popularity
+from lrmoe.systems import SYSTEMS, SystemContext, get_system
+
+FIELDS = [f.name for f in dataclasses.fields(LayerPlan)]
+
+
+def _counts(gen: torch.Generator, n: int, e: int, case: int) -> torch.Tensor:
+    if case == 0:
+        return torch.zeros(n, e, dtype=torch.long)
+    if case == 1:  # one hot expert, all its pairs from one source
+        c = torch.zeros(n, e, dtype=torch.long)
+        c[int(torch.randint(n, (1,), generator=gen)), int(torch.randint(e, (1,), generator=gen))] = 97
+        return c
+    skew = torch.rand(e, generator=gen) ** (1 + case)
+    return (torch.rand(n, e, generator=gen) * skew * 80).long()
+
+
+def _assert_equal(got: LayerPlan, want: LayerPlan, where) -> None:
+    for f in FIELDS:
+        a, b = getattr(got, f), getattr(want, f)
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b), (where, f)
+        else:
+            assert a == b, (where, f)
+
+
+def _check(policies, counts_LNE, placements, where):
+    got = plan_layers(policies, counts_LNE, placements)
+    for i, (p, plan) in enumerate(zip(policies, got)):
+        _assert_equal(plan, p.plan_on(counts_LNE[i], placements[i]), (where, i, p.name))
+
+
+@pytest.mark.parametrize("policy_of", [
+    lambda n, e: StaticEP(), lambda n, e: Capacity(1.0), lambda n, e: Capacity(0.5, "gate"),
+    lambda n, e: Capacity(2.0), lambda n, e: Symi(max(1, e // n) + 1), lambda n, e: Symi(max(1, e // n) + 2, 1.0),
+    lambda n, e: Symi(max(1, e // n) + 1, 0.7)], ids=["static", "cap1", "cap0.5-gate", "cap2", "symi", "symi-cf1",
+                                                       "symi-cf0.7"])
+def test_vectorised_layers_equal_the_per_layer_plans(policy_of):
+    gen = torch.Generator().manual_seed(11)
+    for n, e in [(1, 1), (1, 5), (4, 4), (3, 12), (8, 16), (16, 64)]:
+        policy = policy_of(n, e)
+        layers = 6
+        counts_LNE = torch.stack([_counts(gen, n, e, i % 5) for i in range(layers)])
+        placements = [policy.placement(_counts(gen, n, e, 2 + i % 3).sum(0).double() + (i == 0), n,
+                                       int(counts_LNE[i].sum())) for i in range(layers)]
+        _check([policy] * layers, counts_LNE, placements, (n, e))
+
+
+def test_every_registry_system_batched_equals_its_per_layer_plans():
+    gen = torch.Generator().manual_seed(5)
+    for n, e in [(1, 4), (2, 8), (4, 16)]:
+        ctx = SystemContext(num_experts=e, num_ranks=n, spare_slots=1, pairs_per_rank=40, push_cost_rows=0.0)
+        for name in SYSTEMS:
+            policy = get_system(name).make_policy(ctx)
+            counts_LNE = torch.stack([_counts(gen, n, e, i) for i in range(4)])
+            placements = [policy.placement(placement_popularity(None if i == 0 else _counts(gen, n, e, 3).sum(0), e),
+                                           n, int(counts_LNE[i].sum())) for i in range(4)]
+            _check([policy] * 4, counts_LNE, placements, (name, n, e))
+
+
+def test_mixed_policies_keep_their_layer_order_and_errors_name_the_layer():
+    policies = [StaticEP(), Symi(3), Capacity(1.0), Symi(3)]
+    counts = torch.randint(0, 9, (4, 2, 4))
+    placements = [p.placement(torch.ones(4), 2, int(c.sum())) for p, c in zip(policies, counts)]
+    _check(policies, counts, placements, "mixed")
+    bad = [pl.clone() for pl in placements]
+    bad[3][bad[3] == 2] = 0  # expert 2 loses its slots in layer 3
+    counts[3, 0, 2] = 1
+    with pytest.raises(ValueError, match="layer 1: expert 2 has"):  # layer 3 is the second of the Symi group
+        plan_layers(policies, counts, bad)
+    with pytest.raises(ValueError, match="non-negative"):
+        plan_layers(policies, -counts, placements)
+
+
+def test_replica_index_is_the_replica_tables():
+    gen = torch.Generator().manual_seed(2)
+    placements = torch.randint(-1, 5, (7, 3, 4), generator=gen)
+    replicas_LE, replica_LG = replica_index_LG(placements.reshape(7, -1), 5)
+    for i in range(7):
+        table = replica_table(placements[i], 5)
+        assert torch.equal(replicas_LE[i], table.replicas_E) and torch.equal(replica_LG[i], table.replica_G)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_on_the_device_the_plans_are_the_hosts():
+    gen = torch.Generator().manual_seed(3)
+    policy = Symi(5, 1.0)
+    counts = torch.stack([_counts(gen, 8, 32, i % 5) for i in range(8)])
+    placements = [policy.placement(_counts(gen, 8, 32, 3).sum(0).double(), 8, int(c.sum())) for c in counts]
+    got = plan_layers([policy] * 8, counts.cuda(), placements)
+    for i, plan in enumerate(got):
+        assert plan.fwd_NG.is_cuda
+        _assert_equal(plan, policy.plan_on(counts[i], placements[i]), i)
