@@ -30,12 +30,12 @@ import seaborn as sns
 
 from lrmoe.analysis.claims import claim_table, gap_table
 from lrmoe.analysis.protocol import REFERENCES, endpoint
-from lrmoe.analysis.runs import last_per_step, per_run, summarise, time_to_reach
+from lrmoe.analysis.runs import config_differences, last_per_step, per_run, summarise, time_to_reach
 from lrmoe.config import model_preset
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
 from lrmoe.checks import non_negative_float_arg, non_negative_int_arg, positive_int_arg
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
-from lrmoe.results import read_results
+from lrmoe.results import read_headers, read_results
 
 RHOS = (0.9, 0.75, 0.6, 0.5)
 # the full sweep: the references, LRMoE in cap mode, and the retention budget at each rho with m2 top-k, m2
@@ -49,6 +49,11 @@ POLICIES = ["static-ep", "symi-dropless", "symi-cf1", "symi-cf1.25", "lrmoe",
 QUICK_POLICIES = ["static-ep", "symi-dropless", "symi-cf1", "lrmoe-rho0.75-unbiased", "lrmoe-rho0.5-unbiased",
                   "lrmoe-rho0.5-random"]
 TRAIN = Path(__file__).resolve().parent / "train.py"
+# train.py's flags that name where a run's files go or how it reports, not what it computes (a run's identity
+# leaves them out), and its valueless flags that change what it computes
+TRAIN_NOT_IDENTITY = ("--out", "--ckpt-dir", "--trace-out", "--overwrite", "--resume", "--no-wandb", "--quiet",
+                      "--ckpt-every")
+TRAIN_SWITCHES = ("--activation-checkpointing",)
 
 
 def check_runs(args) -> None:
@@ -93,6 +98,38 @@ def train_argv(args, policy: str, seed: int, results: Path) -> list[str]:
             "--out", str(results), "--trace-out", str(folder / f"trace_{policy}.npz"),
             *(["--overwrite"] if args.overwrite else ["--resume"] if results.exists() or args.resume else []),
             "--no-wandb", *(["--quiet"] if args.quiet else [])]
+
+
+def run_differences(args, policy: str, seed: int) -> list[str]:
+    """How the run in the per-run file of (``policy``, ``seed``) differs from the run these arguments make (its
+    stored configuration against train.py's arguments now; none where the file does not exist)."""
+    results = run_path(Path(args.out_work), policy, seed, args.seeds)
+    headers = read_headers(results) if results.exists() else []
+    if not headers:
+        return []
+    return config_differences(headers[-1].get("config") or {}, train_argv(args, policy, seed, results),
+                              ignore=TRAIN_NOT_IDENTITY, switches=TRAIN_SWITCHES)
+
+
+def finished(args, policy: str, seed: int) -> bool:
+    """A per-run file is reused only when its run reached the last step with the configuration asked for now."""
+    results = run_path(Path(args.out_work), policy, seed, args.seeds)
+    return (results.exists() and any(r.get("step") == args.steps for r in read_results(results))
+            and not run_differences(args, policy, seed))
+
+
+def check_identities(parser, args) -> None:
+    """Without --overwrite, a per-run file that a run of other settings wrote is an error naming the settings
+    that differ (--resume would continue, and a finished one be reported as, a run these arguments did not ask
+    for); with --overwrite it is run again."""
+    if args.overwrite:
+        return
+    for seed in args.seeds:
+        for policy in args.policies:
+            if diffs := run_differences(args, policy, seed):
+                parser.error(f"{run_path(Path(args.out_work), policy, seed, args.seeds)} holds a run of other settings "
+                             f"({'; '.join(diffs)}): pass --overwrite to run it again with these, or give this "
+                             f"sweep its own --out")
 
 
 def parse_args(argv=None):
@@ -141,6 +178,8 @@ def parse_args(argv=None):
         args.seeds = args.seeds or [args.seed]
     args.policies = args.policies or (QUICK_POLICIES if args.quick else POLICIES)
     args.seeds = list(dict.fromkeys(args.seeds or [args.seed]))
+    args.out_work = str(Path(args.out).with_suffix(""))  # per-run results, checkpoints and traces
+    check_identities(parser, args)
     return args
 
 
@@ -176,7 +215,7 @@ def plot(curves: pd.DataFrame, args):
 def main(argv=None) -> pd.DataFrame:
     args = parse_args(argv)
     out = Path(args.out)
-    work = out.with_suffix("")  # per-run results, checkpoints and traces
+    work = Path(args.out_work)
     runs = {(policy, seed): train_argv(args, policy, seed, run_path(work, policy, seed, args.seeds))
             for seed in args.seeds for policy in args.policies}
     check_runs(args)  # before the first run trains
@@ -185,8 +224,7 @@ def main(argv=None) -> pd.DataFrame:
         frames = []
         for (policy, seed), run_argv in runs.items():
             results = run_path(work, policy, seed, args.seeds)
-            done = results.exists() and any(r.get("step") == args.steps for r in read_results(results))
-            if not done:
+            if not finished(args, policy, seed):
                 train(run_argv)
             frame = pd.DataFrame(last_per_step(read_results(results)))
             frame["seed"] = seed

@@ -20,7 +20,6 @@ a claim).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from lrmoe.sim.systems import plan_twins
 from lrmoe.systems import get_system
 from lrmoe.checks import fraction_arg, non_negative_float_arg, positive_float_arg, positive_int_arg
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args, write_report
-from lrmoe.results import read_results
+from lrmoe.results import read_records, read_results
 from lrmoe.traces.synthetic import generate_trace
 
 REFERENCE = "symi-dropless"  # the x axis' unit
@@ -435,7 +434,10 @@ def matched_times(rows: list[dict], regime, arms: list[str], args):
 
 def protocol_main(args) -> pd.DataFrame:
     regime = protocol.get_regime(args.regime)
-    rows = [json.loads(line) for path in args.runs for line in Path(path).read_text().splitlines() if line.strip()]
+    try:  # a bad line is named by file and line
+        rows = [row for path in args.runs for row in read_records(path)]
+    except ValueError as exc:
+        raise SystemExit(f"frontier.py: error: --runs: {exc}") from None
     # the claims read the sweep's runs only; the time axis alone (--time-only) may match the pilot's routing
     rows = [r for r in rows if r["regime"] == regime.name and (args.time_only or r.get("stage") == "sweep")]
     arms = list(protocol.SWEEP_ARMS) if args.time_only else [a for a in protocol.SWEEP_ARMS

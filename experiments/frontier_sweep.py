@@ -26,7 +26,6 @@ with --report, written as Markdown (never over an existing file).
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -37,7 +36,8 @@ from tqdm import tqdm
 from lrmoe.analysis import protocol
 from lrmoe.analysis.claims import claim_table, early_family, family_gaps, seed_plan
 from lrmoe.analysis.skew import runs_imbalance
-from lrmoe.results import read_results
+from lrmoe.analysis.runs import config_differences
+from lrmoe.results import append_record, read_headers, read_records, read_results
 from lrmoe.checks import positive_int_arg
 from lrmoe.systems import system_arg
 
@@ -96,9 +96,40 @@ def finished(results: Path) -> bool:
     return results.exists() and any(r.get("step") == protocol.STEPS for r in read_results(results))
 
 
+# convergence.py's flags that train.py's configuration does not hold with the same meaning, or that do not change
+# what a run computes (a run's identity leaves them out)
+NOT_IDENTITY = ("--out", "--quiet", "--no-wandb", "--resume", "--slim", "--ckpt-every", "--extra-slots")
+
+
+def run_differences(out: Path, regime: str, seed: int, arm: str) -> list[str]:
+    """How the per-run file of ``arm`` differs from the run the protocol asks for in this regime and seed (its
+    stored configuration against the protocol's arguments; none where it has no run header)."""
+    headers = read_headers(run_file(out, arm))
+    if not headers:
+        return []
+    config = headers[-1].get("config") or {}
+    diffs = config_differences(config, convergence_argv(regime, seed, [arm], out), ignore=NOT_IDENTITY)
+    for key, want in (("policy", arm), ("seed", seed)):
+        if key in config and config[key] != want:
+            diffs.append(f"--{key}: was {config.get(key)}, now {want}")
+    return diffs
+
+
+def check_identities(args) -> None:
+    """Before anything trains or is collected: every per-run file not yet collected holds the run the protocol asks
+    for (a file of other settings would be resumed, or collected, as if it were one); else an error naming it."""
+    done = protocol.collected_keys(args.out)
+    for seed, regime, out in units(args):
+        for arm in args.arms:
+            if (regime, seed, arm) not in done and (diffs := run_differences(out, regime, seed, arm)):
+                raise SystemExit(f"frontier_sweep.py: error: {run_file(out, arm)} holds a run of other settings "
+                                 f"than the protocol's ({'; '.join(diffs)}): move it away, or give the sweep its "
+                                 f"own --work")
+
+
 def report(args) -> str:
     """What the finished runs can say, per regime (Markdown)."""
-    rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()] if args.out.exists() else []
+    rows = read_records(args.out)
     lines = [f"# Frontier protocol ({args.stage}): {len(rows)} finished runs in {args.out.name}", ""]
     for regime in args.regimes:
         mine = [r for r in rows if r["regime"] == regime and r["arm"] in args.arms]
@@ -134,6 +165,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.report and Path(args.report).exists():
         raise SystemExit(f"frontier_sweep.py: error: {args.report} exists; give a new name")
+    try:
+        if not args.report_only:
+            check_identities(args)
+        read_records(args.out)  # a bad collected line is named (file and line) before anything trains
+    except ValueError as exc:
+        raise SystemExit(f"frontier_sweep.py: error: {exc}") from None
     if args.jobs > 1 and len(args.regimes) > 1 and not args.report_only:
         run_side_by_side(args)
     elif not args.report_only:
@@ -198,9 +235,7 @@ def train_and_collect(args) -> None:
                 if (regime, seed, arm) in done or not finished(results):
                     continue
                 row = protocol.collect_run(results, regime=regime, seed=seed, arm=arm, stage=args.stage)
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_record(args.out, row)  # one whole line, fsynced, under the file's lock
                 done.add((regime, seed, arm))
             bar.update(1)
     print(f"{len(done)} runs in {args.out}")

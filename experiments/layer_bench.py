@@ -43,9 +43,9 @@ and capacity leave them empty. The table reports each policy's counted peak agai
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -72,6 +72,7 @@ from lrmoe.systems import check_systems, get_system, system_arg, system_names_he
 from lrmoe.checks import (fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg,
                           positive_int_arg)
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
+from lrmoe.results import read_records
 
 DEFAULT_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1", "lrmoe"]
 
@@ -178,7 +179,7 @@ def apply_regime(args: argparse.Namespace) -> None:
     path = Path(args.runs)
     if not path.is_file():
         raise ValueError(f"--runs {args.runs!r} is not a file")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_records(path)  # ValueError naming the file and line of a bad record
     runs = runs_imbalance([r for r in rows if r.get("regime") == regime.name])
     # the bench's own trace: its ranks, experts, tokens, steps and seed, one layer, every token's top-k drawn
     scale = Scale(n, e, cfg.top_k, args.tokens_per_rank, layers=1, steps=args.warmup + args.steps, seed=args.seed,
@@ -535,8 +536,9 @@ def check_args(args: argparse.Namespace) -> None:
             check_systems(args.policies, ctx)
             if args.regime:
                 args.regime_match["trace"] = check_regime(args, counts_INE, ctx)
-    except (ValueError, OSError) as exc:
-        raise SystemExit(f"layer_bench.py: error: {exc}") from None
+    except (ValueError, OSError) as exc:  # argparse's form and status (2): nothing ran
+        print(f"layer_bench.py: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main(argv=None):

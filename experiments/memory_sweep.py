@@ -27,7 +27,7 @@ finished one is read, not run again. Traces are synthetic.
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -42,9 +42,11 @@ from tqdm import tqdm
 from lrmoe.analysis import protocol
 from lrmoe.analysis.claims import arm_quality, quality_text
 from lrmoe.analysis.skew import regime_zipf
-from lrmoe.config import cluster_preset, model_preset
-from lrmoe.integrations.tracking import Tracker, add_tracking_args
-from lrmoe.results import atomic_write_text, read_results
+from lrmoe.checks import non_negative_int_arg, positive_float_arg, positive_int_arg
+from lrmoe.config import cluster_preset, cluster_presets, model_preset, model_presets
+from lrmoe.integrations.tracking import (Tracker, add_tracking_args, check_tracking_args, foreign_results,
+                                         output_problem, write_report)
+from lrmoe.results import read_records, read_results
 from lrmoe.paper_figures.style import legend_outside, palette
 from lrmoe.sim.cells import TOKENS
 from lrmoe.sim.memory_sweep import (DEMAND_SIDE, EARLY, PLACEMENTS, binding_range, budget_grid, early_selection_gain,
@@ -67,59 +69,93 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="a small sweep for the main job (Qwen3 at the weak regime's matched skew, 3 budgets)")
-    p.add_argument("--models", nargs="+", default=MODELS)
-    p.add_argument("--cluster", default="a100-40gb-x8", help="cluster preset (its node is replicated)")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--skews", nargs="+", default=None,
+    p.add_argument("--models", nargs="+", default=MODELS, choices=model_presets())
+    p.add_argument("--cluster", default="a100-40gb-x8", choices=cluster_presets(),
+                   help="cluster preset (its node is replicated)")
+    p.add_argument("--nodes", type=positive_int_arg, default=2)
+    p.add_argument("--skews", nargs="+", default=None, type=skew_text,
                    help="routing skews, family:param as experiments/ablate.py takes them, instead of --regimes")
     p.add_argument("--regimes", nargs="+", choices=list(protocol.REGIMES), default=None,
                    help="the frontier regimes' matched Zipf skews (from --runs); default every regime (quick: weak)")
     p.add_argument("--runs", default=RUNS, help="the protocol's collected runs that --regimes match their skew to")
-    p.add_argument("--max-gb", type=float, default=80.0, help="largest per-rank MoE budget")
-    p.add_argument("--step-gb", type=float, default=None,
+    p.add_argument("--max-gb", type=positive_float_arg, default=80.0, help="largest per-rank MoE budget")
+    p.add_argument("--step-gb", type=positive_float_arg, default=None,
                    help="budget step while systems gain replicas (default: one replica slot's worth per model)")
-    p.add_argument("--coarse-step-gb", type=float, default=10.0, help="budget step beyond that, up to --max-gb")
-    p.add_argument("--saturate-load", type=float, default=1.5,
-                   help="the fine steps end where E/N spare slots fit beside buffers for this x the mean load")
-    p.add_argument("--mem-gb", nargs="+", type=float, default=None, help="these budgets instead of the grid")
+    p.add_argument("--coarse-step-gb", type=positive_float_arg, default=10.0,
+                   help="budget step beyond that, up to --max-gb")
+    p.add_argument("--saturate-load", type=positive_float_arg, default=1.5,
+                   help="the fine steps end where E/N spare slots fit beside buffers for this x the mean load (>= 1)")
+    p.add_argument("--mem-gb", nargs="+", type=positive_float_arg, default=None,
+                   help="these budgets instead of the grid")
     p.add_argument("--systems", nargs="+", type=system_arg, default=SYSTEMS, help=system_names_help())
-    p.add_argument("--layers", type=int, default=4, help="simulated MoE layers per cell (their mean stands for all)")
-    p.add_argument("--steps", type=int, default=3, help="iterations per cell (the first is warm-up)")
-    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--layers", type=positive_int_arg, default=4,
+                   help="simulated MoE layers per cell (their mean stands for all)")
+    p.add_argument("--steps", type=positive_int_arg, default=3, help="iterations per cell (the first is warm-up)")
+    p.add_argument("--micro-batches", type=positive_int_arg, default=8)
     p.add_argument("--no-band", action="store_true", help="skip the sensitivity corners")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int_arg, default=0)
     p.add_argument("--work-dir", default="outputs/memory_sweep",
                    help="experiments/ablate.py's results file of each (model, skew) goes here")
     add_tracking_args(p, "outputs/memory_sweep.jsonl")
     args = p.parse_args(argv)
+    check_tracking_args(p, args, "memory_sweep", report=True)  # never over a results file or a user's notes
     if args.regimes and args.skews:
-        raise ValueError("--regimes and --skews are exclusive")
+        p.error("--regimes and --skews are exclusive")
     if not (args.regimes or args.skews):
         args.regimes = ["weak"] if args.quick else list(protocol.REGIMES)
     args.regime_of = {}  # skew -> (regime, its label)
     args.quality = {}  # regime label -> arm -> its quality claim under the protocol (lrmoe.analysis.claims.arm_quality)
     if args.regimes:
         runs = Path(args.runs) if Path(args.runs).exists() else ROOT / args.runs
-        rows = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()]
-        for name in args.regimes:
-            s = regime_zipf(rows, name).zipf_s
-            label = f"{name}, zipf:{s:.3f}"
-            args.regime_of[f"zipf:{s!r}"] = (name, label)
-            args.quality[label] = arm_quality(rows, name)
+        try:
+            rows = read_records(runs)
+            if not rows:
+                raise ValueError(f"{runs} holds no collected runs (experiments/frontier_sweep.py writes them)")
+            for name in args.regimes:
+                s = regime_zipf(rows, name).zipf_s
+                label = f"{name}, zipf:{s:.3f}"
+                args.regime_of[f"zipf:{s!r}"] = (name, label)
+                args.quality[label] = arm_quality(rows, name)
+        except (ValueError, KeyError) as exc:
+            p.error(f"--runs: {exc}")
         args.skews = list(args.regime_of)
     if args.quick:
         args.models = ["qwen3-30b-a3b"] if args.models == MODELS else args.models
         args.layers, args.steps, args.no_band = min(args.layers, 2), 2, True
-    for name in ("nodes", "layers", "micro_batches"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.steps < 2:
-        raise ValueError(f"--steps must be at least 2 (the first is warm-up), got {args.steps}")
+        p.error(f"--steps must be at least 2 (the first is warm-up), got {args.steps}")
     if not args.saturate_load >= 1:
-        raise ValueError(f"--saturate-load must be at least 1, got {args.saturate_load}")
-    if not args.max_gb > 0:
-        raise ValueError(f"--max-gb must be positive, got {args.max_gb}")
+        p.error(f"--saturate-load must be at least 1, got {args.saturate_load}")
+    if problem := output_problem("--work-dir", Path(args.work_dir) / "x.jsonl", replace=True):
+        p.error(problem.replace("/x.jsonl", ""))
+    for model in args.models:
+        for skew in args.skews:
+            group = group_path(args, model, skew)
+            if not group.is_file():
+                continue
+            if not (args.resume or args.overwrite):
+                p.error(f"{group} exists; pass --resume to reuse or continue it, or --overwrite to redo it")
+            if problem := foreign_results(group, "ablate"):  # only the ablation's own results are reused or redone
+                p.error(problem.replace("--out", "--work-dir"))
     return args
+
+
+def skew_text(value: str) -> str:
+    """A ``--skews`` value as ablate.py takes it (``family:number``, zipf or dirichlet; a bare number is Zipf s),
+    checked here so that a bad one fails before any group runs."""
+    family, _, param = value.rpartition(":")
+    try:
+        number = float(param)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected family:number, e.g. zipf:0.8") from None
+    if (family or "zipf") not in ("zipf", "dirichlet") or not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected zipf:<s> or dirichlet:<alpha> with a finite number")
+    return value
+
+
+def group_path(args, model: str, skew: str) -> Path:
+    """The ablation results file of one (model, skew) group, in ``--work-dir``."""
+    return Path(args.work_dir) / f"{Path(args.out).stem}_{model}_{skew.replace(':', '')}.jsonl"
 
 
 def budgets(args, model_name: str) -> list[float]:
@@ -141,7 +177,7 @@ def ablate_argv(args, model: str, skew: str, mem_gb: list[float], out: Path) -> 
             "--mem-gb", *[f"{b:g}" for b in mem_gb], "--steps", str(args.steps), "--layers", str(args.layers),
             "--micro-batches", str(args.micro_batches), "--systems", *args.systems, "--band-every-budget",
             "--seed", str(args.seed), "--no-wandb", "--out", str(out), *(["--no-band"] if args.no_band else []),
-            *(["--resume"] if out.exists() else [])]
+            *(["--overwrite"] if args.overwrite and out.exists() else ["--resume"] if out.exists() else [])]
 
 
 def finished(path: Path) -> bool:
@@ -155,12 +191,7 @@ def finished(path: Path) -> bool:
 def simulate_group(args, model: str, skew: str, out: Path) -> list[dict]:
     """One (model, skew) over its budgets: experiments/ablate.py in a process of its own, unless its results file
     is finished; its records."""
-    if out.exists() and not (args.resume or args.overwrite):
-        raise SystemExit(f"memory_sweep.py: error: {out} exists; pass --resume to reuse or continue it, or "
-                         f"--overwrite to redo it")
-    if args.overwrite or not finished(out):
-        if args.overwrite:
-            out.unlink(missing_ok=True)
+    if args.overwrite or not finished(out):  # (parse_args checked that an existing one is the ablation's)
         argv = ablate_argv(args, model, skew, budgets(args, model), out)
         code = subprocess.run([sys.executable, str(ABLATE), *argv]).returncode
         if code:
@@ -330,7 +361,7 @@ def main(argv=None) -> pd.DataFrame:
                  resume=args.resume, wandb=not args.no_wandb) as run:
         records = []
         for model, skew in tqdm(groups, desc="model x skew", disable=None):
-            out = work / f"{Path(args.out).stem}_{model}_{skew.replace(':', '')}.jsonl"
+            out = group_path(args, model, skew)
             for rec in simulate_group(args, model, skew, out):
                 rec = {k: v for k, v in rec.items() if k not in ("kind", "run_id", "step")}
                 if skew in args.regime_of:  # the regime names the skew in every table and panel
@@ -339,7 +370,7 @@ def main(argv=None) -> pd.DataFrame:
                 records.append(rec)
         text = report(records, run, args)
         print(text)
-        atomic_write_text(run.results.with_suffix(".md"), text + "\n")
+        write_report(run.results, text + "\n")
         figs = plot(pd.DataFrame(records), run)
         print(f"\nresults: {args.out}" + (f"; figure: {figs[0]}" if figs else ""))
     return pd.DataFrame(records)

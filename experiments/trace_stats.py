@@ -19,7 +19,7 @@ import seaborn as sns
 import torch
 from tqdm import tqdm
 
-from lrmoe.config import model_preset
+from lrmoe.config import model_preset, model_presets
 from lrmoe.checks import positive_int_arg
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
 from lrmoe.traces.synthetic import generate_trace
@@ -31,7 +31,7 @@ SKEWS = [("zipf", 0.2), ("zipf", 0.4), ("zipf", 0.6), ("zipf", 0.8), ("dirichlet
 
 def main(argv=None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-30b-a3b")
+    parser.add_argument("--model", default="qwen3-30b-a3b", choices=model_presets())
     parser.add_argument("--ranks", type=positive_int_arg, default=8)
     parser.add_argument("--steps", type=positive_int_arg, default=20)
     parser.add_argument("--layers", type=positive_int_arg, default=4)
@@ -41,6 +41,12 @@ def main(argv=None) -> pd.DataFrame:
     add_tracking_args(parser, "outputs/trace_stats.jsonl")
     args = parser.parse_args(argv)
     check_tracking_args(parser, args, "trace_stats")
+    recorded = []
+    for path in args.recorded:  # read before anything is written: a bad one leaves no half-written results
+        try:
+            recorded.append(load_trace(path))
+        except (ValueError, OSError) as exc:  # the loader names the file and what is wrong with it
+            parser.error(f"--recorded: {exc}")
     model = model_preset(args.model)
     torch.manual_seed(args.seed)
     rows = []
@@ -55,8 +61,7 @@ def main(argv=None) -> pd.DataFrame:
             row = {"trace": f"{skew} {param}", **trace.summary(), "path": str(path)}
             run.log(row)
             rows.append(row)
-        for path in args.recorded:
-            trace = load_trace(path)
+        for path, trace in zip(args.recorded, recorded):
             row = {"trace": f"recorded {Path(path).stem}", **trace.summary(), "path": str(path)}
             run.log(row)
             rows.append(row)

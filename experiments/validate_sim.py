@@ -258,6 +258,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not args.calibration:
             outputs["the calibration"] = calibration_path(args)
     check_tracking_args(p, args, "validate_sim", outputs=outputs, report=bool(args.regimes))
+    try:  # the inputs, read before anything is calibrated or measured
+        if args.bench:
+            read_bench(args.bench)
+        for regime in (args.regimes or []) if args.reuse_benches else []:
+            read_bench(bench_path(args, regime))
+        if args.calibration:
+            path = Path(args.calibration)
+            if not path.is_file():
+                raise ValueError(f"--calibration {str(path)!r} is not a file")
+            json.loads(path.read_text())
+    except (ValueError, KeyError, OSError, UnicodeDecodeError) as exc:
+        p.error(f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc))
     return args
 
 

@@ -15,10 +15,10 @@ from lrmoe.integrations.tracking import Tracker
 sweep = load_experiment("frontier_sweep")
 
 
-def fake_run(path, endpoint: float, steps: int = protocol.STEPS):
+def fake_run(path, endpoint: float, steps: int = protocol.STEPS, config: dict | None = None):
     """A per-run results file as train.py writes it: every step's pairs, an evaluation every EVAL_EVERY steps."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with Tracker("train", {}, results=path, wandb=False, quiet=True) as run:
+    with Tracker("train", config or {}, results=path, wandb=False, quiet=True) as run:
         for step in range(1, steps + 1):
             rec = {"step": step, "loss": 2.0, "fwd_pairs_max": 12.0, "fwd_pairs_mean": 10.0, "bwd_pairs_max": 9.0,
                    "dropped_frac": 0.0}
@@ -76,3 +76,41 @@ def test_a_regime_that_fails_stops_the_others_at_once():
     with pytest.raises(SystemExit, match="the weak regime's sweep exited with 3; the others were stopped"):
         sweep.run_side_by_side(args, commands.get)
     assert time.monotonic() - start < 20
+
+
+def test_a_per_run_file_of_other_settings_is_refused_not_collected(tmp_path, capsys):
+    """Issue 38 (3): the sweep collected (and convergence.py resumed) any finished per-run file, whatever settings
+    ran it; now the stored configuration is compared with the protocol's, and a difference is named."""
+    work, out = tmp_path / "work", tmp_path / "collected.jsonl"
+    seed = protocol.PILOT_SEEDS[0]
+    folder = work / "production" / f"seed{seed}"
+    for arm in protocol.PILOT_ARMS:
+        aux = 0.5 if arm == "static-ep" else protocol.get_regime("production").aux_coef
+        fake_run(folder / f"{arm}.jsonl", 2.0, config={"policy": arm, "seed": seed, "aux_coef": aux,
+                                                        "steps": protocol.STEPS, "preset": protocol.PRESET})
+    argv = ["--stage", "pilot", "--regimes", "production", "--work", str(work), "--out", str(out), "--collect-only"]
+    with pytest.raises(SystemExit, match=r"static-ep.jsonl holds a run of other settings.*--aux-coef: was 0.5"):
+        sweep.main(argv)
+    assert not out.exists()
+
+
+def test_a_torn_collected_line_is_skipped_and_never_glued_onto_and_a_bad_one_is_named(tmp_path, capsys):
+    """Issue 38 (14): a truncated last line made --report-only / --collect-only fail with a bare JSONDecodeError,
+    and the next append glued onto it."""
+    work, out = tmp_path / "work", tmp_path / "collected.jsonl"
+    seed = protocol.PILOT_SEEDS[0]
+    for arm in protocol.PILOT_ARMS:
+        fake_run(work / "production" / f"seed{seed}" / f"{arm}.jsonl", 2.0)
+    argv = ["--stage", "pilot", "--regimes", "production", "--work", str(work), "--out", str(out)]
+    sweep.main([*argv, "--collect-only"])
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:40])  # the last append killed half-way
+    sweep.main([*argv, "--report-only"])
+    assert "line 4: a torn last record" in capsys.readouterr().err
+    sweep.main([*argv, "--collect-only"])  # collects the torn run again, on a line of its own
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["arm"] for r in rows) == sorted(protocol.PILOT_ARMS)
+    out.write_text(lines[0] + "\n" + lines[1][:40] + "\n" + "\n".join(lines[2:]) + "\n")  # a bad line inside
+    for mode in ("--report-only", "--collect-only"):
+        with pytest.raises(SystemExit, match=r"collected.jsonl, line 2: not a JSON record"):
+            sweep.main([*argv, mode])

@@ -108,7 +108,7 @@ def test_regimes_replace_the_skews_with_each_regimes_matched_zipf(monkeypatch):
     args = memory_sweep.parse_args(["--regimes", "production", "weak"])
     assert args.skews == ["zipf:0.140625", "zipf:0.3955"]
     assert args.regime_of["zipf:0.3955"] == ("weak", "weak, zipf:0.396")
-    with pytest.raises(ValueError, match="exclusive"):
+    with pytest.raises(SystemExit):  # argparse's error (exit 2), "exclusive"
         memory_sweep.parse_args(["--regimes", "weak", "--skews", "zipf:0.2"])
 
 
@@ -225,3 +225,51 @@ def test_the_headline_names_the_fastest_arm_whose_gap_claim_holds_and_says_when_
     other = [line for line in text if line.startswith("| glm-4.5-air |") and ("| arms |" in line
                                                                            or "| holds |" in line)]
     assert other and all("not measured: the protocol trains qwen3-30b-a3b's shape only" in r for r in other)
+
+
+def refuses(capsys, argv) -> str:
+    """memory_sweep's ``parse_args(argv)`` exits with argparse's status 2 before any work; its message."""
+    from lrmoe.experiments import memory_sweep
+
+    with pytest.raises(SystemExit) as exc:
+        memory_sweep.parse_args(argv)
+    assert exc.value.code == 2, exc.value.code
+    return capsys.readouterr().err
+
+
+def test_the_report_never_replaces_the_results_nor_a_user_s_notes(tmp_path, capsys):
+    """Issue 38 (2): ``--out r.md`` wrote the Markdown report over the JSON-lines results; ``--out notes.jsonl``
+    replaced a user's notes.md."""
+    work = ["--work-dir", str(tmp_path / "work"), "--skews", "zipf:0.2", "--no-wandb"]
+    assert "overwrite the results file" in refuses(capsys, ["--out", str(tmp_path / "r.md"), *work])
+    notes = tmp_path / "notes.md"
+    notes.write_text("mine")
+    err = refuses(capsys, ["--out", str(tmp_path / "notes.jsonl"), "--overwrite", *work])
+    assert "not a report" in err and notes.read_text() == "mine"
+    (tmp_path / "mine.jsonl").write_text('{"mine": 1}\n')
+    assert "not a results file of memory_sweep" in refuses(capsys, ["--out", str(tmp_path / "mine.jsonl"),
+                                                                    "--overwrite", *work])
+    group = tmp_path / "work" / "s_qwen3-30b-a3b_zipf0.2.jsonl"
+    group.parent.mkdir()
+    group.write_text('{"not": "an ablation"}\n')
+    err = refuses(capsys, ["--out", str(tmp_path / "s.jsonl"), "--overwrite", "--models", "qwen3-30b-a3b", *work])
+    assert "not a results file of ablate" in err and group.read_text() == '{"not": "an ablation"}\n'
+
+
+@pytest.mark.parametrize("bad, word", [(["--nodes", "0"], "--nodes"), (["--steps", "1"], "--steps"),
+                                       (["--models", "gpt-5"], "--models"), (["--skews", "zipf:x"], "--skews"),
+                                       (["--max-gb", "nan"], "--max-gb"), (["--saturate-load", "0.5"], "--saturate")])
+def test_bad_arguments_are_argparse_errors(tmp_path, capsys, bad, word):
+    """Issue 38 (16): memory_sweep's arguments raised tracebacks (or failed in the first ablation run)."""
+    err = refuses(capsys, ["--out", str(tmp_path / "s.jsonl"), "--work-dir", str(tmp_path / "w"), "--no-wandb",
+                           *(["--skews", "zipf:0.2"] if "--skews" not in bad else []), *bad])
+    assert word in err
+
+
+def test_a_bad_collected_file_is_named_by_file_and_line(tmp_path, capsys):
+    """Issue 38 (14): a bad line of --runs was a bare JSONDecodeError."""
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text('{"regime": "weak"}\n{"regime": \n{"regime": "weak"}\n')
+    err = refuses(capsys, ["--out", str(tmp_path / "s.jsonl"), "--runs", str(runs), "--regimes", "weak",
+                           "--no-wandb", "--work-dir", str(tmp_path / "w")])
+    assert "runs.jsonl, line 2" in err

@@ -89,3 +89,53 @@ def test_a_report_beside_its_own_results_file_is_replaced_only_when_asked(tmp_pa
     assert "not a report" in report_problem(results, True, "ablate")  # another script's results: not its report
     write_report(tmp_path / "g.jsonl", "text\n")  # marked: its own, even without a results file
     assert report_problem(tmp_path / "g.jsonl", True, "frontier") is None
+
+
+def test_trace_stats_reads_every_recorded_trace_before_writing(tmp_path, capsys):
+    """Issue 38 (16): a bad --recorded failed after the synthetic traces were logged, leaving half-written
+    results."""
+    trace_stats = load_experiment("trace_stats")
+    bad = tmp_path / "bad.npz"
+    bad.write_text("not a trace")
+    out = tmp_path / "ts.jsonl"
+    err = refuses(capsys, trace_stats.main, ["--steps", "1", "--layers", "1", "--ranks", "2", "--tokens-per-rank",
+                                             "8", "--recorded", str(bad), "--out", str(out), "--no-wandb"])
+    assert "--recorded" in err and "bad.npz" in err
+    assert not out.exists() and not out.with_suffix("").exists()
+
+
+def bench_trace(tmp_path, zero=False):
+    """A recorded trace of layer_bench's quick shape (2 ranks, the debug model's 16 experts, top-4), 2 layers."""
+    from lrmoe.traces.synthetic import generate_trace
+    from lrmoe.traces.trace import Trace
+
+    trace = generate_trace(5, 2, 2, 16, 4, 128, seed=0, exact=True)
+    if zero:
+        trace = Trace(trace.counts_ILNE * 0, trace.meta)
+    return trace.save(tmp_path / ("zero.npz" if zero else "rec.npz"), overwrite=True)
+
+
+def test_layer_bench_refuses_a_trace_layer_it_lacks_and_an_all_zero_trace(tmp_path, capsys):
+    """Issue 38 (16, 18): --trace-layer 99 was an IndexError traceback; an all-zero trace passed and wrote NaN
+    rows."""
+    quick = ["--quick", "--ranks", "2", "--out", str(tmp_path / "b.jsonl"), "--no-wandb"]
+    err = refuses(capsys, lambda argv: layer_bench.check_args(layer_bench.parse_args(argv)),
+                  [*quick, "--trace", str(bench_trace(tmp_path)), "--trace-layer", "99"])
+    assert "--trace-layer 99" in err and "layers 0 to 1" in err
+    err = refuses(capsys, lambda argv: layer_bench.check_args(layer_bench.parse_args(argv)),
+                  [*quick, "--trace", str(bench_trace(tmp_path, zero=True))])
+    assert "routes no token" in err
+    layer_bench.check_args(layer_bench.parse_args([*quick, "--trace", str(bench_trace(tmp_path)),
+                                                   "--trace-layer", "1"]))  # a layer it has: fine
+
+
+def test_validate_sim_reads_its_bench_before_any_work(tmp_path, capsys):
+    """Issue 38 (16): a bad --bench was a traceback (after the cost model's set-up)."""
+    validate_sim = load_experiment("validate_sim")
+    out = ["--out", str(tmp_path / "v.jsonl"), "--no-wandb"]
+    assert "is not a file" in refuses(capsys, validate_sim.main, ["--bench", str(tmp_path / "none.jsonl"), *out])
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text('{"a": 1}\n{"b": \n')
+    assert "notes.jsonl, line 2" in refuses(capsys, validate_sim.main, ["--bench", str(notes), *out])
+    notes.write_text('{"a": 1}\n')
+    assert "holds no layer_bench run" in refuses(capsys, validate_sim.main, ["--bench", str(notes), *out])

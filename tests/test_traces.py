@@ -215,6 +215,35 @@ def test_bad_megatron_records_name_file_and_line(tmp_path):
         import_megatron_trace(tmp_path / "empty_dir")
 
 
+def test_a_missing_megatron_record_is_a_named_hole_not_a_zero_count(tmp_path):
+    """Issue 38 (18): a (step, layer, rank) without a record became zero counts, a rank that routed nothing."""
+    from lrmoe.integrations.traces import import_megatron_trace
+    from lrmoe.traces.trace import TraceFormatError
+
+    records = [{"step": s, "layer": layer, "rank": r, "topk": 2, "top_indices": [[0, 1], [2, 3]]}
+               for s in range(3) for layer in range(2) for r in range(2)]
+    _write_jsonl(tmp_path / "router_trace_rank0.jsonl", [r for r in records if r["rank"] == 0])
+    _write_jsonl(tmp_path / "router_trace_rank1.jsonl",
+                 [r for r in records if r["rank"] == 1 and (r["step"], r["layer"]) != (2, 1)])  # cut short
+    with pytest.raises(TraceFormatError, match=r"no record for 1 of the 12 \(step, layer, rank\).*\(2, 1, 1\)"):
+        import_megatron_trace(tmp_path, num_experts=4)
+    assert import_megatron_trace(tmp_path, num_experts=4, ranks=[0]).counts_ILNE.shape == (3, 2, 1, 4)
+
+
+def test_a_stray_huge_expert_index_is_refused_before_any_allocation(tmp_path):
+    """Issue 38 (18): one stray index 30,000,000 built a 480 MB trace (E inferred as the largest index + 1)."""
+    from lrmoe.integrations.traces import import_megatron_trace
+    from lrmoe.traces.trace import TraceFormatError
+
+    path = tmp_path / "router_trace_rank0.jsonl"
+    _write_jsonl(path, [{"step": 0, "layer": 0, "rank": 0, "topk": 2, "top_indices": [[0, 1]]},
+                        {"step": 1, "layer": 0, "rank": 0, "topk": 2, "top_indices": [[0, 30_000_000]]}])
+    with pytest.raises(TraceFormatError, match=rf"{path}:2: expert index 30000000.*num_experts"):
+        import_megatron_trace(path)
+    with pytest.raises(TraceFormatError, match=r"outside \[0, num_experts=16\)"):
+        import_megatron_trace(path, num_experts=16)
+
+
 # -- recording an unmodified Hugging Face model (single process) -------------------------------------------------
 def test_recorder_counts_the_routers_choices_of_an_hf_model():
     pytest.importorskip("transformers")

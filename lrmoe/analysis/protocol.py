@@ -12,7 +12,6 @@ the time (the same slots per home slot, slack and budgets, at a skew matched to 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,14 +147,6 @@ def collect_run(results, **identity) -> dict:
 
 def collected_keys(path) -> set[tuple[str, int, str]]:
     """The (regime, seed, arm) of every run already in a collected results file (none if it does not exist)."""
-    from pathlib import Path
+    from lrmoe.results import read_records
 
-    path = Path(path)
-    if not path.exists():
-        return set()
-    keys = set()
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            keys.add((row["regime"], int(row["seed"]), row["arm"]))
-    return keys
+    return {(row["regime"], int(row["seed"]), row["arm"]) for row in read_records(path)}  # bad lines: file, line

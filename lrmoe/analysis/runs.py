@@ -14,6 +14,51 @@ import pandas as pd
 BASELINE = "static-ep"
 
 
+def argv_flags(argv: list[str]) -> dict[str, str | bool]:
+    """A command line's flags: ``--name value`` as ``{"--name": "value"}``, a flag without a value as True (the
+    last of a repeated flag wins; a flag's several values, as for --policies, are joined by spaces)."""
+    flags: dict[str, str | bool] = {}
+    flag = None
+    for arg in argv:
+        if arg.startswith("--"):
+            flag = arg
+            flags[flag] = True
+        elif flag is not None:
+            flags[flag] = arg if flags[flag] is True else f"{flags[flag]} {arg}"
+    return flags
+
+
+def _same(stored, given: str | bool) -> bool:
+    if given is True:
+        return stored is True
+    if isinstance(stored, bool) or stored is None:
+        return False
+    try:
+        return float(stored) == float(given)
+    except (TypeError, ValueError):
+        return " ".join(map(str, stored)) == given if isinstance(stored, list) else str(stored) == given
+
+
+def config_differences(config: dict, argv: list[str], ignore=(), switches=()) -> list[str]:
+    """How a run's stored configuration (its results header's ``config``: the script's parsed arguments) differs
+    from the command line ``argv`` that would make it now: one "--flag: was X, now Y" per difference. Only the
+    flags the configuration knows are compared (``ignore``: paths and modes that do not change a run's results);
+    ``switches``: valueless flags compared also when ``argv`` leaves them out (off)."""
+    flags = argv_flags(argv)
+    diffs = []
+    for flag in dict.fromkeys([*flags, *switches]):
+        key = flag[2:].replace("-", "_")
+        if flag in ignore or key not in config:
+            continue
+        given = flags.get(flag, False)
+        if given is False:
+            if config[key] not in (False, None):
+                diffs.append(f"{flag}: was on, now off")
+        elif not _same(config[key], given):
+            diffs.append(f"{flag}: was {config[key]}, now {'on' if given is True else given}")
+    return diffs
+
+
 def last_per_step(records: list[dict]) -> list[dict]:
     """One record per step (a resumed run may have logged a step twice: the later one wins)."""
     by_step = {}

@@ -68,6 +68,9 @@ def make_traces(args, num_ranks: int, num_experts: int, top_k: int, model: str):
         # a step of a trace that sums k micro-batches (its meta's micro_batches) is replayed as one of them: the
         # layer runs a micro-batch per forward and backward, as the simulator prices it
         counts_ILNE, k = micro_batch_counts(trace)
+        if not 0 <= args.trace_layer < counts_ILNE.shape[1]:
+            raise ValueError(f"--trace-layer {args.trace_layer}: --trace {args.trace} has layers 0 to "
+                             f"{counts_ILNE.shape[1] - 1}")
         counts = counts_ILNE[:, args.trace_layer]
         if counts.shape[1:] != (num_ranks, num_experts) or counts.shape[0] < steps:
             raise ValueError(f"--trace {args.trace}: needs at least {steps} steps of [{num_ranks} ranks, "
@@ -75,6 +78,11 @@ def make_traces(args, num_ranks: int, num_experts: int, top_k: int, model: str):
         per_rank = counts[0].sum(1)
         if bool((per_rank != per_rank[0]).any()) or int(per_rank[0]) % top_k:
             raise ValueError(f"--trace {args.trace}: every rank must route the same number of tokens·k")
+        empty = (counts[:steps].sum(-1) == 0).any(-1).nonzero().flatten()  # steps where a rank routes nothing
+        if len(empty):
+            raise ValueError(f"--trace {args.trace}: layer {args.trace_layer} routes no token on some rank in "
+                             f"{len(empty)} of its first {steps} steps (first: step {int(empty[0])}); a trace of "
+                             f"zero counts has no load to replay")
         label = f"recorded {Path(args.trace).stem}" + (f" (one of {k} micro-batches)" if k > 1 else "")
         out.append((label, counts[:steps], int(per_rank[0]) // top_k))
     return out

@@ -17,6 +17,7 @@ The trace type, its file format and the synthetic generator live below the simul
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -191,6 +192,9 @@ class RouterRecorder:
         return Trace(torch.stack(self.steps), {**info, **meta})
 
 
+MAX_INFERRED_EXPERTS = 4096  # more routed experts than any released MoE: a larger inferred E is a stray index
+
+
 def _megatron_files(paths) -> list[Path]:
     if isinstance(paths, (str, Path)):
         paths = [paths]
@@ -262,8 +266,12 @@ def import_megatron_trace(paths, num_experts: int | None = None, *, block: str =
     Steps, layers and ranks are the distinct values found, in increasing order (recorded in the metadata);
     ``ranks`` keeps only those ranks (e.g. one tensor-parallel rank per data-parallel replica, since
     tensor-parallel ranks route the same tokens). Records of another ``block`` (Megatron's multi-token-prediction
-    layers, "mtp") are skipped. ``num_experts`` defaults to the largest index seen + 1 (pass it: an expert never
-    chosen is invisible).
+    layers, "mtp") are skipped. ``num_experts`` defaults to the largest index seen + 1, at most
+    :data:`MAX_INFERRED_EXPERTS` (pass it: an expert never chosen is invisible, and a stray index is caught only
+    against the declared E).
+
+    Every (step, layer, rank) must have a record: a hole (a rank's file cut short, a layer not traced) is an error
+    naming the missing keys, never a zero count that would read as a rank that routed nothing.
     """
     files = _megatron_files(paths)
     keep = None if ranks is None else set(ranks)
@@ -275,11 +283,24 @@ def import_megatron_trace(paths, num_experts: int | None = None, *, block: str =
         raise TraceFormatError(f"records disagree on top-k: {sorted(top_k)}")
     seen_max = max((int(r[4].max()) for r in recs if r[4].size), default=-1)
     if num_experts is None:
+        if seen_max >= MAX_INFERRED_EXPERTS:
+            where = next(r[0] for r in recs if r[4].size and int(r[4].max()) == seen_max)
+            raise TraceFormatError(f"{where}: expert index {seen_max}: more experts than any MoE this reads "
+                                   f"(at most {MAX_INFERRED_EXPERTS} without num_experts); a stray record? Pass "
+                                   f"num_experts (the model's E) to check every index against it")
         num_experts = seen_max + 1
     elif seen_max >= num_experts:
         where = next(r[0] for r in recs if r[4].size and int(r[4].max()) >= num_experts)
         raise TraceFormatError(f"{where}: expert index {seen_max} is outside [0, num_experts={num_experts})")
     steps, layers, rank_ids = (sorted({r[i] for r in recs}) for i in (1, 2, 3))
+    present = {r[1:4] for r in recs}
+    holes = [key for key in itertools.product(steps, layers, rank_ids) if key not in present]
+    if holes:
+        shown = ", ".join(map(str, holes[:5])) + (", ..." if len(holes) > 5 else "")
+        raise TraceFormatError(f"{', '.join(map(str, files))}: no record for {len(holes)} of the "
+                               f"{len(steps) * len(layers) * len(rank_ids)} (step, layer, rank) the records span: "
+                               f"{shown}; a rank's file cut short or a layer not traced (keep complete ranks with "
+                               f"ranks=[...])")
     s_of, l_of, n_of = ({v: i for i, v in enumerate(vals)} for vals in (steps, layers, rank_ids))
     counts = np.zeros((len(steps), len(layers), len(rank_ids), num_experts), dtype=np.int64)
     for _, step, layer, rank, top in recs:
