@@ -24,8 +24,9 @@ Logged per step: loss, validation loss (every --eval-every), dropped pairs, reta
 throughput, modelled time (--cost-model), load statistics (lrmoe.integrations.load_stats:
 "load/<key>_mean|_p50|_p90|_p99"
 across layers and the dropped / trimmed totals every step; each layer's "load/layer<i>/<key>" every --eval-every
-steps), and the per-layer routing counts, saved as a recorded trace. Checkpoints every --ckpt-every steps;
---resume continues from the latest checkpoint exactly where it stopped.
+steps), and the per-layer routing counts, saved as a recorded trace. Sharded checkpoints every --ckpt-every steps,
+the newest --ckpt-keep kept (lrmoe.integrations.checkpoint; docs/checkpoints.md); --resume continues from the latest
+intact one exactly where it stopped, on the same or another number of ranks (re-sharded).
 
 --micro-batches K splits each rank's --batch sequences of a step into K micro-batches, each with its own forward,
 plan and backward, one optimizer step after the last (lrmoe.runtime.layer: the placement holds for the step; the
@@ -69,8 +70,8 @@ from lrmoe.runtime.routing import update_expert_bias
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
 from lrmoe.checks import non_negative_float_arg, non_negative_int_arg
+from lrmoe.integrations.checkpoint import CheckpointDir
 from lrmoe.integrations.tracking import add_tracking_args, check_tracking_args, output_problem
-from lrmoe.results import atomic_write
 from lrmoe.traces.trace import Trace
 
 DEFAULT_PRESET = "qwen3-30b-a3b-debug"
@@ -132,8 +133,8 @@ def all_reduce_mean_(tensors: list[torch.Tensor], world: int, layers: list[EPMoE
 # -- the two architectures behind one interface ----------------------------------------------------------------------
 # Each builds its model and optimizers on every rank and offers: train_step(x, y) -> (this rank's loss, the MoE
 # layers' plans of every micro-batch [micro-batch][layer], routed counts [L, N, E] summed over the micro-batches);
-# eval_loss(x, y) (no planning state advanced); state_dict() / load_state_dict() (this rank's checkpoint; collective
-# where the model's state dict is).
+# eval_loss(x, y) (no planning state advanced); .model, .opt (the dense optimizer) and the MoE layers, which the
+# checkpoint saves and loads (lrmoe.integrations.checkpoint).
 class NativeModel:
     """lrmoe's own transformer (lrmoe.integrations.model.MoETransformer) with an EPMoELayer per MoE layer."""
 
@@ -200,23 +201,6 @@ class NativeModel:
             for layer, (prev, last) in zip(self.layers, saved):
                 layer.prev_counts_E, layer.last_dispatch = prev, last
 
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                "layers": [{"placement_NS": layer.store.placement_NS, "adam_steps": layer.store.adam_steps,
-                            "prev_counts_E": layer.prev_counts_E,
-                            "bwd_generator": None if layer.bwd_generator is None else layer.bwd_generator.get_state()}
-                           for layer in self.layers]}
-
-    def load_state_dict(self, state: dict) -> None:
-        for layer, saved in zip(self.layers, state["layers"]):
-            layer.store.placement_NS = saved["placement_NS"].clone()
-            layer.store.adam_steps = saved["adam_steps"]
-            layer.prev_counts_E = saved["prev_counts_E"]
-            if layer.bwd_generator is not None:
-                layer.bwd_generator.set_state(saved["bwd_generator"])
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["opt"])
-
 
 class HFModel:
     """Hugging Face transformers' Qwen3-MoE or GLM-4.5 model of the preset's shape, its sparse MoE blocks on the
@@ -260,15 +244,6 @@ class HFModel:
     def eval_loss(self, x, y) -> torch.Tensor:
         logits = self.model(x).logits  # a forward without grad plans nothing (lrmoe.integrations.hf)
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(),  # collective: the experts are gathered into HF's tensors
-                "experts": self.ep.expert_state_dict(), "opt": self.opt.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])  # first: it writes the experts' master weights and slots
-        self.ep.load_expert_state_dict(state["experts"])
-        self.opt.load_state_dict(state["opt"])
 
 
 def build(args, world: int, device: torch.device):
@@ -330,139 +305,57 @@ def step_record(args, step: int, loss_sum: float, plans_M: list[list[LayerPlan]]
 
 
 # The arguments that define a run: a checkpoint written under other values belongs to another run, and --resume
-# refuses it. Add an argument here when it changes what a run computes.
-RUN_ARGS = ("preset", "hf_config", "policy", "ranks", "seed", "batch", "seq_len", "steps", "lr", "lr_schedule",
+# refuses it. Add an argument here when it changes what a run computes. The world size is not one: a checkpoint
+# resumes re-sharded on another (lrmoe.integrations.checkpoint_state).
+RUN_ARGS = ("preset", "hf_config", "policy", "seed", "batch", "seq_len", "steps", "lr", "lr_schedule",
             "warmup", "min_lr_frac", "aux_coef", "bias_rate", "extra_slots", "eps", "gamma", "push_cost_rows",
             "replica_grad", "micro_batches", "data", "max_bytes", "clip_grad")
 # Run arguments added after checkpoints were written: a checkpoint without one ran with this value.
 RUN_ARG_DEFAULTS = {"clip_grad": 0.0}
 
 
-def run_identity(args, world: int) -> dict:
-    """Whose checkpoint this is: the script, the run id, the results file and the defining arguments."""
-    return {"script": "train", "run_id": args.run_id, "results": str(args.out),
-            "args": {**{name: getattr(args, name) for name in RUN_ARGS}, "ranks": world}}
-
-
-def checkpoint_path(args, step: int, rank: int) -> Path:
-    return Path(args.ckpt_dir) / f"step{step:06d}" / f"rank{rank}.pt"
-
-
-def save_checkpoint(args, step, rank, run, gen, counts, history, world: int) -> None:
-    """This rank's checkpoint (every rank calls it: the HF model's state dict is collective), written atomically
-    and fsynced (lrmoe.results.atomic_write): a crash mid-save leaves the previous one intact."""
-    path = checkpoint_path(args, step, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, "architecture": run.architecture, **run.state_dict(), "gen": gen.get_state(),
-             "counts": counts, "history": history, "run": run_identity(args, world)}
-    atomic_write(path, lambda f: torch.save(state, f))
-
-
-def checkpoint_steps(args) -> list[int]:
-    """The steps with a checkpoint folder in --ckpt-dir, newest first."""
-    root = Path(args.ckpt_dir)
-    found = root.glob("step[0-9][0-9][0-9][0-9][0-9][0-9]") if root.is_dir() else []
-    return sorted((int(p.name[4:]) for p in found), reverse=True)
-
-
-def read_checkpoint(path: Path, mmap: bool = False) -> dict:
-    """A checkpoint's state, read as data only (``weights_only``: a crafted file cannot run code)."""
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-
-
-def identity_mismatch(path: Path, saved: dict, here: dict) -> str | None:
-    """Why the checkpoint at ``path`` (``saved``: its identity) is not this run's (``here``), naming both sides."""
-    if saved.get("script") != here["script"]:
-        return f"checkpoint {path} was written by {saved.get('script')!r}, not by {here['script']!r}"
-    there = {**RUN_ARG_DEFAULTS, **saved["args"]}
-    diffs = [f"--{k.replace('_', '-')} {there.get(k)!r} there, {v!r} here" for k, v in here["args"].items()
-             if there.get(k) != v]
-    if diffs:
-        return (f"checkpoint {path} belongs to another run (results file {saved['results']}): " + "; ".join(diffs))
-    if saved.get("run_id") != here["run_id"]:
-        return (f"checkpoint {path} belongs to run {saved.get('run_id')} (results file {saved['results']}), but the "
-                f"results file {here['results']} holds run {here['run_id']}")
-    return None
-
-
-def latest_checkpoint(args, world: int) -> int | None:
-    """The newest step whose every rank's checkpoint reads and is this run's (``args.run_id``); an unreadable one
-    is named and an earlier one used. ValueError when a checkpoint belongs to another run, or every complete one is
-    unreadable."""
-    here = run_identity(args, world)
-    unreadable = []
-    for step in checkpoint_steps(args):
-        paths = sorted(checkpoint_path(args, step, 0).parent.glob("rank*.pt"))  # another world's too: refused
-        for path in paths:
-            try:
-                saved = read_checkpoint(path, mmap=True).get("run")
-            except Exception as exc:  # noqa: BLE001 - whatever a truncated or foreign file raises
-                unreadable.append(f"{path} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
-                print(f"warning: checkpoint {path} is unreadable; trying an earlier one", flush=True)
-                break
-            if saved is None:
-                raise ValueError(f"checkpoint {path} records no run identity (written by an older version)")
-            if why := identity_mismatch(path, saved, here):
-                raise ValueError(f"--resume: {why}")
-        else:
-            if all(checkpoint_path(args, step, rank).is_file() for rank in range(world)):
-                return step  # (else a save killed part-way: not a checkpoint)
-    if unreadable:
-        raise ValueError(f"--resume: no readable checkpoint in {args.ckpt_dir}: {'; '.join(unreadable)}")
-    return None
-
-
-def remove_checkpoints(args) -> None:
-    """--overwrite: remove the checkpoints this script wrote in --ckpt-dir (its step folders' rank files), nothing
-    else; folders left empty go too."""
-    root = Path(args.ckpt_dir)
-    for step in checkpoint_steps(args):
-        folder = root / f"step{step:06d}"
-        for path in folder.glob("rank*.pt"):
-            path.unlink()
-        if not any(folder.iterdir()):
-            folder.rmdir()
-    if root.is_dir() and not any(root.iterdir()):
-        root.rmdir()
+def checkpoint_dir(args) -> CheckpointDir:
+    """The run's checkpoint folder (--ckpt-dir), its identity the script, the run id, the results file and the
+    defining arguments."""
+    identity = {"script": "train", "run_id": getattr(args, "run_id", None), "results": args.out or None,
+                "args": {name: getattr(args, name) for name in RUN_ARGS}}
+    return CheckpointDir(args.ckpt_dir, identity, keep=args.ckpt_keep, defaults=RUN_ARG_DEFAULTS)
 
 
 def plan_resume(args, world: int) -> None:
-    """Decide, before any rank starts, which run this is and where it starts: sets ``args.run_id`` and
-    ``args.start_step`` (0, or the step of the checkpoint --resume continues from). ValueError when --resume would
-    mix runs (a checkpoint of another run; checkpoints whose results file is missing) or when a fresh run would
-    start over an earlier run's checkpoints without --overwrite."""
+    """Decide, before any rank starts, which run this is and where it starts (CheckpointDir.plan): sets
+    ``args.run_id`` and ``args.start_step`` (0, or the step of the checkpoint --resume continues from). ValueError
+    when the folder is another run's or in use, when --resume would mix runs, or when a fresh run would start over
+    an earlier run's checkpoints without --overwrite."""
     from lrmoe.integrations.tracking import new_run_id
     from lrmoe.results import read_results
 
-    args.start_step = 0
-    steps = checkpoint_steps(args)
-    if not args.resume:
-        if steps and not args.overwrite:
-            raise ValueError(f"--ckpt-dir {args.ckpt_dir} holds an earlier run's checkpoints; pass --overwrite to "
-                             f"replace them or --resume to continue that run")
-        args.run_id = new_run_id("train")
+    args.run_id, args.start_step = new_run_id("train"), 0
+    if not args.ckpt_dir:
         return
     out = Path(args.out) if args.out else None
-    headers = read_results(out, "run") if out is not None and out.is_file() else []
-    if not steps:  # nothing to continue from: the run starts again (its records are superseded)
-        args.run_id = headers[-1]["run_id"] if headers else new_run_id("train")
-        return
-    if not headers:
-        raise ValueError(f"--resume: {args.ckpt_dir} holds checkpoints but their results file {out} is missing; "
-                         f"restore it, or pass --overwrite to start a new run")
-    args.run_id = headers[-1]["run_id"]
-    found = latest_checkpoint(args, world)
-    args.start_step = found or 0
+    headers = read_results(out, "run") if args.resume and out is not None and out.is_file() else []
+    probe = not args.torchrun or os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 takes the folder (main)
+    args.run_id, args.start_step, manifest = checkpoint_dir(args).plan(
+        args.resume, args.overwrite, [h["run_id"] for h in headers], args.run_id, probe=probe)
+    if manifest is not None and manifest["world"] != world:
+        if args.trace_out:
+            raise ValueError(f"--trace-out: the checkpoint of step {args.start_step} ran on {manifest['world']} "
+                             f"ranks, this run on {world}; a recorded trace holds one world size's counts")
+        print(f"resuming the {manifest['world']}-rank checkpoint of step {args.start_step} on {world} ranks "
+              f"(re-sharded)", flush=True)
 
 
-def load_checkpoint(args, step, rank, run, gen):
-    path = checkpoint_path(args, step, rank)
-    state = read_checkpoint(path)
-    if state["architecture"] != run.architecture:  # defining arguments checked equal: a second safeguard
-        raise ValueError(f"{path} holds a {state['architecture']} model; this run trains a {run.architecture} model")
-    run.load_state_dict(state)
-    gen.set_state(state["gen"])
-    return state["counts"], state["history"]
+def hold_checkpoints(args) -> CheckpointDir | None:
+    """The checkpoint folder locked for this run (released by the caller), or None when the run keeps none."""
+    if not args.ckpt_dir or not (args.ckpt_every or args.start_step):
+        return None
+    held = checkpoint_dir(args)
+    try:
+        held.lock()
+    except RuntimeError as exc:
+        raise SystemExit(f"train.py: error: {exc}") from None
+    return held
 
 
 def worker(rank: int, args) -> list[dict]:
@@ -475,9 +368,11 @@ def worker(rank: int, args) -> list[dict]:
     gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
     counts: list[torch.Tensor] = []  # per step: [layers, N, E] routed pairs (the recorded trace)
     history: list[dict] = []
+    layers = run.ep.layers if isinstance(run, HFModel) else run.layers
+    ckpt = checkpoint_dir(args) if args.ckpt_dir else None
     start = args.start_step  # plan_resume's choice, made before the ranks started
     if start:
-        counts, history = load_checkpoint(args, start, rank, run, gen)
+        history, counts = ckpt.load(start, run.model, run.opt, layers, {"data": gen}, run.architecture)
     tracker = None
     if rank == 0 and args.out:
         from lrmoe.integrations.tracking import Tracker
@@ -495,7 +390,7 @@ def worker(rank: int, args) -> list[dict]:
             base = reset_peak() if args.record_peak_rss else 0  # before the clock starts
             t0 = time.perf_counter()
             x, y = get_batch(corpus.train, args.batch, args.seq_len, gen)
-            set_lr(run.opt, run.ep.layers if isinstance(run, HFModel) else run.layers, lr_at(step, args))
+            set_lr(run.opt, layers, lr_at(step, args))
             loss, plans, counts_LNE = run.train_step(x.to(device), y.to(device))
             peak = torch.tensor([peak_bytes() - base if args.record_peak_rss else 0], dtype=torch.float64)
             elapsed = time.perf_counter() - t0
@@ -522,7 +417,7 @@ def worker(rank: int, args) -> list[dict]:
                 progress.set_postfix(loss=f"{record['loss']:.3f}",
                                      **({"grad_norm": f"{record['grad_norm']:.3f}"} if "grad_norm" in record else {}))
             if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
-                save_checkpoint(args, step + 1, rank, run, gen, counts, history, world)
+                ckpt.save(step + 1, run.model, run.opt, layers, {"data": gen}, history, counts, run.architecture)
             if args.stop_after and step + 1 >= args.stop_after:  # simulate an interruption (tests)
                 break
         if rank == 0 and args.trace_out:
@@ -598,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ckpt-dir", default=None,
                         help="checkpoints of this run (default: beside the results file, --out's name + .ckpt)")
     parser.add_argument("--ckpt-every", type=non_negative_int_arg, default=50, help="0: no checkpoints")
+    parser.add_argument("--ckpt-keep", type=non_negative_int_arg, default=2,
+                        help="keep the newest this many checkpoints (0: all); the records are kept whole")
     parser.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--trace-out", default=None, help="save the routing counts as a recorded trace (.npz)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="fork launcher timeout, seconds")
@@ -676,27 +573,37 @@ def main(argv=None) -> list[dict]:
         from lrmoe.runtime.distributed.comm import init_process_group_from_env
 
         info = init_process_group_from_env()
-        chosen = [args.run_id]
-        dist.broadcast_object_list(chosen, src=0)  # a new run's id: rank 0's
-        args.run_id = chosen[0]
-        if args.overwrite and info.rank == 0:
-            remove_checkpoints(args)
-        dist.barrier()
-        history = worker(info.rank, args)
+        chosen = [args.run_id, args.start_step]
+        dist.broadcast_object_list(chosen, src=0)  # a new run's id and the resumed step: rank 0's
+        args.run_id, args.start_step = chosen
+        held = hold_checkpoints(args) if info.rank == 0 else None  # rank 0 holds the folder for the run
+        try:
+            if held is not None and args.overwrite:
+                held.remove_own()
+            dist.barrier()
+            history = worker(info.rank, args)
+        finally:
+            if held is not None:
+                held.release()
         dist.destroy_process_group()
         return history
-    if args.overwrite:
-        remove_checkpoints(args)
-    if args.engine == "emulated":  # the same worker on in-process ranks (lrmoe.runtime.inprocess)
-        from lrmoe.runtime.inprocess import launch_inprocess
+    held = hold_checkpoints(args)
+    try:
+        if held is not None and args.overwrite:
+            held.remove_own()
+        if args.engine == "emulated":  # the same worker on in-process ranks (lrmoe.runtime.inprocess)
+            from lrmoe.runtime.inprocess import launch_inprocess
 
-        return launch_inprocess(worker, args.ranks, args, timeout_s=args.timeout)[0]
-    from lrmoe.runtime.distributed.launch import launch
+            return launch_inprocess(worker, args.ranks, args, timeout_s=args.timeout)[0]
+        from lrmoe.runtime.distributed.launch import launch
 
-    # Read the corpus and import what the ranks' optimizers import, once, here: the forked ranks inherit both (a
-    # process reads a corpus once) instead of spending seconds on each.
-    load_corpus(args.data, max_bytes=args.max_bytes)
-    return launch(worker, args.ranks, args, timeout_s=args.timeout, preload=("torch._dynamo",))[0]
+        # Read the corpus and import what the ranks' optimizers import, once, here: the forked ranks inherit both (a
+        # process reads a corpus once) instead of spending seconds on each.
+        load_corpus(args.data, max_bytes=args.max_bytes)
+        return launch(worker, args.ranks, args, timeout_s=args.timeout, preload=("torch._dynamo",))[0]
+    finally:
+        if held is not None:
+            held.release()
 
 
 if __name__ == "__main__":

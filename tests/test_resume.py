@@ -2,8 +2,14 @@
 the middle of a stage. After --resume each step is in the results file once, the losses are bit-identical to an
 unbroken run's, the W&B run is one run, and the main job's SUMMARY.md equals an uninterrupted run's up to timings.
 
-The mechanism these rely on (the tracker's rewrite on resume) is tested in test_tracking.py."""
+train.py's checkpoint folder: one run owns it (another run's --out is refused, --overwrite included, and so is a
+second live run); it keeps the newest checkpoints and each step's record once; a checkpoint corrupted inside is
+named and the one before it resumed from; a run resumes on another number of ranks (re-sharded).
 
+The mechanism these rely on (the tracker's rewrite on resume) is tested in test_tracking.py; the sharded state's
+re-sharding, tensor by tensor, in test_checkpoint.py."""
+
+import math
 import os
 import re
 import signal
@@ -14,8 +20,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from _scripts import load_experiment
 
+from lrmoe.integrations.tracking import Tracker
 from lrmoe.results import read_results
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +124,8 @@ def test_a_rank_killed_mid_run_resumes_with_each_step_once_and_the_same_losses(t
     left = steps_in(out)
     args = train.parse_args([*TRAIN, "--out", str(out), "--ckpt-dir", str(ckpt)])
     args.run_id = read_results(out, "run")[0]["run_id"]
-    checkpoint = train.latest_checkpoint(args, 2)
+    found = train.checkpoint_dir(args).latest()
+    checkpoint = found[0] if found else None
     assert checkpoint is not None and checkpoint < max(left) < 24, (checkpoint, left)  # steps past it to redo
 
     resumed = spawn([*argv, "--resume"], env)
@@ -131,6 +141,186 @@ def test_a_rank_killed_mid_run_resumes_with_each_step_once_and_the_same_losses(t
     assert [h.get("resumed_from_step") for h in headers] == [None, checkpoint]
     assert len({r["run_id"] for r in headers + records}) == 1
     assert offline_run_ids(tmp_path / "wb") == [headers[0]["run_id"]] * 2, "one W&B run (two attempts)"
+
+
+# -- train.py's checkpoint folder -------------------------------------------------------------------------------
+SMALL = ["--preset", "qwen3-30b-a3b-debug", "--ranks", "2", "--batch", "2", "--seq-len", "32", "--eval-every", "100",
+         "--eval-batches", "1", "--max-bytes", "300000", "--no-wandb", "--quiet", "--timeout", "120"]
+
+
+def train_run(*argv) -> list[dict]:
+    return train.main([*SMALL, *argv])
+
+
+def refused(capsys, *argv) -> str:
+    """The argparse-style error with which train.py refuses ``argv`` before any rank starts."""
+    with pytest.raises(SystemExit) as exc:
+        train_run(*argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def files_in(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def step_folders(ckpt: Path) -> list[str]:
+    return sorted(p.name for p in ckpt.glob("step*"))
+
+
+@pytest.mark.timeout(300)
+def test_resume_continues_only_its_own_run_from_checkpoints_beside_its_results(tmp_path, capsys):
+    out, ckpt = tmp_path / "a.jsonl", tmp_path / "a.ckpt"
+    base = ["--policy", "symi-cf1", "--steps", "3", "--ckpt-every", "1", "--seed", "1"]
+    train_run(*base, "--stop-after", "2", "--out", str(out))
+    assert step_folders(ckpt) == ["step000001", "step000002"]  # beside its results file
+    before = out.read_text()
+
+    # another policy, another batch: both sides named
+    err = refused(capsys, *base, "--resume", "--out", str(out), "--policy", "static-ep")
+    assert "--policy 'symi-cf1' there, 'static-ep' here" in err and str(ckpt) in err
+    assert "--batch 2 there, 4 here" in refused(capsys, *base, "--resume", "--out", str(out), "--batch", "4")
+    # run B's results file with run A's checkpoints
+    other = tmp_path / "b.jsonl"
+    with Tracker("train", results=other, wandb=False) as b:
+        b.log({"loss": 1.0}, step=1)
+    err = refused(capsys, *base, "--resume", "--out", str(other), "--ckpt-dir", str(ckpt))
+    assert "belongs to another run" in err and str(out) in err and str(other) in err
+    # a fresh run of the same results file into its folder of checkpoints
+    assert "--overwrite" in refused(capsys, *base, "--out", str(out))
+    # another script's results file is never rewritten
+    bench = tmp_path / "bench.jsonl"
+    with Tracker("layer_bench", results=bench, wandb=False) as b:
+        b.log({"time_ms": 1.0}, step=0)
+    kept = bench.read_text()
+    assert "'layer_bench'" in refused(capsys, *base, "--resume", "--out", str(bench))
+    assert bench.read_text() == kept
+    # checkpoints whose results file is gone
+    out.rename(tmp_path / "moved.jsonl")
+    assert "missing" in refused(capsys, *base, "--resume", "--out", str(out))
+    (tmp_path / "moved.jsonl").rename(out)
+    assert out.read_text() == before
+
+    # --overwrite removes the run's own checkpoints (a stopped run then resumes from its own), nothing else
+    (ckpt / "notes.txt").write_text("mine")
+    train_run(*base, "--stop-after", "1", "--overwrite", "--out", str(out))
+    assert step_folders(ckpt) == ["step000001"] and (ckpt / "notes.txt").read_text() == "mine"
+    resumed = train_run(*base, "--resume", "--out", str(out))
+    assert [h["step"] for h in resumed] == [1, 2, 3]
+    assert [r["step"] for r in read_results(out)] == [1, 2, 3]
+    assert [h.get("resumed_from_step") for h in read_results(out, "run")] == [None, 1]
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_folder_belongs_to_one_run(tmp_path, capsys):
+    """Two runs with different --out and one --ckpt-dir: the second is refused, with --overwrite too, naming the
+    owner's results file, and the first run's checkpoints stay as they were (it resumes from them). A second live
+    process of the owning run itself is refused while the first holds the folder."""
+    a, ckpt = tmp_path / "a.jsonl", tmp_path / "shared.ckpt"
+    base = ["--policy", "symi-cf1", "--steps", "3", "--ckpt-every", "1", "--ckpt-dir", str(ckpt)]
+    first = train_run(*base, "--stop-after", "2", "--out", str(a))
+    kept = files_in(ckpt)
+    for extra in (["--overwrite"], [], ["--resume"]):
+        err = refused(capsys, *base, *extra, "--out", str(tmp_path / "b.jsonl"))
+        assert str(ckpt) in err and str(a) in err, err
+    assert files_in(ckpt) == kept, "a refused run touched the folder"
+    resumed = train_run(*base, "--resume", "--out", str(a))
+    assert [h["loss"] for h in resumed[:2]] == [h["loss"] for h in first] and len(resumed) == 3
+
+    held = train.checkpoint_dir(train.parse_args([*SMALL, *base, "--out", str(a)]))
+    held.lock()  # a live process of this run holds the folder
+    try:
+        err = refused(capsys, *base, "--overwrite", "--out", str(a))
+        assert "in use by another live run" in err, err
+    finally:
+        held.release()
+
+
+def record_steps(ckpt: Path) -> list[int]:
+    """The steps of every record stored in the folder, in file order."""
+    return [h["step"] for p in sorted(ckpt.rglob("*")) if p.is_file() and p.suffix == ".pt"
+            for h in torch.load(p, weights_only=True).get("history", [])]
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_folder_keeps_the_newest_checkpoints_and_each_record_once(tmp_path):
+    """--ckpt-every 1 over 6 steps: two checkpoints stay (--ckpt-keep's default), of equal size (no history
+    inside), every step's record is stored once, and a resume from the newest restores the whole history."""
+    out, ckpt = tmp_path / "r.jsonl", tmp_path / "r.ckpt"
+    base = ["--policy", "symi-cf1", "--steps", "7", "--ckpt-every", "1", "--out", str(out)]
+    train_run(*base, "--stop-after", "6")
+    assert step_folders(ckpt) == ["step000005", "step000006"]
+    sizes = [sum(p.stat().st_size for p in (ckpt / f).iterdir() if p.suffix == ".distcp") for f in step_folders(ckpt)]
+    assert sizes[0] == sizes[1], sizes
+    assert record_steps(ckpt) == [1, 2, 3, 4, 5, 6]
+    resumed = train_run(*base, "--resume")
+    assert [h["step"] for h in resumed] == list(range(1, 8))
+    assert step_folders(ckpt) == ["step000006", "step000007"] and record_steps(ckpt) == list(range(1, 8))
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_corrupted_inside_is_named_and_the_one_before_resumed(tmp_path, capsys):
+    """Bytes flipped in the middle of the newest checkpoint's largest file (its size unchanged): --resume names
+    the file and continues from the checkpoint before, redoing the step after it to the same loss; a save cut short
+    (no manifest) is skipped the same way."""
+    base = ["--policy", "symi-cf1", "--steps", "4", "--ckpt-every", "1"]
+    out, ckpt = tmp_path / "b.jsonl", tmp_path / "b.ckpt"
+    stopped = train_run(*base, "--stop-after", "3", "--out", str(out))
+    victim = max((p for p in (ckpt / "step000003").iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    middle = len(data) // 2
+    data[middle: middle + 8] = bytes(255 - b for b in data[middle: middle + 8])
+    victim.write_bytes(bytes(data))
+    capsys.readouterr()
+    resumed = train_run(*base, "--resume", "--out", str(out))
+    log = capsys.readouterr().out
+    assert str(victim) in log and "corrupted" in log, log
+    assert [h["loss"] for h in resumed[:3]] == [h["loss"] for h in stopped]  # step 3 redone from step 2's state
+    assert [h.get("resumed_from_step") for h in read_results(out, "run")] == [None, 2]
+
+    args = train.parse_args([*SMALL, *base, "--out", str(out)])
+    args.run_id = read_results(out, "run")[0]["run_id"]
+    (ckpt / "step000004" / "complete.json").unlink()  # as a save killed before its manifest leaves it
+    assert train.checkpoint_dir(args).latest()[0] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_two_rank_run_resumed_on_four_ranks_equals_one_resumed_from_the_re_sharded_state(tmp_path):
+    """2 -> 4 ranks. Run A stops after its step-2 checkpoint (2 ranks); B is a copy of it whose checkpoint is
+    re-saved by 4 ranks after loading (the re-sharded state as a native 4-rank checkpoint). A and B resumed on 4
+    ranks give bit-identical losses (tolerance 0), steps 1-2 those of the 2-rank run. That the re-sharded state
+    equals the saved one tensor for tensor: test_checkpoint.py."""
+    import shutil
+
+    from lrmoe.runtime.distributed.launch import launch
+
+    base = ["--policy", "lrmoe", "--steps", "4", "--ckpt-every", "2"]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first = train_run(*base, "--stop-after", "2", "--out", str(a))
+    shutil.copy(a, b)
+    shutil.copytree(tmp_path / "a.ckpt", tmp_path / "b.ckpt")
+    owner = tmp_path / "b.ckpt" / "owner.json"
+    owner.write_text(owner.read_text().replace(str(a), str(b)))
+    args = train.parse_args([*SMALL, *base, "--ranks", "4", "--out", str(b)])
+    args.run_id, args.start_step = read_results(b, "run")[0]["run_id"], 2
+    launch(resave, 4, args, timeout_s=600)
+    resumed = {name: train_run(*base, "--ranks", "4", "--resume", "--out", str(path)) for name, path in
+               (("a", a), ("b", b))}
+    assert [h["loss"] for h in resumed["a"]] == [h["loss"] for h in resumed["b"]]
+    assert [h["loss"] for h in resumed["a"][:2]] == [h["loss"] for h in first]
+    assert all(math.isfinite(h["loss"]) for h in resumed["a"])
+
+
+def resave(rank: int, args) -> None:
+    """Load the run's checkpoint of ``args.start_step`` on this world and save it again, as this world's."""
+    world = dist.get_world_size()
+    torch.manual_seed(args.seed)
+    _, run, _ = train.build(args, world, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    ckpt = train.checkpoint_dir(args)
+    history, counts = ckpt.load(args.start_step, run.model, run.opt, run.layers, {"data": gen}, run.architecture)
+    ckpt.save(args.start_step, run.model, run.opt, run.layers, {"data": gen}, history, counts, run.architecture)
 
 
 # -- every experiment with --resume: killed midway, resumed, the records of an unbroken run ------------------------

@@ -8,6 +8,7 @@ import pytest
 import torch
 from _scripts import load_experiment
 
+from lrmoe.integrations.checkpoint import identity_mismatch
 from lrmoe.traces.trace import load_trace
 
 train = load_experiment("train")
@@ -73,9 +74,9 @@ def test_clip_grad_records_the_norm_and_checkpoints_without_it_ran_unclipped(tmp
     assert results(tmp_path / "r.jsonl")[-1]["grad_norm"] == history[-1]["grad_norm"]
     here = {"script": "train", "run_id": "r", "results": "r.jsonl", "args": {"lr": 1e-3, "clip_grad": 0.0}}
     older = {"script": "train", "run_id": "r", "results": "r.jsonl", "args": {"lr": 1e-3}}
-    assert train.identity_mismatch(tmp_path, older, here) is None
-    assert "--clip-grad 0.0 there, 1.0 here" in train.identity_mismatch(
-        tmp_path, older, {**here, "args": {"lr": 1e-3, "clip_grad": 1.0}})
+    assert identity_mismatch(tmp_path, older, here, train.RUN_ARG_DEFAULTS) is None
+    assert "--clip-grad 0.0 there, 1.0 here" in identity_mismatch(
+        tmp_path, older, {**here, "args": {"lr": 1e-3, "clip_grad": 1.0}}, train.RUN_ARG_DEFAULTS)
 
 
 def test_the_cosine_schedule_warms_up_then_decays_to_its_floor():
@@ -169,85 +170,3 @@ def refused(capsys, tmp_path, *argv) -> str:
         run(tmp_path, *argv)
     assert exc.value.code == 2
     return capsys.readouterr().err
-
-
-@pytest.mark.timeout(300)
-def test_resume_continues_only_its_own_run_from_checkpoints_beside_its_results(tmp_path, capsys):
-    from lrmoe.integrations.tracking import Tracker
-    from lrmoe.results import read_results
-
-    out, ckpt = tmp_path / "a.jsonl", tmp_path / "a.ckpt"
-    base = ["--policy", "symi-cf1", "--steps", "3", "--ckpt-every", "1", "--seed", "1"]
-    run(tmp_path, *base, "--stop-after", "2", "--out", str(out))
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step000001", "step000002"]  # beside its results file
-    before = out.read_text()
-
-    # another policy, another world size: both sides named
-    err = refused(capsys, tmp_path, *base, "--resume", "--out", str(out), "--policy", "static-ep")
-    assert "--policy 'symi-cf1' there, 'static-ep' here" in err and str(ckpt) in err
-    assert "--ranks 2 there, 4 here" in refused(capsys, tmp_path, *base, "--resume", "--out", str(out), "--ranks", "4")
-    # run B's results file with run A's checkpoints
-    other = tmp_path / "b.jsonl"
-    with Tracker("train", results=other, wandb=False) as b:
-        b.log({"loss": 1.0}, step=1)
-    err = refused(capsys, tmp_path, *base, "--resume", "--out", str(other), "--ckpt-dir", str(ckpt))
-    assert "belongs to run" in err and str(out) in err and str(other) in err
-    # a fresh run into a folder of checkpoints
-    assert "--overwrite" in refused(capsys, tmp_path, *base, "--out", str(tmp_path / "c.jsonl"), "--ckpt-dir",
-                                    str(ckpt))
-    # another script's results file is never rewritten
-    bench = tmp_path / "bench.jsonl"
-    with Tracker("layer_bench", results=bench, wandb=False) as b:
-        b.log({"time_ms": 1.0}, step=0)
-    kept = bench.read_text()
-    assert "'layer_bench'" in refused(capsys, tmp_path, *base, "--resume", "--out", str(bench))
-    assert bench.read_text() == kept
-    # checkpoints whose results file is gone
-    out.rename(tmp_path / "moved.jsonl")
-    assert "missing" in refused(capsys, tmp_path, *base, "--resume", "--out", str(out))
-    (tmp_path / "moved.jsonl").rename(out)
-    assert out.read_text() == before
-
-    # --overwrite removes the run's own checkpoints (a stopped run then resumes from its own), nothing else
-    (ckpt / "notes.txt").write_text("mine")
-    run(tmp_path, *base, "--stop-after", "1", "--overwrite", "--out", str(out))
-    assert sorted(p.name for p in ckpt.iterdir()) == ["notes.txt", "step000001"]
-    resumed = run(tmp_path, *base, "--resume", "--out", str(out))
-    assert [h["step"] for h in resumed] == [1, 2, 3]
-    assert [r["step"] for r in read_results(out)] == [1, 2, 3]
-    assert [h.get("resumed_from_step") for h in read_results(out, "run")] == [None, 1]
-
-
-class RunsCode:
-    """What a crafted checkpoint holds: unpickling it runs a shell command."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        import os
-
-        return os.system, (f"touch {self.marker}",)
-
-
-def test_checkpoints_load_as_data_and_an_unreadable_one_falls_back_to_the_one_before(tmp_path, capsys):
-    args = train.parse_args(["--ranks", "2", "--out", str(tmp_path / "r.jsonl")])
-    args.run_id = "train-x"
-    good = {"step": 1, "run": train.run_identity(args, 2)}
-    for rank in range(2):
-        path = train.checkpoint_path(args, 1, rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(good, path)
-    marker = tmp_path / "ran"
-    crafted = train.checkpoint_path(args, 2, 0)
-    crafted.parent.mkdir()
-    torch.save({"step": 2, "payload": RunsCode(marker)}, crafted)
-    (crafted.parent / "rank1.pt").write_bytes(b"truncated")
-    assert train.latest_checkpoint(args, 2) == 1  # the crafted step is refused, the one before is used
-    assert not marker.exists(), "loading a checkpoint ran code"
-    assert str(crafted) in capsys.readouterr().out
-    train.checkpoint_path(args, 1, 1).write_bytes(b"truncated too")
-    with pytest.raises(ValueError, match="no readable checkpoint") as exc:
-        train.latest_checkpoint(args, 2)
-    assert str(crafted) in str(exc.value) and str(train.checkpoint_path(args, 1, 1)) in str(exc.value)
-    assert not marker.exists()

@@ -8,7 +8,9 @@ traces, load statistics, and results files with W&B tracking.
   (the trace type, its file and the generator are :mod:`lrmoe.traces`);
 * :mod:`~lrmoe.integrations.load_stats`: per-rank load statistics of a plan, for logs;
 * :mod:`~lrmoe.integrations.tracking`: the Tracker (resumable results files, W&B runs) and the scripts' output
-  flags; the files themselves (atomic writes, locks, readers, manifests) are :mod:`lrmoe.results`.
+  flags; the files themselves (atomic writes, locks, readers, manifests) are :mod:`lrmoe.results`;
+* :mod:`~lrmoe.integrations.checkpoint`: a run's checkpoint folder (owner, lock, manifests, records, pruning);
+* :mod:`~lrmoe.integrations.checkpoint_state`: one training state as a sharded DCP checkpoint, re-sharded on load.
 
 Shape letters (DESIGN.md §8 has the full glossary): I iterations, L layers, T tokens, K top-k, E experts, N ranks.
 """

@@ -14,8 +14,9 @@ copied into the receiver's mailbox and never wait; a receive waits for its messa
 (every live rank waiting, none's condition met) raises on every rank at once instead of hanging.
 
 Supported: all_reduce (sum and product in gloo's order, max, min), all_gather, all_to_all_single (uneven splits),
-broadcast, barrier, send, recv, and so batch_isend_irecv when each rank posts its send to a peer before its receive
-from it (as :func:`lrmoe.runtime.distributed.comm.exchange_rows` does, in ascending peer order).
+broadcast, gather and scatter (torch.distributed.checkpoint's planning), barrier, send, recv, and so
+batch_isend_irecv when each rank posts its send to a peer before its receive from it (as
+:func:`lrmoe.runtime.distributed.comm.exchange_rows` does, in ascending peer order).
 """
 
 from __future__ import annotations
@@ -271,6 +272,28 @@ class InProcessGroup(dist.ProcessGroup):
 
         self.hub.collective(self.me, tensor_list, complete)
         return _done(tensor_list)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+
+        def complete(args):  # the root's output lists receive every member's inputs
+            for k, out_list in enumerate(args[root][0]):
+                for q, out in enumerate(out_list):
+                    out.copy_(args[q][1][k])
+
+        self.hub.collective(self.me, (output_tensors, input_tensors), complete)
+        return _done(output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+
+        def complete(args):  # member q receives entry q of each of the root's input lists
+            for q, (outs, _) in enumerate(args):
+                for k, out in enumerate(outs):
+                    out.copy_(args[root][1][k][q])
+
+        self.hub.collective(self.me, (output_tensors, input_tensors), complete)
+        return _done(output_tensors)
 
     def barrier(self, opts=None):
         self.hub.collective(self.me, None, lambda args: None)
