@@ -10,11 +10,11 @@ variant, claim), one per (regime, seed) of the margin's worth, and a Markdown re
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from lrmoe.analysis.protocol import REGIMES
 from lrmoe.analysis.robustness import VARIANTS, robustness_table, steps_per_loss_margin
+from lrmoe.results import read_records
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args, write_report
 
 
@@ -57,20 +57,11 @@ def report(tables: dict, worth: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def read_runs(path) -> list[dict]:
-    """The collected runs, one JSON object a line; a bad line is an error naming the file and the line."""
-    rows = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise SystemExit(f"frontier_robustness.py: error: {path}, line {number}: not a JSON record ({exc})")
-    return rows
-
-
 def run(args) -> dict:
-    rows = read_runs(args.runs)
+    try:
+        rows = read_records(args.runs)
+    except ValueError as exc:
+        raise SystemExit(f"frontier_robustness.py: error: {exc}")
     tables = {r: robustness_table(rows, r) for r in args.regimes}
     worth = {r: steps_per_loss_margin(rows, r) for r in args.regimes}
     with Tracker("frontier_robustness", vars(args), results=args.out, overwrite=args.overwrite,

@@ -31,34 +31,31 @@
 
 # %%
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import seaborn as sns
 
-ROOT = Path.cwd().resolve().parent if Path.cwd().name == "notebooks" else Path.cwd().resolve()
 from lrmoe.paper_figures import figures
-from lrmoe.paper_figures import style
+from lrmoe.paper_figures import REPO_ROOT as ROOT, RESULTS_DIR, style
 
 # %matplotlib inline
 
 QUICK = os.environ.get("LRMOE_NOTEBOOK_QUICK") == "1"
 OUT = Path(os.environ.get("LRMOE_NOTEBOOK_OUT", ROOT / "outputs" / "notebooks"))
 RESULTS = ROOT / "outputs" / "quick"
-COMMITTED = ROOT / "paper_figures" / "results" / "ablate_rev_sizing.jsonl"
-sim_path = next((p for p in [*([] if QUICK else [RESULTS / "ablate.jsonl"]), COMMITTED] if p.exists()), None)
-if sim_path is None:
-    sim_path = OUT / "ablate_notebook.jsonl"
-    subprocess.run([sys.executable, str(ROOT / "experiments" / "ablate.py"),
-                    "--models", "qwen3-30b-a3b", "--ranks", "16", "--skews", "zipf:0.4", "zipf:0.8",
-                    "--mem-gb", "40",
-                    "--steps", "2" if QUICK else "3", *(["--layers", "2", "--no-band"] if QUICK else []),
-                    "--out", str(sim_path), "--no-wandb", "--overwrite" if sim_path.exists() else "--resume"],
-                   check=True)
+COMMITTED = RESULTS_DIR / "ablate_rev_sizing.jsonl"
+OWN = OUT / "ablate_notebook.jsonl"  # this notebook's own small sweep, run once when no results exist
+sim_path = next((p for p in [*([] if QUICK else [RESULTS / "ablate.jsonl"]), COMMITTED, OWN] if p.exists()), None)
+if sim_path is None:  # nothing to read: run the sweep once, in-process, through the script's entry point
+    from lrmoe.experiments import ablate
+
+    sim_path = OWN
+    ablate.main(["--models", "qwen3-30b-a3b", "--ranks", "16", "--skews", "zipf:0.4", "zipf:0.8", "--mem-gb", "40",
+                 "--steps", "2" if QUICK else "3", *(["--layers", "2", "--no-band"] if QUICK else []),
+                 "--out", str(sim_path), "--no-wandb"])
 style.apply()
-print("simulator results:", sim_path)
+print("simulator results:", os.path.relpath(sim_path, ROOT))  # relative to the checkout
 
 # %% [markdown]
 # ## Simulator: every system, time per MoE layer and its split

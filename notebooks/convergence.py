@@ -27,32 +27,30 @@
 
 # %%
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import seaborn as sns
 
-ROOT = Path.cwd().resolve().parent if Path.cwd().name == "notebooks" else Path.cwd().resolve()
 from lrmoe.analysis.runs import summarise
 from lrmoe.paper_figures import figures
-from lrmoe.paper_figures import style
+from lrmoe.paper_figures import REPO_ROOT as ROOT, RESULTS_DIR, style
 
 # %matplotlib inline
 
 QUICK = os.environ.get("LRMOE_NOTEBOOK_QUICK") == "1"
 OUT = Path(os.environ.get("LRMOE_NOTEBOOK_OUT", ROOT / "outputs" / "notebooks"))
-COMMITTED = ROOT / "paper_figures" / "results" / "convergence.jsonl"
+COMMITTED = RESULTS_DIR / "convergence.jsonl"
 candidates = [ROOT / "outputs" / "full" / "convergence.jsonl", ROOT / "outputs" / "quick" / "convergence.jsonl"]
-results = next((p for p in [*([] if QUICK else candidates), COMMITTED] if p.exists()), None)
-if results is None:
-    results = OUT / "convergence_notebook.jsonl"
-    subprocess.run([sys.executable, str(ROOT / "experiments" / "convergence.py"),
-                    "--policies", "static-ep", "symi-cf1", "lrmoe", "--ranks", "2", "--steps", "6",
-                    "--batch", "2", "--seq-len", "32", "--eval-every", "3", "--out", str(results), "--no-wandb",
-                    "--resume" if results.exists() else "--overwrite"], check=True)
-print("results:", results)
+OWN = OUT / "convergence_notebook.jsonl"  # this notebook's own short runs, made once when no results exist
+results = next((p for p in [*([] if QUICK else candidates), COMMITTED, OWN] if p.exists()), None)
+if results is None:  # nothing to read: train once, in-process, through the script's entry point
+    from lrmoe.experiments import convergence
+
+    results = OWN
+    convergence.main(["--policies", "static-ep", "symi-cf1", "lrmoe", "--ranks", "2", "--steps", "6",
+                      "--batch", "2", "--seq-len", "32", "--eval-every", "3", "--out", str(results), "--no-wandb"])
+print("results:", os.path.relpath(results, ROOT))  # relative to the checkout
 
 # %% [markdown]
 # ## Curves

@@ -27,23 +27,22 @@
 # for its own planned peak load (its plans of the warm-up iteration), never a constant per system.
 #
 # The simulator (`experiments/ablate.py`: the real planner, the cost model) then sweeps the per-rank memory budget
-# of the MoE layers, for Qwen3-30B-A3B on 8 A100-class GPUs at high skew, and shows for SYMI and LRMoE: slots per
-# rank, peak memory, imbalance, time and whether the layers still fit.
+# of the MoE layers, for Qwen3-30B-A3B on 2 x 8 A100-class GPUs at high skew (Zipf 0.8), and shows for SYMI and
+# LRMoE: slots per rank, peak memory, imbalance, time and whether the layers still fit. Opening the notebook runs
+# nothing: it reads the committed memory sweep (`experiments/memory_sweep.py`, `memory_pressure_sweep.jsonl`). Set
+# `RERUN = True` below to run a sweep of your own here (a minute or two; it is kept and read again next time).
 
 # %%
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-ROOT = Path.cwd().resolve().parent if Path.cwd().name == "notebooks" else Path.cwd().resolve()
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.paper_figures import figures
-from lrmoe.paper_figures import style
+from lrmoe.paper_figures import REPO_ROOT as ROOT, RESULTS_DIR, style
 from lrmoe.sim.cost import CostModel
 
 # %matplotlib inline
@@ -76,17 +75,25 @@ pd.Series(resident).div(1e9).round(2).rename("GB per rank").to_frame().assign(of
 # ## Shrinking the budget
 
 # %%
-BUDGETS = ["80", "40", "30"] if QUICK else ["120", "80", "60", "40", "30", "25"]
+RERUN = False  # True: simulate the budgets below here (in-process), instead of reading the committed sweep
+SYSTEMS = ["symi-cf1", "symi-dropless", "lrmoe", "lrmoe-rho0.75-early", "static-ep"]
+COMMITTED = RESULTS_DIR / "memory_pressure_sweep.jsonl"
 path = OUT / "memory_pressure.jsonl"
-subprocess.run([sys.executable, str(ROOT / "experiments" / "ablate.py"),
-                "--models", "qwen3-30b-a3b", "--ranks", "8", "--skews", "zipf:0.8", "--mem-gb", *BUDGETS,
-                "--steps", "2" if QUICK else "3", *(["--layers", "2", "--no-band"] if QUICK else []),
-                "--systems", "symi-cf1", "symi-dropless", "lrmoe", "lrmoe-no-quotas", "static-ep",
-                "--out", str(path), "--no-wandb", "--overwrite"], check=True)
+if RERUN and not path.exists():
+    from lrmoe.experiments import ablate
+
+    BUDGETS = ["80", "40", "30"] if QUICK else ["120", "80", "60", "40", "30", "25"]
+    ablate.main(["--models", "qwen3-30b-a3b", "--ranks", "16", "--skews", "zipf:0.8", "--mem-gb", *BUDGETS,
+                 "--steps", "2" if QUICK else "3", *(["--layers", "2", "--no-band"] if QUICK else []),
+                 "--systems", *SYSTEMS, "--out", str(path), "--no-wandb"])
+source = path if RERUN else COMMITTED
+print("memory sweep:", os.path.relpath(source, ROOT))  # relative to the checkout
 style.apply()
 
 # %%
-data = figures.records(path)
+data = figures.records(source)
+data = data[(data.model == "qwen3-30b-a3b") & ((data.skew_label == "zipf:0.8"))
+            & data.system.isin(SYSTEMS)]
 cols = ["mem_gb", "system", "fits", "slots_per_rank", "peak_mem_gb", "planned_headroom_symi", "planned_headroom_lrmoe",
         "fwd_imbalance", "rho", "time_ms_per_layer", "drop_rate", "note"]
 data[[c for c in cols if c in data]].sort_values(["mem_gb", "system"], ascending=[False, True]).round(3)
@@ -102,7 +109,7 @@ for ax, col, label in zip(axes, ["slots_per_rank", "peak_mem_gb", "time_ms_per_l
     ax.set(xlabel="MoE memory budget per rank (GB)", ylabel=label)
     ax.invert_xaxis()
 skew = data.iloc[0]
-fig.suptitle(f"Shrinking memory: replicas vs token buffers (Qwen3-30B-A3B, 8 GPUs, {skew.skew_label}: per-rank "
-             f"max/mean {skew.trace_rank_max_over_mean:.2f}, simulated)")
+fig.suptitle(f"Shrinking memory: replicas vs token buffers (Qwen3-30B-A3B, {int(skew.ranks)} GPUs, "
+             f"{skew.skew_label}: per-rank max/mean {skew.trace_rank_max_over_mean:.2f}, simulated)")
 fig.tight_layout()
 plt.show()

@@ -39,6 +39,7 @@
 # The layer is a debug preset's MoE layer at random initialisation, on random data (synthetic).
 
 # %%
+import functools
 import os
 
 import matplotlib.pyplot as plt
@@ -75,6 +76,7 @@ print(f"{PRESET}: D={cfg.hidden}, F={cfg.expert_ffn}, E={cfg.num_experts}, top-{
 # as tokens with different losses have in training.
 
 # %%
+@functools.lru_cache(maxsize=64)  # a control moved back to an earlier value redraws at once
 def run(metric="m2", rho=0.7, skew=0.8, mode="topk", seed=SEED):
     gen = torch.Generator().manual_seed(seed)
     layer = ReferenceMoE.from_config(cfg, seed=seed, dtype=torch.float64)
@@ -161,16 +163,18 @@ def show(metric="m2", rho=0.7, skew=0.8, mode="topk"):
 # %% [markdown]
 # ## Explore
 #
-# The controls re-run the experiment on every change (each view takes a few seconds). Headless, as in the tests,
-# the widgets are created and the default view is drawn once, into the widget.
+# The sliders re-run the experiment when they are released (not on every step of a drag), and every view already
+# seen is kept, so coming back to earlier values redraws at once (a new view takes a few seconds). Headless, as in
+# the tests, the widgets are created and the default view is drawn once, into the widget.
 
 # %%
 import ipywidgets as widgets
 
 controls = dict(
     metric=widgets.Dropdown(options=list(METRICS), value="m2", description="metric"),
-    rho=widgets.FloatSlider(value=0.7, min=0.1, max=1.0, step=0.05, description="retention ρ"),
-    skew=widgets.FloatSlider(value=0.8, min=0.0, max=1.2, step=0.1, description="Zipf s"),
+    rho=widgets.FloatSlider(value=0.7, min=0.1, max=1.0, step=0.05, description="retention ρ",
+                            continuous_update=False),
+    skew=widgets.FloatSlider(value=0.8, min=0.0, max=1.2, step=0.1, description="Zipf s", continuous_update=False),
     mode=widgets.ToggleButtons(options=["topk", "unbiased"], value="topk", description="mode"),
 )
 explorer = widgets.interactive(show, **controls)
