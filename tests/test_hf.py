@@ -53,6 +53,11 @@ def tiny_model(family: str):
     return model
 
 
+def dense_named(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """The swapped model's named parameters but the expert slots (which the replica store steps)."""
+    return [(n, p) for n, p in model.named_parameters() if not n.endswith(".experts.slots_SW")]
+
+
 def batches(step: int = 0, seq: int = SEQ) -> list[torch.Tensor]:
     """Every rank's token batch of a step, the same on every rank."""
     gen = torch.Generator().manual_seed(100 + step)
@@ -113,7 +118,11 @@ def _equal_to_hf(rank: int, family: str, system: str) -> dict:
     ep.sync_dense_grads(1.0)
     expert_grads = ep.gather_expert_grads(1.0)
     sum(ref(x, labels=x, output_router_logits=True).loss for x in ids).backward()
-    dense = dict(model.named_parameters())
+    # the experts are parameters too, each block's slots on this rank (what DDP is told to leave alone)
+    slots = {n for n, _ in model.named_parameters() if n.endswith(".experts.slots_SW")}
+    assert len(slots) == 2
+    assert {id(model.get_parameter(n)) for n in slots} == {id(layer.store.slots_SW) for layer in ep.layers}
+    dense = {n: p for n, p in model.named_parameters() if n not in slots}
     names = dict(ref.named_parameters())
     assert set(dense) | set(expert_grads) == set(names) and not set(dense) & set(expert_grads)
     assert {p for p in map(id, ep.dense_parameters())} == {id(p) for p in dense.values()}
@@ -283,7 +292,7 @@ def _plain_loop(rank: int, family: str, system: str, ckpt: bool):
         # each forward's decision is kept for its recomputation, and taken by it when the model checkpoints
         assert all(len(layer.decisions) == (0 if ckpt else MICRO) for layer in ep.layers)
         opt.step()
-        used = {n: p.grad.clone() for n, p in model.named_parameters()} | _expert_grads_used(ep)
+        used = {n: p.grad.clone() for n, p in dense_named(model)} | _expert_grads_used(ep)
         steps.append(used)
         sched.step()
         opt.zero_grad()
@@ -329,11 +338,11 @@ def _defaults_agree(rank: int) -> dict:
     mean = ep.gather_expert_grads()
     for name in summed:
         torch.testing.assert_close(mean[name], summed[name] / (RANKS * MICRO), rtol=1e-6, atol=0)
-    raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+    raw = {n: p.grad.clone() for n, p in dense_named(model)}
     ep.sync_dense_grads()
     ep.expert_step()
     used = _expert_grads_used(ep)
-    for name, p in model.named_parameters():
+    for name, p in dense_named(model):
         total = raw[name].clone()
         dist.all_reduce(total)
         torch.testing.assert_close(p.grad, total / (RANKS * MICRO), rtol=1e-6, atol=1e-9)

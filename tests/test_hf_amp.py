@@ -65,7 +65,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def grads_used(model, ep) -> dict[str, torch.Tensor]:
     """The gradients the last optimizer step applied, in HF's names: the dense ones (all-reduced, scaled to the
     mean loss over the ranks) and the experts' (their collected shards, gathered)."""
-    out = {n: p.grad.clone() for n, p in model.named_parameters()}
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if not n.endswith("slots_SW")}
     for name, layer in zip(ep.names, ep.layers):
         store = layer.store
         flat_EW = store.gather_full(store.grad_shards_EW)

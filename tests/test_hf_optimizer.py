@@ -78,7 +78,8 @@ def _clipped(rank: int, system: str) -> dict:
             model(x, labels=x).loss.backward()
         opt.step()
         norms.append(float(opt.last_grad_norm))
-        used = {n: p.grad.clone() for n, p in model.named_parameters()} | expert_grads_used(ep)
+        used = {n: p.grad.clone() for n, p in model.named_parameters() if not n.endswith("slots_SW")}
+        used |= expert_grads_used(ep)
         opt.zero_grad()
         # the reference: one process, the mean loss over every rank's micro-batches, torch's clipping over all
         loss = sum(ref(x, labels=x).loss for m in range(MICRO) for r in range(world)

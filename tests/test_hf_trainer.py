@@ -5,22 +5,16 @@ One process: Trainer, given ``optimizers=(ep.optimizer(AdamW, grad_scale=1.0), s
 ``max_grad_norm=0``, trains exactly as the plain loop of the README does (the same losses and weights, experts
 included; also when ep.optimizer clips); without ``optimizers=`` its own optimizer would leave the experts
 untrained, and the swapped model refuses it (ForeignOptimizerError) at the first forward after that optimizer's
-first step. Several ranks: DistributedDataParallel, which Trainer and Accelerate wrap the model in there, is
-refused at its construction on every rank, before any step or collective; a script that tries exits non-zero at
-once.
+first step. FSDP and nn.DataParallel's copies are refused (DistributedDataParallel: tests/test_hf_ddp.py).
 """
 
 import os
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from transformers import Qwen3MoeForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 from lrmoe.config import MoEConfig  # noqa: E402
@@ -32,7 +26,6 @@ TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, 
                  num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
 BATCH, SEQ, MICRO, STEPS = 2, 8, 2, 3  # sequences per micro-batch, tokens per sequence, micro-batches per step
 SYSTEM = "lrmoe-no-quotas"  # every pair kept: the gradients are continuous in the weights
-REFUSAL = "DistributedDataParallel cannot wrap a model whose MoE blocks run on lrmoe's expert-parallel layer"
 
 
 def tiny_model():
@@ -191,7 +184,9 @@ def test_trainer_clipping_beside_the_swapped_models_optimizer_is_refused_at_its_
     max_grad_norm=0 (which still multiplies every gradient by 1 to log the norm) trains bitwise as the plain loop
     (the test above)."""
     message, steps, expert_steps = launch(_trainer_clipping_too, 1, str(tmp_path), timeout_s=120)[0]
-    assert message == GRADIENT_EDIT.format(edited=21, total=21) and "TrainingArguments(max_grad_norm=0)" in message
+    # under Accelerate's one-rank DDP the check watches the expert slots, which DDP leaves alone and the clipping
+    # over model.parameters() scales too
+    assert message == GRADIENT_EDIT.format(edited=2, total=2) and "TrainingArguments(max_grad_norm=0)" in message
     assert steps == 0 and expert_steps == 0
 
 
@@ -217,7 +212,7 @@ def _plain_loop_clipped_outside(rank: int, max_norm: float, allow: bool) -> tupl
 
 def test_a_dense_gradient_edited_before_the_step_is_refused_unless_allowed():
     clipped, expert_steps = launch(_plain_loop_clipped_outside, 1, 0.01, False, timeout_s=60)[0]
-    assert all(m.startswith("21 of the swapped model's 21 dense gradients") and n > 0.01 for m, n in clipped)
+    assert all(m == GRADIENT_EDIT.format(edited=23, total=23) and n > 0.01 for m, n in clipped)  # 21 dense, 2 slots
     assert expert_steps == 0
     # a clipping that does not bind multiplies by 1: the gradients are what the backward left, nothing to refuse
     loose, expert_steps = launch(_plain_loop_clipped_outside, 1, 1e6, False, timeout_s=60)[0]
@@ -226,28 +221,7 @@ def test_a_dense_gradient_edited_before_the_step_is_refused_unless_allowed():
     assert [m for m, _ in allowed] == ["stepped", "stepped"] and expert_steps == 2
 
 
-# -- several ranks: DistributedDataParallel is refused --------------------------------------------------------------
-def _wrap(rank: int) -> list[str]:
-    model = tiny_model()
-    ep = swap_moe_blocks(model, "symi-dropless")
-    messages = []
-    for module in (model, model.model, model.model.layers[1].mlp):  # the model and any module above a block
-        try:
-            DistributedDataParallel(module)
-            messages.append("wrapped")
-        except DataParallelError as exc:
-            messages.append(str(exc))
-    x = token_rows()[:BATCH]
-    model(x, labels=x).loss.backward()  # nothing was broadcast or hooked: the model still trains
-    ep.optimizer(torch.optim.AdamW, lr=1e-2).step()
-    return messages
-
-
-def test_ddp_is_refused_at_construction_on_every_rank():
-    for messages in launch(_wrap, 2, timeout_s=60):
-        assert len(messages) == 3 and all(m.startswith(REFUSAL) and "over 2 ranks" in m for m in messages), messages
-
-
+# -- data-parallel wrappers that cannot run the drop-in ------------------------------------------------------------
 def _replicate(rank: int) -> str:
     model = tiny_model()
     swap_moe_blocks(model, "static-ep")
@@ -291,48 +265,3 @@ def test_fsdp_is_refused_at_the_first_training_forward_on_every_rank(where):
 
 def test_a_data_parallel_copy_of_the_experts_refuses_to_run():
     assert launch(_replicate, 1, timeout_s=60)[0].startswith("nn.DataParallel (what transformers.Trainer uses")
-
-
-def _trainer_on_two_ranks(rank: int, folder: str) -> tuple:
-    as_torchrun()
-    model = tiny_model()
-    ep = swap_moe_blocks(model, SYSTEM)
-    t = trainer(model, ep.optimizer(torch.optim.AdamW, lr=1e-2, grad_scale=1 / ep.num_ranks), folder)
-    return train_until(t, ep, DataParallelError)
-
-
-def test_trainer_on_two_ranks_is_refused_on_every_rank_before_a_step(tmp_path):
-    for message, steps, expert_steps in launch(_trainer_on_two_ranks, 2, str(tmp_path), timeout_s=60):
-        assert message.startswith(REFUSAL) and "over 2 ranks" in message, message
-        assert steps == 0 and expert_steps == 0
-
-
-SCRIPT = """
-import sys
-import torch
-sys.path.insert(0, {tests!r})
-from test_hf_trainer import SYSTEM, as_torchrun, tiny_model, trainer
-from lrmoe.integrations.hf import swap_moe_blocks
-from lrmoe.runtime.distributed.launch import launch
-
-
-def main(rank, folder):
-    as_torchrun()
-    model = tiny_model()
-    ep = swap_moe_blocks(model, SYSTEM)
-    trainer(model, ep.optimizer(torch.optim.AdamW, lr=1e-2, grad_scale=1 / ep.num_ranks), folder).train()
-
-
-launch(main, 2, {folder!r}, timeout_s=100)
-"""
-
-
-@pytest.mark.slow  # a fresh interpreter imports torch and transformers: 10 s of CPU, 30 s on a loaded 2-core machine
-def test_a_script_running_trainer_on_two_ranks_exits_non_zero_at_once(tmp_path):
-    (tmp_path / "run.py").write_text(SCRIPT.format(tests=os.path.dirname(__file__), folder=str(tmp_path / "out")))
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "run.py"], cwd=tmp_path, capture_output=True, text=True, timeout=150)
-    elapsed = time.monotonic() - start
-    assert proc.returncode != 0 and "timed out" not in proc.stderr, proc.stderr[-3000:]
-    assert f"DataParallelError: {REFUSAL} over 2 ranks" in proc.stderr, proc.stderr[-3000:]
-    assert elapsed < 100, elapsed  # inside the launch's timeout: no rank waited on a peer

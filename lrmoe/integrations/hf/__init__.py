@@ -24,36 +24,40 @@ dispatches and computes the experts, and the router gradient flows back through 
 and the optimizer object's ``step``) defaults to the gradient of the *mean* loss over the ranks and the step's
 micro-batches: the summed gradients times 1 / (ranks x micro-batches), the micro-batches being the training
 forwards since the last step. A loop that already divides each micro-batch's loss by their number (HF's Trainer,
-Accelerate) passes ``grad_scale=1 / ranks``; ``grad_scale=1.0`` gives the plain sum.
+Accelerate) passes ``grad_scale=1 / ranks``; ``grad_scale=1.0`` gives the plain sum. Under DDP, whose average
+stands for the dense sum over the ranks, the same ``grad_scale`` gives the same gradients.
 
-**Gradient clipping** cannot be ``torch.nn.utils.clip_grad_norm_(model.parameters())``: the routed experts are not
-among them, and before the step each replica holds a partial sum of its expert's gradient. ``max_grad_norm`` of
-:meth:`HFExpertParallel.optimizer` (or of :meth:`~HFExpertParallel.step`; :meth:`~HFExpertParallel.clip_grad_norm_`
+**Gradient clipping** cannot be ``torch.nn.utils.clip_grad_norm_(model.parameters())``: each rank holds only its
+own expert slots, and before the step each replica holds a partial sum of its expert's gradient. ``max_grad_norm``
+of :meth:`HFExpertParallel.optimizer` (or of :meth:`~HFExpertParallel.step`; :meth:`~HFExpertParallel.clip_grad_norm_`
 in the low-level API) clips that gradient, after the dense all-reduce and the experts' replica-gradient sum, to one
 global L2 norm over the dense parameters (once) and the experts (each once), exactly as ``clip_grad_norm_`` over
 every parameter of the unswapped model on one process would (:mod:`lrmoe.runtime.clip`). The systems with a
 retention budget (ρ < 1) clip the recalibrated gradient their experts' Adam applies.
 
 **A foreign optimizer** (``torch.optim.AdamW(model.parameters())``, ``transformers.Trainer`` without
-``optimizers=``) would step the dense parameters and never the experts: the model's next training forward after
-such a step raises :class:`ForeignOptimizerError` (:data:`FOREIGN_OPTIMIZER` names the fix; how it is detected:
-:class:`_ForeignStepGuard`).
+``optimizers=``) would step the dense parameters and never the experts' sharded Adam: the model's next training
+forward after such a step raises :class:`ForeignOptimizerError` (:data:`FOREIGN_OPTIMIZER` names the fix; how it is
+detected: :class:`_ForeignStepGuard`).
 
-**Trainer and data parallelism.** ``transformers.Trainer`` works on one process with ``optimizers=(ep.optimizer(...,
-grad_scale=1.0, max_grad_norm=...), scheduler)`` and Trainer's own ``max_grad_norm=0`` (:class:`EPOptimizer`). On
-more than one process it (and Accelerate, and any loop) wraps the model in DistributedDataParallel: a swapped model
-refuses that at the wrapper's construction, on every rank, before any step (:class:`DataParallelError`; the message
-says why and what to use), and refuses to run as a copy made by ``nn.DataParallel``. FSDP is not supported and not
-detected.
+**Data parallelism.** The experts are parameters of the swapped model (each block's ``experts.slots_SW``: this
+rank's slots), named to DistributedDataParallel as parameters to leave alone (its
+``_ddp_params_and_buffers_to_ignore``, on the model and every module above a block): DDP carries the dense
+gradients, averaged in its backward (overlapped with it, ``no_sync`` for accumulation), and the replica store the
+experts'; the step then all-reduces only the non-finite flags (:attr:`HFExpertParallel.dense_reduced_by_ddp`,
+:func:`ddp_reducing`). A DDP around a module above the model would reduce the slots: its first training forward
+raises :class:`DataParallelError`. ``transformers.Trainer`` works with ``optimizers=(ep.optimizer(...,
+max_grad_norm=...), scheduler)`` and Trainer's own ``max_grad_norm=0`` (:class:`EPOptimizer`). ``nn.DataParallel``'s
+copies and FSDP are refused (:class:`DataParallelError`).
 
 Weights. HF fuses the experts as ``gate_up_proj`` [E, 2F, D] (gate rows first: ``linear(x, W).chunk(2)``) and
 ``down_proj`` [E, D, F]; the layer keeps the reference layout ``w_gate_EDF``, ``w_up_EDF``, ``w_down_EFD``
-(:func:`hf_to_reference`, :func:`reference_to_hf`). The swapped module owns no parameter of its own: the replica
-store holds the slots and the fp32 master shards (DESIGN.md §3.5), stepped by :meth:`HFExpertParallel.step`, never
-by the dense optimizer. Its ``state_dict`` emits HF's two fused tensors, gathered from every rank's shard, so
-``model.state_dict()`` and ``save_pretrained`` of a swapped model are **collective** (call them on every rank, as
-with FSDP's full state dict) and give what the unmodified HF class loads; ``load_state_dict`` takes HF's tensors
-back (no collective). The training state of the experts (moments, placement, planning state) is per rank:
+(:func:`hf_to_reference`, :func:`reference_to_hf`). The swapped module's one parameter is the replica store's slots;
+the store also holds the fp32 master shards (DESIGN.md §3.5), stepped by :meth:`HFExpertParallel.step`, never by
+the dense optimizer. Its ``state_dict`` emits HF's two fused tensors, gathered from every rank's shard (not the
+slots), so ``model.state_dict()`` and ``save_pretrained`` of a swapped model are **collective** (call them on every
+rank, as with FSDP's full state dict) and give what the unmodified HF class loads; ``load_state_dict`` takes HF's
+tensors back (no collective). The training state of the experts (moments, placement, planning state) is per rank:
 :meth:`HFExpertParallel.expert_state_dict`.
 
 Planning state. A forward with gradients is a training forward: it plans with the system's policy and advances
@@ -67,8 +71,9 @@ before a step are micro-batches of one iteration (their gradients accumulate; th
 recomputed forward replays the plan its original forward made.
 """
 
-from lrmoe.integrations.hf.data_parallel import (DATA_PARALLEL_REFUSAL, FSDP_REFUSAL, DataParallelError, ddp_refusal,
-                                                 fsdp_wrapped, path_to_blocks)
+from lrmoe.integrations.hf.data_parallel import (DATA_PARALLEL_REFUSAL, DDP_REDUCES_EXPERTS, FSDP_REFUSAL,
+                                                 DataParallelError, ddp_reducing, fsdp_wrapped,
+                                                 ignore_experts_in_ddp, path_to_blocks)
 from lrmoe.integrations.hf.expert_parallel import EPOptimizer, HFExpertParallel
 from lrmoe.integrations.hf.experts import EPExperts
 from lrmoe.integrations.hf.families import (DEFAULT_BIAS_RATE, FAMILIES, Family, hf_config, hf_to_reference,
@@ -77,8 +82,8 @@ from lrmoe.integrations.hf.foreign_optimizer import (FOREIGN_OPTIMIZER, GRAD_SAM
                                                      ForeignOptimizerError, GradientEditError)
 from lrmoe.integrations.hf.swap import gather_trace, swap_moe_blocks
 
-__all__ = ["DATA_PARALLEL_REFUSAL", "DEFAULT_BIAS_RATE", "FAMILIES", "FOREIGN_OPTIMIZER", "FSDP_REFUSAL",
-           "GRADIENT_EDIT", "GRAD_SAMPLE", "DataParallelError", "EPExperts", "EPOptimizer", "Family",
-           "ForeignOptimizerError", "GradientEditError", "HFExpertParallel", "ddp_refusal", "fsdp_wrapped",
-           "gather_trace", "hf_config", "hf_to_reference", "moe_blocks", "path_to_blocks", "reference_to_hf",
-           "swap_moe_blocks"]
+__all__ = ["DATA_PARALLEL_REFUSAL", "DDP_REDUCES_EXPERTS", "DEFAULT_BIAS_RATE", "FAMILIES", "FOREIGN_OPTIMIZER",
+           "FSDP_REFUSAL", "GRADIENT_EDIT", "GRAD_SAMPLE", "DataParallelError", "EPExperts", "EPOptimizer", "Family",
+           "ForeignOptimizerError", "GradientEditError", "HFExpertParallel", "ddp_reducing", "fsdp_wrapped",
+           "gather_trace", "hf_config", "hf_to_reference", "ignore_experts_in_ddp", "moe_blocks", "path_to_blocks",
+           "reference_to_hf", "swap_moe_blocks"]

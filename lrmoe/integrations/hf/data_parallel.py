@@ -1,29 +1,17 @@
-"""The data-parallel wrappers a swapped model refuses: DistributedDataParallel at its construction (the
-``_ddp_params_and_buffers_to_ignore`` guard), ``nn.DataParallel``'s copies, and FSDP at a training forward."""
+"""A swapped model under data-parallel wrappers: DistributedDataParallel carries its dense gradients (the expert
+slots named to it as parameters to leave alone, :func:`ignore_experts_in_ddp`; whether the running forward's
+backward is reduced by it, :func:`ddp_reducing`); ``nn.DataParallel``'s copies and FSDP are refused."""
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.nn.parallel import DistributedDataParallel
 
 
 class DataParallelError(RuntimeError):
-    """A data-parallel wrapper (DistributedDataParallel, nn.DataParallel) around a swapped model: refused."""
-
-
-def ddp_refusal(num_ranks: int) -> str:
-    """Why DistributedDataParallel cannot wrap a model swapped over ``num_ranks`` ranks, and what to use."""
-    return (f"DistributedDataParallel cannot wrap a model whose MoE blocks run on lrmoe's expert-parallel layer "
-            f"over {num_ranks} ranks (transformers.Trainer and Accelerate wrap the model in it whenever they run on "
-            f"more than one process). Each rank holds only its own share of the experts, outside "
-            f"model.parameters(): DDP would all-reduce the dense gradients a second time (ep.optimizer's step "
-            f"already reduces them), Trainer's gradient clipping would leave the experts out, and Trainer saves "
-            f"checkpoints from rank 0 alone, while model.state_dict() gathers the experts from every rank (rank 0 "
-            f"would wait for the others until the process group times out) and each rank's expert optimizer state "
-            f"is its own. Train with the "
-            f"plain loop instead: opt = ep.optimizer(torch.optim.AdamW, lr=...); loss.backward() per micro-batch; "
-            f"opt.step(); opt.zero_grad(); model.save_pretrained(path, is_main_process=rank == 0) on every rank "
-            f"(README, 'Use it with transformers').")
+    """A data-parallel wrapper a swapped model cannot run under (nn.DataParallel, FSDP, a DDP that would reduce the
+    experts): refused."""
 
 
 DATA_PARALLEL_REFUSAL = (
@@ -32,33 +20,6 @@ DATA_PARALLEL_REFUSAL = (
     "threads, but each layer's experts live on one device and its all-to-alls expect one forward per rank. Run one "
     "process per GPU (torchrun) with the plain loop: opt = ep.optimizer(torch.optim.AdamW, lr=...) (README, 'Use it "
     "with transformers'); or make one GPU visible (CUDA_VISIBLE_DEVICES) to run Trainer in one process.")
-
-
-class _RefuseDDP:
-    """Stands where DistributedDataParallel looks for the names it should not synchronise
-    (``module._ddp_params_and_buffers_to_ignore``): iterating it raises :class:`DataParallelError` over more than
-    one rank; on one rank it is empty (DDP's broadcast and all-reduce over one process change nothing).
-
-    Why there: DDP's constructor reads that attribute (``set(module._ddp_params_and_buffers_to_ignore)``) before it
-    checks the parameters' shapes across ranks and broadcasts rank 0's parameters and buffers, so every rank raises
-    at construction, before any collective (no rank waits on another) and before any training step, whoever builds
-    the DDP (Trainer through Accelerate, Accelerate alone, torch's composable ``replicate``, a hand-written loop).
-    ``DistributedDataParallel._active_ddp_module``, the other trace DDP leaves, is set only around a forward (after
-    the construction's collectives) and not at all with the Python reducer. A DDP around a module *above* the model
-    (``DDP(nn.Sequential(model))``) does not look here; torch's ``_set_params_and_buffers_to_ignore_for_model``
-    replaces the guard. FSDP reads nothing of the kind: a training forward refuses it (:func:`fsdp_wrapped`, where
-    ``fully_shard`` or an auto-wrapped ``FullyShardedDataParallel`` stands on the path to a swapped block)."""
-
-    def __init__(self, num_ranks: int):
-        self.num_ranks = num_ranks
-
-    def __iter__(self):
-        if self.num_ranks > 1:
-            raise DataParallelError(ddp_refusal(self.num_ranks))
-        return iter(())
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(num_ranks={self.num_ranks})"
 
 
 def path_to_blocks(swapped: list[str]) -> list[str]:
@@ -70,20 +31,56 @@ def path_to_blocks(swapped: list[str]) -> list[str]:
     return sorted(names, key=lambda n: (n.count("."), n))
 
 
-def _refuse_ddp(model: nn.Module, swapped: list[str], num_ranks: int) -> None:
-    """Put the guard (:class:`_RefuseDDP`) on ``model`` and on every module between it and a swapped block (the
-    block included), so that a DDP around any of them is refused. No collective."""
-    guard = _RefuseDDP(num_ranks)
+EXPERT_PARAMETER = "experts.slots_SW"  # each swapped block's expert parameter, relative to the block
+
+
+def ignore_experts_in_ddp(model: nn.Module, swapped: list[str]) -> None:
+    """DDP's own mechanism for parameters it must leave alone
+    (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``): on the model and on every module
+    between it and a swapped block, the names (relative to that module) of the expert slots below it, added to any
+    already there. A DDP around any of them then neither broadcasts the slots (each rank holds its own experts) nor
+    all-reduces their gradients (the replica store sums them over each expert's replicas); it carries the dense
+    gradients alone. No collective."""
     for name in path_to_blocks(swapped):
-        setattr(model.get_submodule(name), "_ddp_params_and_buffers_to_ignore", guard)
+        module = model.get_submodule(name)
+        below = [b for b in swapped if not name or b == name or b.startswith(name + ".")]
+        names = [f"{b[len(name) + 1:] if name else b}.{EXPERT_PARAMETER}".lstrip(".") for b in below]
+        old = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, old + [n for n in names
+                                                                                           if n not in old])
+
+
+DDP_REDUCES_EXPERTS = (
+    "DistributedDataParallel wraps a module above a model whose MoE blocks run on lrmoe's expert-parallel layer and "
+    "would all-reduce the experts' slots, which hold different experts on every rank. Wrap the swapped model itself "
+    "(Trainer and Accelerate do), or name its slots to DDP first: DistributedDataParallel."
+    "_set_params_and_buffers_to_ignore_for_model(wrapper, [name for name, _ in wrapper.named_parameters() if "
+    "name.endswith('experts.slots_SW')]).")
+
+
+def ddp_reducing(expert_params: list[nn.Parameter]) -> bool:
+    """Whether the forward running now runs inside a DistributedDataParallel that all-reduces its backward's
+    gradients: torch sets ``DistributedDataParallel._active_ddp_module`` around the forward (C++ reducer), and its
+    ``require_backward_grad_sync`` is False under ``no_sync()``. Raises :class:`DataParallelError` when that DDP
+    would reduce ``expert_params`` too (a wrapper above the model, :data:`DDP_REDUCES_EXPERTS`). DDP's Python
+    reducer (compiled autograd) sets no active module: then the step all-reduces the dense gradients again, which
+    DDP's averaging leaves exact (the mean of equal tensors), only slower."""
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is None:
+        return False
+    reduced = {id(p) for p in getattr(ddp, "_module_parameters", ())}
+    if any(id(p) in reduced for p in expert_params):
+        raise DataParallelError(DDP_REDUCES_EXPERTS)
+    return bool(ddp.require_backward_grad_sync)
 
 
 FSDP_REFUSAL = (
     "FSDP (torch's fully_shard or FullyShardedDataParallel) wraps {where} of a model whose MoE blocks run on lrmoe's "
-    "expert-parallel layer: it shards the dense parameters and reduce-scatters their gradients, where ep.optimizer's "
-    "step already all-reduces them, and the routed experts are not among model.parameters() (each rank holds its "
-    "own share of them in the layer's replica store). Train without FSDP: opt = ep.optimizer(torch.optim.AdamW, "
-    "lr=...) in the plain loop (README, 'Use it with transformers').")
+    "expert-parallel layer: it would shard the experts' slots, which hold different experts on every rank (the "
+    "layer's replica store shards and steps them itself), and reduce-scatter gradients that ep.optimizer's step "
+    "expects whole. Use DistributedDataParallel, which carries the dense gradients and leaves the experts to the "
+    "replica store (what transformers.Trainer and Accelerate use on several processes), or the plain loop with "
+    "opt = ep.optimizer(torch.optim.AdamW, lr=...) (docs/hf.md).")
 
 
 def fsdp_wrapped(model: nn.Module, names: list[str]) -> str | None:

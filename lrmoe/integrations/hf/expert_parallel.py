@@ -55,8 +55,16 @@ class HFExpertParallel:
         return self.layers[0].rank
 
     def dense_parameters(self) -> list[nn.Parameter]:
-        """Every trainable parameter of the model (no collective)."""
-        return [p for p in self.model.parameters() if p.requires_grad]
+        """Every trainable parameter of the model but the expert slots (no collective)."""
+        return [p for p in self._guard.dense_params if p.requires_grad]
+
+    @property
+    def dense_reduced_by_ddp(self) -> bool:
+        """Whether a DistributedDataParallel all-reduced (averaged over the ranks) the dense gradients of this
+        iteration in its backward: its last training forward ran inside a DDP that syncs (not under ``no_sync``).
+        Then the step's dense sync sends only the non-finite flags and rescales the average to ``grad_scale``'s
+        convention (times the ranks). No collective."""
+        return self._guard.ddp_reduces
 
     def mean_grad_scale(self) -> float:
         """1 / (ranks x micro-batches since the last step): the default ``grad_scale`` of every method (module
@@ -71,7 +79,7 @@ class HFExpertParallel:
         the gradient of the mean loss over ranks and micro-batches). A missing gradient counts as zeros, so every
         rank reduces the same tensors."""
         scale = self._scale(grad_scale)
-        params = self.dense_parameters()
+        params, averaged = self.dense_parameters(), self.dense_reduced_by_ddp
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -82,10 +90,13 @@ class HFExpertParallel:
         for group in by_dtype.values():
             finite = torch.stack([torch.isfinite(p.grad).all() for p in group]).all()
             flags = grad_flags(layers, self.rank, N, finite).to(group[0].grad)  # the gradient check (runtime.layer)
-            flat = torch.cat([*(p.grad.reshape(-1) for p in group), flags])
+            flat = flags if averaged else torch.cat([*(p.grad.reshape(-1) for p in group), flags])
             if N > 1:
                 dist.all_reduce(flat)
             raise_on_grad_flags(flat[-N:], layers, self.rank)
+            if averaged:  # DDP's mean over the ranks, to the sum times scale
+                torch._foreach_mul_([p.grad for p in group], scale * N)
+                continue
             flat = flat[:-N].mul_(scale)
             offset = 0
             for p in group:
@@ -245,11 +256,9 @@ class EPOptimizer(torch.optim.Optimizer):
     meant to be there, e.g. an unscale). So set, it trains exactly as the plain loop
     (``tests/test_hf_trainer.py``: the same weights, bitwise). Without ``optimizers`` Trainer builds its own
     optimizer over the dense parameters, which would never train the experts: the model's next training forward
-    after that optimizer's first step raises :class:`ForeignOptimizerError` (:class:`_ForeignStepGuard`). On more
-    than one process Trainer and
-    Accelerate wrap the model in DistributedDataParallel, which the swapped model refuses at construction
-    (:class:`DataParallelError`, :func:`ddp_refusal`): write the loop by hand (README, "Use it with
-    transformers"); micro-batches, gradient checkpointing and LR schedulers all work in it.
+    after that optimizer's first step raises :class:`ForeignOptimizerError` (:class:`_ForeignStepGuard`). Under
+    DistributedDataParallel (Trainer and Accelerate on several processes) DDP carries the dense gradients and the
+    step reduces them no second time (:attr:`HFExpertParallel.dense_reduced_by_ddp`).
     """
 
     def __init__(self, ep: HFExpertParallel, dense_optimizer: type[torch.optim.Optimizer], *,
@@ -275,7 +284,10 @@ class EPOptimizer(torch.optim.Optimizer):
         # another version with other values at the step means it was changed in place in between (GradientEditError)
         self._grad_versions: dict[int, tuple[int, torch.Tensor]] = {}
         self._grad_hooks = [] if allow_grad_edits else [
-            p.register_post_accumulate_grad_hook(self._noter()) for p in ep.dense_parameters()]
+            p.register_post_accumulate_grad_hook(self._noter()) for p in ep.dense_parameters() + self._slots()]
+
+    def _slots(self) -> list[torch.Tensor]:
+        return [layer.store.slots_SW for layer in self.ep.layers]
 
     @property
     def expert_group(self) -> dict:
@@ -297,7 +309,9 @@ class EPOptimizer(torch.optim.Optimizer):
         coefficient of 1) from one that changes the gradient (a clipping that binds, an unscale)."""
         if not self._grad_hooks:
             return
-        params = self.ep.dense_parameters()
+        # DDP writes its average into the dense gradients after the backward: then the slots (which it leaves
+        # alone) show an edit, e.g. a clipping over model.parameters()
+        params = self._slots() if self.ep.dense_reduced_by_ddp else self.ep.dense_parameters() + self._slots()
         noted, self._grad_versions = self._grad_versions, {}
         moved = [(p.grad.detach().reshape(-1)[:GRAD_SAMPLE], noted[id(p)][1]) for p in params
                  if p.grad is not None and id(p) in noted and p.grad._version != noted[id(p)][0]]

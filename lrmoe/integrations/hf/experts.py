@@ -33,13 +33,17 @@ class EPExperts(nn.Module):
     """Drop-in for HF's fused experts module: ``forward(hidden_TD, top_k_index_TK, top_k_weights_TK) -> y_TD``
     (Σ_k weight · expert output, as HF's), computed by an :class:`~lrmoe.runtime.layer.EPMoELayer` given HF's routing.
 
-    The layer is held as a plain attribute, not a submodule: its slots are stepped by the replica store, not by a
-    dense optimizer, and its router copy is unused. The state dict speaks HF's names (module doc).
+    The layer's expert slots are this module's one parameter, ``slots_SW`` (this rank's slots, [S, 3·D·F]), so
+    every engine sees them in ``model.parameters()``: DDP is told to leave them alone
+    (:func:`~lrmoe.integrations.hf.data_parallel.ignore_experts_in_ddp`) and the replica store, not a dense optimizer,
+    steps them. The layer itself is a plain attribute, not a submodule (its router copy is unused). The state dict
+    speaks HF's names (module doc): the slots are not in it.
     """
 
     def __init__(self, layer: EPMoELayer):
         super().__init__()
-        self.__dict__["layer"] = layer  # not registered: model.parameters() stays the dense parameters
+        self.__dict__["layer"] = layer  # not a submodule: its only parameter the model needs is the slots
+        self.slots_SW = layer.store.slots_SW  # the replica store's own tensor (it never replaces it)
         self.num_experts, self.hidden_dim, self.intermediate_dim = layer.num_experts, layer.hidden, layer.expert_ffn
         self.register_state_dict_post_hook(_emit_hf_weights)
         self.register_load_state_dict_pre_hook(_take_hf_weights)
@@ -93,6 +97,7 @@ class EPExperts(nn.Module):
 
 
 def _emit_hf_weights(module: EPExperts, state_dict: dict, prefix: str, local_metadata) -> None:
+    state_dict.pop(prefix + "slots_SW", None)  # this rank's slots: the gathered experts stand for them
     gate_up, down = module.gather_hf_weights()
     state_dict[prefix + "gate_up_proj"] = gate_up
     state_dict[prefix + "down_proj"] = down
@@ -104,5 +109,7 @@ def _take_hf_weights(module: EPExperts, state_dict: dict, prefix: str, local_met
     absent = [k for k in keys if k not in state_dict]
     if absent:
         missing_keys.extend(absent)
-        return
-    module.load_hf_weights(state_dict.pop(keys[0]), state_dict.pop(keys[1]))
+    else:
+        module.load_hf_weights(state_dict.pop(keys[0]), state_dict.pop(keys[1]))
+    state_dict[prefix + "slots_SW"] = module.slots_SW.detach()  # the slots load_hf_weights wrote: copied onto
+    # themselves, so that the parameter is neither missing nor changed

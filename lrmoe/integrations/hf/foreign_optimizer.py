@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from lrmoe.integrations.hf.data_parallel import FSDP_REFUSAL, DataParallelError, fsdp_wrapped, path_to_blocks
+from lrmoe.integrations.hf.data_parallel import (FSDP_REFUSAL, DataParallelError, ddp_reducing, fsdp_wrapped,
+                                                 path_to_blocks)
 from lrmoe.runtime.layer import EPMoELayer
 
 
@@ -21,14 +22,13 @@ class ForeignOptimizerError(RuntimeError):
 FOREIGN_OPTIMIZER = (
     "an optimizer other than lrmoe's stepped this model: its dense parameters were stepped (or changed in place) "
     "between two training forwards while the routed experts' gradients of the backward in between still waited for "
-    "their optimizer step. The routed experts of a model swapped onto lrmoe's expert-parallel layer are not among "
-    "model.parameters(), so an optimizer built over them (torch.optim.AdamW(model.parameters()), or "
-    "transformers.Trainer without optimizers=) never trains the experts. Use the swapped model's optimizer: "
-    "opt = ep.optimizer(torch.optim.AdamW, lr=...) in place of yours, in a plain loop (loss.backward(); opt.step(); "
-    "opt.zero_grad()) or, on one process, as Trainer(..., optimizers=(ep.optimizer(torch.optim.AdamW, lr=..., "
-    "grad_scale=1.0), scheduler)) with max_grad_norm=0 in TrainingArguments (clip with ep.optimizer(..., "
-    "max_grad_norm=...)); or, with your own dense optimizer, ep.step(optimizer) in place of optimizer.step() "
-    "(README, 'Use it with transformers').")
+    "their optimizer step. The routed experts of a model swapped onto lrmoe's expert-parallel layer are stepped by "
+    "its own optimizer (each rank's shard of the experts' Adam, then their redistribution), so an optimizer built "
+    "over model.parameters() (torch.optim.AdamW(model.parameters()), or transformers.Trainer without optimizers=) "
+    "never trains them. Use the swapped model's optimizer: opt = ep.optimizer(torch.optim.AdamW, lr=...) in place "
+    "of yours, in a plain loop (loss.backward(); opt.step(); opt.zero_grad()) or in Trainer(..., optimizers=(opt, "
+    "scheduler)) with max_grad_norm=0 in TrainingArguments; or, with your own dense optimizer, ep.step(optimizer) "
+    "in place of optimizer.step() (docs/hf.md).")
 
 
 GRAD_SAMPLE = 8  # values of each dense gradient EPOptimizer keeps after the backward, to see an edit before its step
@@ -39,11 +39,12 @@ class GradientEditError(RuntimeError):
 
 
 GRADIENT_EDIT = (
-    "{edited} of the swapped model's {total} dense gradients were changed in place after the backward and before "
-    "ep.optimizer's step: most likely clipped over model.parameters() (torch.nn.utils.clip_grad_norm_, or "
-    "transformers.Trainer with max_grad_norm > 0 in TrainingArguments, its default 1.0). The routed experts are not "
-    "among model.parameters(), so that clipping measures and scales the dense part only, and ep.optimizer's own "
-    "clipping (max_grad_norm=) would scale the dense part a second time. Clip in the optimizer instead: "
+    "{edited} of the {total} gradients of the swapped model that its optimizer checks were changed in place after "
+    "the backward and before ep.optimizer's step: most likely clipped over model.parameters() "
+    "(torch.nn.utils.clip_grad_norm_, or transformers.Trainer with max_grad_norm > 0 in TrainingArguments, its "
+    "default 1.0). Each rank holds only its own expert slots, and a replicated expert's slots hold partial sums of "
+    "its gradient until the step sums them, so that clipping measures no global norm, and ep.optimizer's own "
+    "clipping (max_grad_norm=) would scale the gradients a second time. Clip in the optimizer instead: "
     "ep.optimizer(..., max_grad_norm=1.0), with TrainingArguments(max_grad_norm=0) under Trainer. Gradients that "
     "are meant to be edited before the step (e.g. a gradient scaler's unscale): ep.optimizer(..., "
     "allow_grad_edits=True).")
@@ -69,11 +70,19 @@ class _ForeignStepGuard:
 
     Micro-batches (several forwards and backwards before one step), evaluation forwards (no grad), recomputation and
     online replication (it writes expert slots, not dense parameters) change no dense parameter and step no
-    optimizer inside an iteration."""
+    optimizer inside an iteration.
+
+    Each training forward also records whether a DistributedDataParallel reduces its backward's dense gradients
+    (``ddp_reduces``, :func:`~lrmoe.integrations.hf.data_parallel.ddp_reducing`): the last one before a step
+    decides whether that step's dense all-reduce has been done already."""
 
     def __init__(self, model: nn.Module, layer: EPMoELayer, swapped: list[str]):
         self.model, self.layer, self.path = model, layer, path_to_blocks(swapped)
-        self.param_ids = {id(p) for p in model.parameters()}
+        self.expert_params = [model.get_submodule(name).experts.slots_SW for name in swapped]
+        experts = {id(p) for p in self.expert_params}
+        self.dense_params = [p for p in model.parameters() if id(p) not in experts]
+        self.param_ids = {id(p) for p in self.dense_params}
+        self.ddp_reduces = False  # the last training forward ran inside a DDP that reduces its backward
         self.versions: list[int] | None = None  # the dense parameters' versions at the last training forward
         self.stepped_outside = False  # a torch optimizer stepped them inside the open iteration
         model.register_load_state_dict_post_hook(self._forget)
@@ -97,11 +106,16 @@ class _ForeignStepGuard:
     def _forget(self, module, incompatible_keys) -> None:
         self.versions = None
 
+    def dense_versions(self) -> list[int]:
+        """The dense parameters' version counters (the expert slots' move with online replication's writes)."""
+        return [p._version for p in self.dense_params]
+
     def check(self) -> None:
         wrapped = fsdp_wrapped(self.model, self.path)
         if wrapped is not None:
             raise DataParallelError(FSDP_REFUSAL.format(where=f"module {wrapped!r}" if wrapped else "the root"))
-        versions = [p._version for p in self.model.parameters()]
+        self.ddp_reduces = ddp_reducing(self.expert_params)
+        versions = self.dense_versions()
         changed = self.versions is not None and versions != self.versions
         self.versions = versions
         if not self._waiting():

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lrmoe.integrations.hf.data_parallel import _refuse_ddp
+from lrmoe.integrations.hf.data_parallel import ignore_experts_in_ddp
 from lrmoe.integrations.hf.experts import EPExperts
 from lrmoe.integrations.hf.expert_parallel import HFExpertParallel
 from lrmoe.integrations.hf.families import _family, hf_to_reference, moe_blocks
@@ -83,7 +83,7 @@ def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: System
         layer.name = block_name  # errors name the block (e.g. a non-finite input)
         block.experts = EPExperts(layer)  # HF's full expert tensors are released here
         swapped.append(block_name)
-    _refuse_ddp(model, swapped, N)
+    ignore_experts_in_ddp(model, swapped)
     return HFExpertParallel(model, swapped, [b for _, b in blocks], family, name)
 
 
