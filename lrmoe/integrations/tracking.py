@@ -167,7 +167,7 @@ class Tracker:
 
     def __init__(self, name: str, config: dict | None = None, results: str | os.PathLike | None = None,
                  *, seed: int | None = None, overwrite: bool = False, resume: bool = False,
-                 resume_step: int | None = None, wandb: bool = True, project: str = "lrmoe",
+                 resume_step: int | None = None, wandb: bool = True, project: str | None = None,
                  group: str | None = None, quiet: bool = False, run_id: str | None = None):
         if overwrite and resume:
             raise ValueError("Tracker: overwrite=True and resume=True contradict each other; choose one")
@@ -251,15 +251,16 @@ class Tracker:
                   f"line(s) removed from {self.results}", flush=True)
 
     # -- W&B ----------------------------------------------------------------------------------------------
-    def _init_wandb(self, project: str, group: str | None) -> None:
+    def _init_wandb(self, project: str | None, group: str | None) -> None:
         mode, why = wandb_mode()
+        project, group = wandb_names(self.config, project, group)
         if mode == "disabled":
             return
         import wandb
 
         self.wandb_dir = Path(os.environ.get("WANDB_DIR", self.results.parent))
         self.wandb_dir.mkdir(parents=True, exist_ok=True)
-        self.wandb_run = wandb.init(project=project, id=self.run_id, name=self.run_id, group=group,
+        self.wandb_run = wandb.init(project=project, id=self.run_id, name=self.run_id, group=group, job_type=self.name,
                                     config=self.config, mode=mode, dir=str(self.wandb_dir), reinit="create_new",
                                     resume="allow" if self.attempt > 1 else None,
                                     settings=wandb.Settings(console="off", silent=True))
@@ -357,6 +358,22 @@ def add_tracking_args(parser, default_results: str) -> None:
                         help="continue the run in an existing results file: records past the point it resumes "
                              "from (its checkpoint, else the start) are replaced, never duplicated")
     parser.add_argument("--no-wandb", action="store_true", help="do not log to W&B")
+    parser.add_argument("--wandb-project", default=None,
+                        help=f"W&B project (default: $WANDB_PROJECT, else {DEFAULT_PROJECT!r})")
+    parser.add_argument("--wandb-group", default=None,
+                        help="W&B run group (default: $WANDB_RUN_GROUP, else the script's own grouping)")
+
+
+DEFAULT_PROJECT = "lrmoe"
+
+
+def wandb_names(config: dict, project: str | None = None, group: str | None = None) -> tuple[str, str | None]:
+    """The W&B project and group of a run: the command line's --wandb-project / --wandb-group (in ``config``), then
+    the environment's WANDB_PROJECT / WANDB_RUN_GROUP, then the script's own ``project`` / ``group``, then
+    :data:`DEFAULT_PROJECT` and no group. The job type is always the script's name."""
+    project = config.get("wandb_project") or os.environ.get("WANDB_PROJECT") or project or DEFAULT_PROJECT
+    group = config.get("wandb_group") or os.environ.get("WANDB_RUN_GROUP") or group
+    return project, group
 
 
 def output_problem(flag: str, path: str | os.PathLike, replace: bool) -> str | None:
