@@ -139,3 +139,16 @@ def test_validate_sim_reads_its_bench_before_any_work(tmp_path, capsys):
     assert "notes.jsonl, line 2" in refuses(capsys, validate_sim.main, ["--bench", str(notes), *out])
     notes.write_text('{"a": 1}\n')
     assert "holds no layer_bench run" in refuses(capsys, validate_sim.main, ["--bench", str(notes), *out])
+
+
+def test_a_bad_line_of_the_collected_runs_is_named_by_every_reader(tmp_path, capsys):
+    """Issue 38 (14): frontier.py --regime and layer_bench --regime parsed the collected file with a bare
+    json.loads (a JSONDecodeError naming neither file nor line)."""
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text('{"regime": "weak", "seed": 1}\n{"regime": "we\n{"regime": "weak", "seed": 2}\n')
+    frontier = load_experiment("frontier")
+    with pytest.raises(SystemExit, match=r"runs.jsonl, line 2: not a JSON record"):
+        frontier.main(["--regime", "weak", "--runs", str(runs), "--out", str(tmp_path / "f.jsonl"), "--no-wandb"])
+    err = refuses(capsys, layer_bench.parse_args, ["--regime", "weak", "--runs", str(runs), "--out",
+                                                   str(tmp_path / "b.jsonl"), "--no-wandb"])
+    assert "runs.jsonl, line 2" in err
