@@ -14,7 +14,7 @@ from lrmoe.integrations.checkpoint_state import SHARDED, SafeReader, dense_state
 from lrmoe.runtime.distributed.launch import launch
 
 train = load_experiment("train")
-ARGV = ["--preset", "qwen3-30b-a3b-debug", "--policy", "lrmoe", "--batch", "2", "--seq-len", "16", "--ckpt-every", "1",
+ARGV = ["--policy", "lrmoe", "--batch", "2", "--seq-len", "16", "--ckpt-every", "1",
         "--no-wandb"]
 
 
@@ -25,17 +25,17 @@ def state_on_ranks(rank: int, args, save: bool) -> dict:
     world = dist.get_world_size()
     torch.manual_seed(args.seed)
     cfg, run, _ = train.build(args, world, torch.device("cpu"))
+    layers = run.ep.layers if args.hf_config else run.layers
     gen = torch.Generator().manual_seed(100 + rank)
     ckpt = train.checkpoint_dir(args)
     if save:
         x = torch.randint(cfg.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
         run.train_step(x[:, :-1], x[:, 1:])
-        ckpt.save(1, run.model, run.opt, run.layers, {"data": gen}, [{"step": 1}], [torch.zeros(2)], run.architecture)
+        ckpt.save(1, run.model, run.opt, layers, {"data": gen}, [{"step": 1}], [torch.zeros(2)], run.architecture)
     else:
-        ckpt.load(1, run.model, run.opt, run.layers, {"data": gen}, run.architecture)
-    state = {"dense": dense_state(run.model, run.layers), "opt": run.opt.state_dict()["state"],
-             "gen": gen.get_state()}
-    for i, layer in enumerate(run.layers):
+        ckpt.load(1, run.model, run.opt, layers, {"data": gen}, run.architecture)
+    state = {"dense": dense_state(run.model, layers), "opt": run.opt.state_dict()["state"], "gen": gen.get_state()}
+    for i, layer in enumerate(layers):
         store = layer.store
         for name in SHARDED:
             state[f"{i}/{name}"] = store.gather_full(getattr(store, name))
@@ -53,8 +53,11 @@ def same(a, b) -> bool:
 
 
 @pytest.mark.timeout(300)
-def test_a_two_rank_checkpoint_loads_on_four_ranks_with_every_tensor_equal(tmp_path):
-    args = train.parse_args([*ARGV, "--out", str(tmp_path / "r.jsonl")])
+@pytest.mark.parametrize("arch", [pytest.param([], id="lrmoe"),  # HF's: about a minute on a busy machine
+                                  pytest.param(["--hf-config", "glm"], id="hf-glm", marks=pytest.mark.slow)])
+def test_a_two_rank_checkpoint_loads_on_four_ranks_with_every_tensor_equal(tmp_path, arch):
+    """lrmoe's model and HF's GLM-4.5 (whose state dict also holds its experts whole, gathered, HF's layout)."""
+    args = train.parse_args([*ARGV, *arch, "--out", str(tmp_path / "r.jsonl")])
     args.run_id, args.start_step = "train-test", 0
     saved = launch(state_on_ranks, 2, args, True, timeout_s=240)
     loaded = launch(state_on_ranks, 4, args, False, timeout_s=240)
