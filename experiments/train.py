@@ -494,7 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="checkpoints of this run (default: beside the results file, --out's name + .ckpt)")
     parser.add_argument("--ckpt-every", type=non_negative_int_arg, default=50, help="0: no checkpoints")
     parser.add_argument("--ckpt-keep", type=non_negative_int_arg, default=2,
-                        help="keep the newest this many checkpoints (0: all); the records are kept whole")
+                        help="keep the newest this many checkpoints (0: all; 2 or more lets --resume fall back "
+                             "past a corrupted one); each step's record is kept once, whatever this is")
     parser.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--trace-out", default=None, help="save the routing counts as a recorded trace (.npz)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="fork launcher timeout, seconds")

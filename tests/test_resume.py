@@ -244,18 +244,18 @@ def record_steps(ckpt: Path) -> list[int]:
 
 @pytest.mark.timeout(300)
 def test_a_checkpoint_folder_keeps_the_newest_checkpoints_and_each_record_once(tmp_path):
-    """--ckpt-every 1 over 6 steps: two checkpoints stay (--ckpt-keep's default), of equal size (no history
-    inside), every step's record is stored once, and a resume from the newest restores the whole history."""
+    """--ckpt-every 1, stopped after 4 of 5 steps: two checkpoints stay (--ckpt-keep's default), of equal size (no
+    history inside), every step's record is stored once, and a resume from the newest restores the whole history."""
     out, ckpt = tmp_path / "r.jsonl", tmp_path / "r.ckpt"
-    base = ["--policy", "symi-cf1", "--steps", "7", "--ckpt-every", "1", "--out", str(out)]
-    train_run(*base, "--stop-after", "6")
-    assert step_folders(ckpt) == ["step000005", "step000006"]
+    base = ["--policy", "symi-cf1", "--steps", "5", "--ckpt-every", "1", "--out", str(out)]
+    train_run(*base, "--stop-after", "4")
+    assert step_folders(ckpt) == ["step000003", "step000004"]
     sizes = [sum(p.stat().st_size for p in (ckpt / f).iterdir() if p.suffix == ".distcp") for f in step_folders(ckpt)]
     assert sizes[0] == sizes[1], sizes
-    assert record_steps(ckpt) == [1, 2, 3, 4, 5, 6]
+    assert record_steps(ckpt) == [1, 2, 3, 4]
     resumed = train_run(*base, "--resume")
-    assert [h["step"] for h in resumed] == list(range(1, 8))
-    assert step_folders(ckpt) == ["step000006", "step000007"] and record_steps(ckpt) == list(range(1, 8))
+    assert [h["step"] for h in resumed] == list(range(1, 6))
+    assert step_folders(ckpt) == ["step000004", "step000005"] and record_steps(ckpt) == list(range(1, 6))
 
 
 @pytest.mark.timeout(300)
