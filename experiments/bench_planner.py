@@ -9,7 +9,11 @@ all-gather and the dispatch (DESIGN.md §4). Per policy, E and N, in one run:
 * ``overlapped_ms``: one placement per layer (what the background thread does once per layer and iteration);
 * ``critical_path_layer_ms``: ``policy.plan_on`` per layer;
 * ``critical_path_ms``: :func:`lrmoe.planner.batched.plan_layers` over ``--layers`` layers of one micro-batch,
-  divided by the layers (per layer and micro-batch; ``batched_ms`` is the whole call).
+  divided by the layers (per layer and micro-batch; ``batched_ms`` is the whole call);
+* ``critical_path_layer_ratio``, ``overlapped_ratio``: ``plan_on`` and one placement over the old plan, timed back
+  to back in each round, in a shuffled order (median of the rounds' ratios): what the simulator scales its
+  measured whole-plan times by (:mod:`lrmoe.sim.overheads`), since on a loaded machine ratios hold better than
+  times.
 
 Counts come from a synthetic trace (Zipf skew, AR(1) drift): step 0 is the previous iteration (placement input),
 step 1 the one planned, one trace layer per planned layer.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import statistics
 
 import matplotlib
@@ -30,7 +35,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from lrmoe.harness.timing import time_ms
+from lrmoe.harness.timing import time_ms, time_once_ms
 from lrmoe.planner.batched import plan_layers, vectorised
 from lrmoe.planner.placement import lrmoe_placement
 from lrmoe.planner.policies import placement_popularity
@@ -87,6 +92,21 @@ def growth_exponent(frame: pd.DataFrame, column: str = "critical_path_ms") -> fl
     return sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
 
 
+def paired_ratios(reference, others: dict, repeats: int, seed: int = 0) -> dict[str, float]:
+    """Median over ``repeats`` rounds of each function's time over the reference's in the same round: the calls of
+    a round run back to back (a neighbour's load that changes slowly cancels out of the ratio), in an order shuffled
+    per round (so that no call always finds the caches the one before it warmed)."""
+    ratios = {name: [] for name in others}
+    calls = [("reference", reference), *others.items()]
+    order = random.Random(seed)
+    for _ in range(repeats):
+        order.shuffle(calls)
+        times = {name: time_once_ms(f) for name, f in calls}
+        for name in others:
+            ratios[name].append(times[name] / times["reference"])
+    return {name: statistics.median(r) for name, r in ratios.items()}
+
+
 def _median(f, repeats: int, warmup: int) -> tuple[float, float, float]:
     times = time_ms(f, repeats, warmup)
     q = statistics.quantiles(times, n=10) if len(times) > 1 else [times[0]] * 9
@@ -112,6 +132,10 @@ def time_policy(name: str, counts_LNE: torch.Tensor, prev_LE: torch.Tensor, args
     placed = _median(lambda: policy.placement(placement_popularity(prev_E, E), N, total), args.repeats, args.warmup)
     layer = _median(lambda: policy.plan_on(counts_NE, placements[0]), args.repeats, args.warmup)
     whole = _median(lambda: plan_layers(policies, counts_LNE, placements), args.batched_repeats, 1)
+    paired = paired_ratios(lambda: policy.plan(counts_NE, prev_E), {
+        "critical_path_layer_ratio": lambda: policy.plan_on(counts_NE, placements[0]),
+        "overlapped_ratio": lambda: policy.placement(placement_popularity(prev_E, E), N, total)},
+        args.paired_repeats, args.seed)
     stats = plan.stats()
     row = {"policy": name, "E": E, "N": N, "NE": N * E, "layers": L, "slots_per_rank": plan.slots_per_rank,
            "vectorised": vectorised(policy),
@@ -120,7 +144,7 @@ def time_policy(name: str, counts_LNE: torch.Tensor, prev_LE: torch.Tensor, args
            "critical_path_layer_ms": layer[0], "critical_path_layer_p10_ms": layer[1],
            "critical_path_layer_p90_ms": layer[2],
            "critical_path_ms": whole[0] / L, "critical_path_p10_ms": whole[1] / L, "critical_path_p90_ms": whole[2] / L,
-           "batched_ms": whole[0], "speedup_vs_old": old[0] / (whole[0] / L),
+           "batched_ms": whole[0], "speedup_vs_old": old[0] / (whole[0] / L), **paired,
            "fwd_imbalance": stats["fwd_imbalance"], "bwd_max_over_fwd_mean": stats["bwd_max_over_fwd_mean"],
            "retained_frac": stats["retained_frac"], "dropped_frac": stats["dropped_frac"],
            "moved_pairs": stats["moved_pairs"], "floor_excess": stats["floor_excess"]}
@@ -168,7 +192,7 @@ def check_args(args, parser: argparse.ArgumentParser) -> None:
     for name in ("experts", "ranks"):
         if any(v < 1 for v in getattr(args, name)):
             parser.error(f"--{name} must be positive, got {getattr(args, name)}")
-    for name in ("top_k", "tokens_per_rank", "repeats", "batched_repeats", "layers"):
+    for name in ("top_k", "tokens_per_rank", "repeats", "batched_repeats", "paired_repeats", "layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     valid = args.skew_param > 0 if args.skew == "dirichlet" else args.skew_param >= 0
@@ -202,6 +226,8 @@ def main(argv=None) -> pd.DataFrame:
     parser.add_argument("--gamma", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=200, help="timed repetitions of each per-layer call")
     parser.add_argument("--batched-repeats", type=int, default=10, help="timed repetitions of the batched call")
+    parser.add_argument("--paired-repeats", type=int, default=100,
+                        help="rounds of the back-to-back timing of plan, plan_on and one placement (the shares)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--no-stages", dest="stages", action="store_false", help="skip the per-stage timing")
     parser.add_argument("--seed", type=int, default=0)

@@ -103,3 +103,14 @@ def test_on_the_device_the_plans_are_the_hosts():
     for i, plan in enumerate(got):
         assert plan.fwd_NG.is_cuda
         _assert_equal(plan, policy.plan_on(counts[i], placements[i]), i)
+
+
+def test_chunks_of_layers_give_the_same_plans(monkeypatch):
+    import lrmoe.planner.batched as batched
+
+    gen = torch.Generator().manual_seed(9)
+    policy = Symi(3, 1.0)
+    counts = torch.stack([_counts(gen, 4, 8, i % 5) for i in range(7)])
+    placements = [policy.placement(_counts(gen, 4, 8, 3).sum(0).double(), 4, int(c.sum())) for c in counts]
+    monkeypatch.setattr(batched, "CPU_CHUNK_ELEMENTS", 2 * 4 * 12)  # two layers a chunk, the last one alone
+    _check([policy] * 7, counts, placements, "chunked")

@@ -546,7 +546,9 @@ def test_every_overhead_is_charged_and_can_be_switched_off():
     on, off = CostModel(model, cluster, planner="lrmoe"), CostModel(model, cluster, planner="lrmoe", overheads=())
     lr_on, lr_off = on.cost(plans["lrmoe"]), off.cost(plans["lrmoe"])
     assert lr_off.category_s()["overhead"] == 0.0
-    assert lr_on.phase_s("plan") > 0.5e-3  # LRMoE's measured planner, 0.54 ms at 8 ranks, plus the counts
+    # LRMoE's measured planner, 0.54 ms at 8 ranks, of which its critical path (0.90 of it) is charged, plus the
+    # counts; its placements run off the critical path (lrmoe.sim.overheads)
+    assert lr_on.phase_s("plan") > 0.543e-3 * 0.89
     assert lr_on.phase_s("recalibrate") > 0  # scoring, selection and the compaction passes
     for name in ("planning", "counts", "selection", "compaction"):
         without = dataclasses.replace(on, overheads=tuple(o for o in on.overheads if o != name))

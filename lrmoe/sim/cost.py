@@ -92,8 +92,8 @@ from lrmoe.planner.placement import MemoryModel
 from lrmoe.bytemodel.sync_model import (LOCAL_PHASES, REPLICA_GRAD_MODES, check_replica_grad, hosts_mask, push_bytes,
                                         shard_sizes, step_bytes)
 from lrmoe.recal.scoring import get_metric
-from lrmoe.sim.overheads import (OVERHEADS, check_overheads, planner_seconds, selection_ms_per_pair,
-                                 selection_seconds)
+from lrmoe.sim.overheads import (OVERHEADS, check_overheads, placement_seconds, planner_seconds,
+                                 selection_ms_per_pair, selection_seconds)
 
 # The modelled phases, named as the layer names them (one vocabulary: lrmoe.bytemodel.layout.PHASES), in execution
 # order. The
@@ -445,6 +445,13 @@ class CostModel:
         m, n = self.model, self.cluster.num_ranks
         hosted = None if placement_NS is None else hosts_mask(placement_NS, m.num_experts).sum(1)
         return optimizer_shard_bytes(m.num_experts, m.expert_params, n, self.sharded_optimizer, hosted)
+
+    def placement_s(self) -> float:
+        """Host seconds of one layer's placement, computed off the critical path once per iteration
+        (:func:`lrmoe.sim.overheads.placement_seconds`; 0 without a planner or without the planning overhead)."""
+        if "planning" not in self.overheads:
+            return 0.0
+        return placement_seconds(self.planner, self.cluster.num_ranks, self.model.num_experts)
 
     def memory_model(self) -> MemoryModel:
         """The planner's :class:`~lrmoe.planner.placement.MemoryModel` of this cost model's accounting: the whole

@@ -4,16 +4,27 @@ DESIGN.md §5.4: every overhead on the critical path is charged, and each can be
 (``CostModel(overheads=...)``) to show its effect. The names in :data:`OVERHEADS`:
 
 ``planning``
-    The host computes the layer's plan between the counts all-gather and the dispatch, once per micro-batch
-    (phase ``plan``). Source: ``experiments/bench_planner.py``, committed results run
-    ``bench_planner-20261129-231229-b3966e`` (git 977914e): median ms per plan on one thread of the development
-    CPU, E = 128, 4096 tokens x top-8 per rank, Zipf 0.6, for N = 8, 16, 64 (:data:`PLANNER_MS`). Which row a
-    system pays is its registry entry's (``SystemSpec.planner``, declared by its policy factory; passed as
-    ``CostModel(planner=...)``), never read from a name; a plan priced without one pays no planner. Rule (ours):
-    charged as measured, unscaled (a GPU server's host core is not slower than the development CPU's);
-    interpolated linearly in log2 N between the measured rank counts, held constant outside them; scaled by E / 128.
-    A trimmed plan (the random-trim control, ``CostModel(quota_stage=True)``) pays its planner plus LRMoE's quota
-    stage.
+    The host's planning between the counts all-gather and the dispatch, once per micro-batch (phase ``plan``): only
+    the plan's critical path, what needs this micro-batch's counts (forward routing over the replicas, capacities,
+    caps, quotas, backward routing: ``policy.plan_on``). The placement needs only the previous iteration's counts
+    and runs on a background thread while the iteration runs (:mod:`lrmoe.runtime.placement_ahead`, one placement
+    per layer and iteration); it is charged only where the layers' placements do not fit under the iteration
+    (:func:`lrmoe.sim.simulator.simulate` adds the excess). Sources: the whole plan's median ms
+    (``experiments/bench_planner.py``, committed results run ``bench_planner-20261129-231229-b3966e``, git
+    977914e: one thread of the development CPU, E = 128, 4096 tokens x top-8 per rank, Zipf 0.6, N = 8, 16, 64;
+    :data:`PLANNER_MS`), times one placement's share of it from run :data:`SHARES_RUN`
+    (``paper_figures/results/bench_planner_shares.jsonl``, same E, tokens, skew and ranks: ``plan_on``, one
+    ``placement`` and ``plan`` timed back to back in each of 150 rounds in a shuffled order, the median of the
+    rounds' ratios; :data:`PLACEMENT_SHARE`) and the critical path's, the rest of the plan
+    (:data:`CRITICAL_PATH_SHARE`). The shares, not that run's times: it ran
+    on a machine shared by many jobs, where times are several-fold the quiet run's but a ratio of calls made back
+    to back holds better. Which row a system pays is its registry entry's (``SystemSpec.planner``, declared by its
+    policy factory; passed as ``CostModel(planner=...)``), never read from a name; a plan priced without one pays
+    no planner. Rule (ours): charged as measured, unscaled (a GPU server's host core is not slower than the
+    development CPU's); interpolated linearly in log2 N between the measured rank counts, held constant outside
+    them; times scaled by E / 128, shares held. A trimmed plan (the random-trim control,
+    ``CostModel(quota_stage=True)``) pays its planner's critical path plus LRMoE's quota stage (all of it on the
+    critical path).
 ``counts``
     The all-gather of the routed counts, an N x E matrix of int64, before planning (phase ``plan``): every rank
     sends its E counts to every other rank, priced like the other all-to-alls (latency per link kind used).
@@ -64,6 +75,22 @@ PLANNER_MS = {
 QUOTAS_MS = {8: 0.013, 16: 0.050, 64: 0.016}  # LRMoE's quota stage alone, same run
 PLANNER_EXPERTS = 128
 
+# Shares of the whole plan by planner benchmark and N at E = 128 (bench_planner run SHARES_RUN,
+# paper_figures/results/bench_planner_shares.jsonl): one placement's time over plan's, the median over rounds of the
+# two calls back to back. The critical path is the plan minus its two placements (plan_on is exactly that code):
+# 1 - 2 x the placement's share. plan_on's share measured directly agrees for every planner but LRMoE (sums of
+# 0.91-1.03 with the placements); LRMoE's direct share, 0.57 / 0.57 / 0.36, is below its complement, 0.90 / 0.86 /
+# 0.89, for a reason not found: the complement, the larger charge, is the one charged.
+SHARES_RUN = "bench_planner-20261203-144622-38269b"
+PLACEMENT_SHARE = {
+    "lrmoe": {8: 0.052, 16: 0.069, 64: 0.056},
+    "symi-dropless": {8: 0.267, 16: 0.26, 64: 0.192},
+    "symi-cf": {8: 0.178, 16: 0.184, 64: 0.147},
+    "static-ep": {8: 0.075, 16: 0.073, 64: 0.059},
+    "capacity": {8: 0.059, 16: 0.055, 64: 0.044},
+}
+CRITICAL_PATH_SHARE = {name: {n: 1.0 - 2.0 * s for n, s in row.items()} for name, row in PLACEMENT_SHARE.items()}
+
 # bench_scoring run bench_scoring-20261201-151653-f0017f (paper_figures/results/bench_scoring.jsonl): one CPU
 # thread, float32, width 2,048, 65,536 pairs in 2,048 groups; (metric, mode) -> (score_ms, select_ms), medians of
 # 30 repetitions. select_ms holds the scoring, the scores' move to the host and the selection; a pair is charged the
@@ -111,16 +138,30 @@ def _interp_log2(table: dict[int, float], n: int) -> float:
     return table[lo] + w * (table[hi] - table[lo])
 
 
-def planner_seconds(planner: str | None, quota_stage: bool, num_ranks: int, num_experts: int) -> float:
-    """Host seconds of one plan by the planner benchmark ``planner`` (+ LRMoE's quota stage if ``quota_stage``);
-    0 without a planner (a hand-made plan). ValueError for a planner with no benchmark."""
-    if planner is None:
-        return 0.0
+def _whole_plan_ms(planner: str, num_ranks: int, num_experts: int) -> float:
     if planner not in PLANNER_MS:
         raise ValueError(f"no planner benchmark {planner!r}; measured: {sorted(PLANNER_MS)} (a registry entry's "
                          f"factory names one of them as its planner, or drop 'planning' from the overheads)")
-    ms = _interp_log2(PLANNER_MS[planner], num_ranks) + (_interp_log2(QUOTAS_MS, num_ranks) if quota_stage else 0.0)
-    return ms * 1e-3 * num_experts / PLANNER_EXPERTS
+    return _interp_log2(PLANNER_MS[planner], num_ranks) * num_experts / PLANNER_EXPERTS
+
+
+def planner_seconds(planner: str | None, quota_stage: bool, num_ranks: int, num_experts: int) -> float:
+    """Host seconds of one plan's critical path by the planner benchmark ``planner`` (+ LRMoE's quota stage if
+    ``quota_stage``); 0 without a planner (a hand-made plan). ValueError for a planner with no benchmark."""
+    if planner is None:
+        return 0.0
+    ms = _whole_plan_ms(planner, num_ranks, num_experts) * _interp_log2(CRITICAL_PATH_SHARE[planner], num_ranks)
+    if quota_stage:
+        ms += _interp_log2(QUOTAS_MS, num_ranks) * num_experts / PLANNER_EXPERTS
+    return ms * 1e-3
+
+
+def placement_seconds(planner: str | None, num_ranks: int, num_experts: int) -> float:
+    """Host seconds of one layer's placement, computed off the critical path once per iteration; 0 without a
+    planner."""
+    if planner is None:
+        return 0.0
+    return _whole_plan_ms(planner, num_ranks, num_experts) * _interp_log2(PLACEMENT_SHARE[planner], num_ranks) * 1e-3
 
 
 def selection_ms_per_pair(metric: str, mode: str) -> float:

@@ -103,6 +103,13 @@ class SimResult:
     micro_batches: int = 1  # all-to-all and GEMM phases run this many times per iteration, sync phases once
     phases: tuple[str, ...] = field(default=PHASES)
     variant_ILH: dict = field(default_factory=dict)  # {variant name: float64 [I, L, H] straggler seconds}
+    placement_s: float = 0.0  # host seconds of one layer's placement, off the critical path once per iteration
+
+    @property
+    def placement_headroom_s(self) -> torch.Tensor:
+        """float64 [I]: each iteration's time minus its simulated layers' placements (negative: they did not fit,
+        and the excess is in the first layer's ``plan`` phase)."""
+        return self.iteration_s - self.phase_ILH.shape[1] * self.placement_s
 
     def weights_H(self, micro_batches: int | None = None) -> torch.Tensor:
         """float64 [H]: how many times each phase runs per iteration (default: this run's micro-batches)."""
@@ -194,6 +201,17 @@ def micro_batch_counts(trace: Trace | torch.Tensor) -> tuple[torch.Tensor, int]:
     return split_micro_batches(trace.counts_ILNE, k), k
 
 
+def _charge_placement_excess(phase_ILH: torch.Tensor, host_s: float, micro_batches: int) -> None:
+    """In place: the layers' placements (``host_s`` per iteration, on the background thread) run while the iteration
+    runs; what does not fit under an iteration's time is charged to its first layer's ``plan`` phase."""
+    if host_s <= 0:
+        return
+    weight_H = torch.tensor([1.0 if p in CATEGORIES["sync"] else float(micro_batches) for p in PHASES],
+                            dtype=torch.float64)
+    over_I = (host_s - (phase_ILH * weight_H).sum(dim=(1, 2))).clamp(min=0)
+    phase_ILH[:, 0, PHASES.index("plan")] += over_I / micro_batches
+
+
 @contextmanager
 def one_intra_op_thread() -> Iterator[None]:
     """Runs its body on one intra-op torch thread, then restores the count (also a decorator).
@@ -276,8 +294,11 @@ def simulate(trace: Trace | torch.Tensor, system: System, model: MoEConfig, clus
             progress(1)
     peak_IN = torch.stack([model_peak(resident_ILN[st], buffer_ILN[st], fixed_N, model.num_moe_layers)
                            for st in range(num_steps)])
+    placement_s = cm.placement_s()
+    for phases in (phase_ILH, *variant_ILH.values()):
+        _charge_placement_excess(phases, num_l * placement_s, micro_batches)
     return SimResult(system=system.name, model=model.name, cluster=cluster.name, phase_ILH=phase_ILH,
                      bytes_ILH=bytes_ILH, dropped_IL=dropped_IL, routed_IL=routed_IL, fwd_imbalance_IL=imb_IL,
                      bwd_ratio_IL=rho_IL, peak_IN=peak_IN, layer_oom_IL=oom_IL, slots_used_IL=slots_IL,
                      mem_budget_bytes=float(cm.mem_budget_bytes) * model.num_moe_layers, warmup=warmup,
-                     micro_batches=micro_batches, variant_ILH=variant_ILH)
+                     micro_batches=micro_batches, variant_ILH=variant_ILH, placement_s=placement_s)
