@@ -35,6 +35,12 @@ gradient is that of the mean loss over ranks and micro-batches, so K changes the
 checkpoint; HF's activation_checkpointing_enable()); the MoE layers replay their recorded plans. Per-step records
 hold both; their load columns are the last micro-batch's.
 
+--timeout S bounds how long a rank waits for the others in a collective (default 5 minutes), not the run: past it
+the run ends naming the rank(s) that did not arrive and where they are (lrmoe.runtime.distributed.launch); a healthy
+run of any length is never stopped (--engine emulated: its in-process launcher bounds the whole run instead).
+Every argument is checked before any rank starts (argparse errors, status 2), the expert slots' memory against what
+the machine has available too; Ctrl-C ends the run with one line and status 130.
+
 --clip-grad X clips every step's gradient to a global L2 norm of X over the dense parameters and the experts (each
 expert once, after its replicas' gradients are summed; lrmoe.runtime.clip), as torch.nn.utils.clip_grad_norm_ would
 on the dense model, before the dense and the expert steps; records hold the norm before clipping ("grad_norm").
@@ -48,6 +54,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -66,15 +73,19 @@ from lrmoe.integrations.load_stats import flat_log, load_stats
 from lrmoe.integrations.model import MoETransformer
 from lrmoe.planner.plan import LayerPlan
 from lrmoe.runtime.reference import ReferenceMoE
+from lrmoe.runtime.distributed.launch import LaunchError, launch
 from lrmoe.runtime.routing import update_expert_bias
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
-from lrmoe.checks import non_negative_float_arg, non_negative_int_arg
+from lrmoe.checks import (available_memory_bytes, fraction_arg, non_negative_float_arg, non_negative_int_arg,
+                          positive_float_arg, positive_int_arg)
 from lrmoe.integrations.checkpoint import CheckpointDir
 from lrmoe.integrations.tracking import add_tracking_args, check_tracking_args, output_problem
 from lrmoe.traces.trace import Trace
 
 DEFAULT_PRESET = "qwen3-30b-a3b-debug"
+DEFAULT_TIMEOUT_S = 300.0  # --timeout: minutes, so a hung rank is named soon, far above any healthy wait
+EMULATED_TIMEOUT_S = 3600.0  # --engine emulated: its in-process launcher bounds the whole run, not each wait
 HF_CONFIGS = {"qwen3": "qwen3-30b-a3b-debug", "glm": "glm-4.5-air-debug"}  # --hf-config shorthands
 ENGINES = ("distributed", "emulated")  # --engine: how the ranks run (the same worker either way)
 
@@ -85,6 +96,38 @@ def system_context(args, cfg, world: int) -> SystemContext:
     return SystemContext(num_experts=cfg.num_experts, num_ranks=world, spare_slots=args.extra_slots, eps=args.eps,
                          gamma=args.gamma, pairs_per_rank=args.batch * args.seq_len * cfg.top_k,
                          push_cost_rows=args.push_cost_rows)
+
+
+def trace_path_arg(text: str) -> str:
+    """--trace-out: a trace file's name ends in .npz (lrmoe.integrations.traces), checked before the run trains."""
+    if text and Path(text).suffix != ".npz":
+        raise argparse.ArgumentTypeError(f"trace files end in .npz, got {text!r}")
+    return text
+
+
+def slot_memory(args, cfg: MoEConfig, world: int) -> tuple[float, str]:
+    """(bytes, how they add up) the expert slots of one rank hold: E/N home slots plus --extra-slots in each MoE
+    layer, each an expert's weights and their gradient (lrmoe.bytemodel.memory: a slot's footprint), in the slots'
+    dtype (fp32 in lrmoe's model; the preset's in HF's). A lower bound on the rank's memory."""
+    from lrmoe.bytemodel.memory import footprint
+
+    elem = cfg.dtype_bytes if args.hf_config else 4
+    slots = cfg.num_experts // world + args.extra_slots
+    per_slot = footprint(cfg.hidden, cfg.expert_ffn, elem).slot
+    return (slots * cfg.num_moe_layers * per_slot,
+            f"{slots} slots x {cfg.num_moe_layers} MoE layers x {per_slot / 2**10:.0f} KiB (weights and gradient)")
+
+
+def check_slot_memory(args, cfg: MoEConfig, world: int) -> None:
+    """ValueError when the slots of the ranks this machine runs (every rank, under the fork launcher) would not fit
+    in the memory it has available: --extra-slots is bounded by what the machine can hold."""
+    per_rank, how = slot_memory(args, cfg, world)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if args.torchrun else world
+    available = available_memory_bytes()
+    if available is not None and per_rank * local > available:
+        raise ValueError(f"--extra-slots {args.extra_slots}: the expert slots alone need {per_rank / 2**30:.2f} GiB "
+                         f"per rank ({how}), {per_rank * local / 2**30:.2f} GiB for the {local} ranks on this "
+                         f"machine, more than the {available / 2**30:.2f} GiB of memory it has available")
 
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -251,18 +294,22 @@ def build(args, world: int, device: torch.device):
     cfg = model_preset(args.preset)
     cfg.check_divisible(world)
     run = (HFModel if args.hf_config else NativeModel)(args, cfg, world, device)
-    cost = None
-    if args.cost_model:
-        # modelled time: this run's plans priced as if every pair were a full-size pair of the model family (the
-        # paper-scale preset the debug one scales down, with this run's experts and top-k) on a node of the cluster
-        # preset
-        from lrmoe.sim.cost import CostModel
-        from lrmoe.sim.systems import cost_options
+    return cfg, run, cost_model(args, cfg, world) if args.cost_model else None
 
-        full = full_scale_preset(args.preset).replace(num_experts=cfg.num_experts, top_k=cfg.top_k)
-        cluster = cluster_preset(args.cost_model).replace(num_ranks=world, ranks_per_node=world)
-        cost = CostModel(full, cluster, **cost_options(get_system(args.policy)))  # priced as the system's entry says
-    return cfg, run, cost
+
+def cost_model(args, cfg: MoEConfig, world: int):
+    """The modelled time of --cost-model: this run's plans priced as if every pair were a full-size pair of the
+    model family (the paper-scale preset the debug one scales down, with this run's experts and top-k) on a node of
+    the cluster preset, with the system's registry entry built as the simulator builds it (compaction, optimizer
+    sharding and lrmoe.sim.systems.cost_options), and this run's --replica-grad."""
+    from lrmoe.sim.cost import CostModel
+    from lrmoe.sim.systems import simulator_system
+
+    full = full_scale_preset(args.preset).replace(num_experts=cfg.num_experts, top_k=cfg.top_k)
+    cluster = cluster_preset(args.cost_model).replace(num_ranks=world, ranks_per_node=world)
+    system = simulator_system(get_system(args.policy), system_context(args, cfg, world))
+    return CostModel(full, cluster, compaction=system.compaction, sharded_optimizer=system.sharded_optimizer,
+                     replica_grad=args.replica_grad, **system.costs)
 
 
 def evaluate(run, data, args, world: int) -> float:
@@ -461,24 +508,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--record-peak-rss", action="store_true",
                         help="record each step's peak resident memory above its start (the largest rank's; Linux "
                              "only, CPU ranks; the heap is freed before every step, outside the timed part)")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=positive_float_arg, default=3e-3)
     parser.add_argument("--clip-grad", type=non_negative_float_arg, default=0.0, metavar="MAX_NORM",
                         help="clip each step's gradient to this global L2 norm over the dense parameters and the "
                              "experts (0: off; Megatron-Core's default is 1.0)")
     parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                         help="'cosine': linear warm-up, then cosine decay to --min-lr-frac x --lr at the last step")
-    parser.add_argument("--warmup", type=int, default=0, help="warm-up steps of the cosine schedule")
-    parser.add_argument("--min-lr-frac", type=float, default=0.1, help="the cosine schedule's final lr / --lr")
-    parser.add_argument("--aux-coef", type=float, default=0.1,
+    parser.add_argument("--warmup", type=non_negative_int_arg, default=0, help="warm-up steps of the cosine schedule")
+    parser.add_argument("--min-lr-frac", type=positive_float_arg, default=0.1,
+                        help="the cosine schedule's final lr / --lr")
+    parser.add_argument("--aux-coef", type=non_negative_float_arg, default=0.1,
                         help="global-batch load-balancing loss weight (0.1: recorded Gini 0.3-0.4 on the debug "
                              "models; 1e-3, Qwen3's value at scale, lets the tiny models collapse to Gini 0.65)")
-    parser.add_argument("--bias-rate", type=float, default=1e-3, help="aux-free bias update rate (GLM)")
-    parser.add_argument("--extra-slots", type=int, default=1, help="replica slots per rank beside E/N home slots")
-    parser.add_argument("--eps", type=float, default=0.1, help="LRMoE balance slack")
+    parser.add_argument("--bias-rate", type=non_negative_float_arg, default=1e-3,
+                        help="aux-free selection-bias update rate (GLM; 0: no balancing)")
+    parser.add_argument("--extra-slots", type=non_negative_int_arg, default=1,
+                        help="replica slots per rank beside E/N home slots (bounded by the memory the ranks' slots "
+                             "need: every slot holds an expert's weights and gradient in every MoE layer)")
+    parser.add_argument("--eps", type=non_negative_float_arg, default=0.1, help="LRMoE balance slack")
     parser.add_argument("--replica-grad", choices=REPLICA_GRAD_MODES, default="range",
                         help="replica gradients: 'range' (SYMI's range all-reduce, then collection) or 'shard' "
                              "(each host's sum straight to the optimizer-shard owners), for every system")
-    parser.add_argument("--gamma", type=float, default=0.1, help="LRMoE per-expert floor")
+    parser.add_argument("--gamma", type=fraction_arg, default=0.1, help="LRMoE per-expert floor")
     # the CPU ranks' figure, as layer_bench.py's (lrmoe.sim.cost.CostModel.push_cost_rows on the CPU calibration)
     parser.add_argument("--push-cost-rows", type=non_negative_float_arg, default=32.0,
                         help="cost-aware online replication pushes a copy only when it relieves the busiest rank by "
@@ -488,17 +539,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-batches", type=int, default=4)
     parser.add_argument("--data", default=None, help="folder or glob of text files (default: Python's stdlib)")
-    parser.add_argument("--max-bytes", type=int, default=4_000_000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-bytes", type=positive_int_arg, default=4_000_000,
+                        help="read at most this many bytes of text")
+    parser.add_argument("--seed", type=non_negative_int_arg, default=0)
     parser.add_argument("--ckpt-dir", default=None,
                         help="checkpoints of this run (default: beside the results file, --out's name + .ckpt)")
     parser.add_argument("--ckpt-every", type=non_negative_int_arg, default=50, help="0: no checkpoints")
     parser.add_argument("--ckpt-keep", type=non_negative_int_arg, default=2,
                         help="keep the newest this many checkpoints (0: all; 2 or more lets --resume fall back "
                              "past a corrupted one); each step's record is kept once, whatever this is")
-    parser.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--trace-out", default=None, help="save the routing counts as a recorded trace (.npz)")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="fork launcher timeout, seconds")
+    parser.add_argument("--stop-after", type=non_negative_int_arg, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--trace-out", default=None, type=trace_path_arg,
+                        help="save the routing counts as a recorded trace (.npz)")
+    parser.add_argument("--timeout", type=positive_float_arg, default=None, metavar="SECONDS",
+                        help="the longest a rank waits for its peers in a collective: past it the run ends, naming "
+                             f"the ranks that did not arrive and where they are (default {DEFAULT_TIMEOUT_S:g}; a "
+                             "bound on inactivity, not on the run's length; --engine emulated: a bound on the whole "
+                             f"run, default {EMULATED_TIMEOUT_S:g})")
     parser.add_argument("--quiet", action="store_true")
     add_tracking_args(parser, "outputs/train.jsonl")  # --resume also continues from the latest checkpoint
     return parser
@@ -532,13 +589,16 @@ def parse_args(argv=None):
     if args.engine == "emulated" and (args.torchrun or args.hf_config):
         parser.error(f"--engine emulated runs lrmoe's own transformer on the fork launcher's --ranks: drop "
                      f"{'--torchrun' if args.torchrun else '--hf-config'}")
+    if args.timeout is None:
+        args.timeout = EMULATED_TIMEOUT_S if args.engine == "emulated" else DEFAULT_TIMEOUT_S
     return args
 
 
 def check_args(args) -> None:
     """Everything a rank would otherwise find out on its own, checked once before any rank starts or any record is
     written: the output paths (lrmoe.integrations.tracking.check_tracking_args), the presets, the world size against
-    the experts, the system in that world, the text files and their validation split, and which run --resume
+    the experts, the system in that world, the expert slots' memory on this machine (:func:`check_slot_memory`), the
+    text files and their validation split, and which run --resume
     continues (:func:`plan_resume`: sets ``args.run_id`` and ``args.start_step``). SystemExit with one message."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if args.torchrun else args.ranks
     parser = build_parser()
@@ -551,6 +611,7 @@ def check_args(args) -> None:
             cluster_preset(args.cost_model)
             full_scale_preset(args.preset)
         check_systems([args.policy], system_context(args, cfg, world))
+        check_slot_memory(args, cfg, world)
         if args.hf_config:
             from lrmoe.integrations.hf import hf_config  # imports transformers here, once, before the ranks fork
 
@@ -596,16 +657,33 @@ def main(argv=None) -> list[dict]:
             from lrmoe.runtime.inprocess import launch_inprocess
 
             return launch_inprocess(worker, args.ranks, args, timeout_s=args.timeout)[0]
-        from lrmoe.runtime.distributed.launch import launch
 
         # Read the corpus and import what the ranks' optimizers import, once, here: the forked ranks inherit both (a
         # process reads a corpus once) instead of spending seconds on each.
         load_corpus(args.data, max_bytes=args.max_bytes)
-        return launch(worker, args.ranks, args, timeout_s=args.timeout, preload=("torch._dynamo",))[0]
+        # no bound on the run's length; --timeout bounds each collective's wait, and past it names the ranks that hang
+        return launch(worker, args.ranks, args, timeout_s=None, pg_timeout_s=args.timeout,
+                      preload=("torch._dynamo",))[0]
     finally:
         if held is not None:
             held.release()
 
 
+def cli(argv=None) -> int:
+    """The command line: :func:`main`, its exit status. An interrupt (Ctrl-C) ends with one line and status 130, a
+    failed rank with the launcher's report (it names the rank and holds its traceback) and status 1, neither with a
+    traceback of the launcher's own."""
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        print("train.py: interrupted; the checkpoints written so far are kept (--resume continues from the last)",
+              file=sys.stderr)
+        return 130
+    except LaunchError as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -1,4 +1,5 @@
-"""Small helpers shared across the package: argument checks and exact integer apportionment.
+"""Small helpers shared across the package: argument checks (and the memory a check before launch is bounded by)
+and exact integer apportionment.
 
 The checks raise ``ValueError`` naming the argument and its value, and return the value (normalised) so a
 constructor can check and assign in one line. :func:`apportion` splits integer totals in proportion to integer
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import numpy as np
 import torch
@@ -71,6 +73,46 @@ def non_negative_fields(obj, *names: str) -> None:
         value = getattr(obj, name)
         if value < 0:
             raise ValueError(f"{type(obj).__name__}.{name} must be non-negative, got {value!r}")
+
+
+def available_memory_bytes() -> int | None:
+    """The memory this machine can still give a new job, or None when it cannot be read: the smaller of Linux's
+    MemAvailable and the room left under the process's cgroup limit (a container's bound); elsewhere the free
+    physical pages. The bound of a memory check before launch."""
+    found = [v for v in (_meminfo_available(), _cgroup_room()) if v is not None]
+    if found:
+        return min(found)
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    except OSError:
+        return None
+
+
+def _cgroup_room() -> int | None:
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < 2**60:  # v1 writes a huge number for no limit
+            return max(limit - usage, 0)
+    return None
 
 
 # --- command-line types (argparse ``type=``: a bad value is an argparse error naming the flag, never a traceback) ---

@@ -1,4 +1,5 @@
-"""The fork launcher returns every rank's result, and fails fast and loudly when a rank fails or hangs."""
+"""The fork launcher returns every rank's result, and fails fast and loudly when a rank fails or hangs, naming a
+rank that never arrives at a collective; a healthy run is bounded by its collectives' waits, not by its length."""
 
 import os
 import subprocess
@@ -71,6 +72,104 @@ def test_a_hanging_launch_times_out():
     assert time.monotonic() - start < 10
 
 
+def _sleep_instead_of_all_reduce(rank, sleeper):
+    if rank == sleeper:
+        time.sleep(3600)  # hangs here, outside any collective
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _return_or_sleep(rank, sleeper):
+    if rank == sleeper:
+        time.sleep(3600)  # its peers return their results and wait for it in the launcher's closing barrier
+    return rank
+
+
+def _sleep_or_barrier(rank, sleeper):
+    if rank == sleeper:
+        time.sleep(3600)
+    dist.barrier()
+
+
+def _steps_longer_than_the_collective_timeout(rank, steps, step_s):
+    start = time.monotonic()
+    for _ in range(steps):
+        time.sleep(step_s)  # every rank works as long: none waits long for the others in the collective
+        t = torch.ones(1)
+        dist.all_reduce(t)
+    return time.monotonic() - start
+
+
+def test_a_rank_that_never_arrives_at_a_collective_is_named_within_the_collective_timeout():
+    """Its peers time out in the collective after pg_timeout_s; the launcher asks the ranks that did not report
+    where they are and names the one outside any collective, with its stack, instead of blaming the peers that
+    waited for it (before: "rank 0 of 3 failed", or the whole launch's timeout and every rank)."""
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(_sleep_instead_of_all_reduce, 3, 1, timeout_s=120, pg_timeout_s=3)
+    assert time.monotonic() - start < 60  # the collective timeout and a moment, far below the launch's bound
+    assert info.value.rank == 1 and info.value.ranks == [1]
+    message = str(info.value)
+    assert message.startswith("rank 1 of 3 did not arrive at a collective: ranks [0, 2] failed waiting"), message
+    assert "rank 0 in all_reduce" in message and "rank 2 in all_reduce" in message
+    assert "rank 1: not in a collective, at" in message and "in _sleep_instead_of_all_reduce" in message
+
+
+def test_a_rank_that_hangs_after_its_peers_returned_is_named():
+    """The peers that returned wait for it in the launcher's closing barrier; when that times out, the rank still
+    working is named (before: the launch waited for it until its own timeout)."""
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(_return_or_sleep, 2, 1, timeout_s=120, pg_timeout_s=3)
+    assert time.monotonic() - start < 60
+    assert info.value.rank == 1 and "rank 1 of 2 did not arrive at a collective" in str(info.value)
+    assert "in _return_or_sleep" in str(info.value)
+
+
+def test_a_healthy_run_longer_than_the_collective_timeout_is_not_stopped():
+    """The collective timeout bounds inactivity (a wait for peers), not the run: with no bound on the launch
+    (timeout_s None) a run of 4 s whose collectives complete passes a 2.5 s collective timeout."""
+    spent = launch(_steps_longer_than_the_collective_timeout, 2, 4, 1.0, timeout_s=None, pg_timeout_s=2.5)
+    assert min(spent) > 2.5  # it did run past the bound
+
+
+def test_a_launch_timeout_says_where_each_rank_is():
+    """The whole launch's timeout names the rank outside the collective the others wait in, with its stack."""
+    with pytest.raises(LaunchError) as info:
+        launch(_sleep_or_barrier, 2, 1, timeout_s=3, pg_timeout_s=120)
+    message = str(info.value)
+    assert "launch timed out after 3 s; ranks [0, 1] had not finished; rank 1 did not arrive" in message, message
+    assert "rank 0: waits in barrier" in message and "in _sleep_or_barrier" in message
+    assert info.value.rank == 1
+
+
+def test_stack_dumps_tell_a_rank_in_a_collective_from_one_outside():
+    from lrmoe.runtime.distributed.stacks import parse_stack
+
+    dist_file = os.path.join(os.path.dirname(dist.__file__), "distributed_c10d.py")
+    logger = os.path.join(os.path.dirname(dist.__file__), "c10d_logger.py")
+    dump = textwrap.dedent(f"""\
+        Thread 0x00007f01 (most recent call first):
+          File "/usr/lib/python3/threading.py", line 331 in wait
+          File "/usr/lib/python3/threading.py", line 1002 in _bootstrap
+
+        Current thread 0x00007f02 (most recent call first):
+          File "{dist_file}", line 3252 in all_reduce
+          File "{logger}", line 83 in wrapper
+          File "/work/job.py", line 7 in step
+          File "/x/launch.py", line 96 in _child
+          File "/usr/lib/python3/multiprocessing/process.py", line 108 in run
+        """)
+    stack = parse_stack(dump, "_child")
+    assert stack.collective == "all_reduce"  # past torch's logging wrapper
+    assert stack.frames[-1].endswith("in _child") and len(stack.frames) == 4  # the process's start is cut
+    outside = parse_stack(dump.replace(f'File "{dist_file}", line 3252 in all_reduce', 'File "/j.py", line 1 in f'),
+                          "_child")
+    assert outside.collective is None and outside.where == 'File "/j.py", line 1 in f'
+    assert parse_stack("", "_child") is None
+
+
 def test_ranks_inherit_the_modules_torch_would_import_in_each_of_them():
     """Building any torch optimizer imports torch._dynamo (3 s on this machine's cores): preloaded, the launcher
     imports it once, before forking, so no rank repeats it. Checked in a fresh process, where nothing has imported it
@@ -90,6 +189,8 @@ def test_bad_arguments_name_the_problem():
         launch(_rank_info, 0, 0)
     with pytest.raises(ValueError, match="timeout_s"):
         launch(_rank_info, 2, 0, timeout_s=0)
+    with pytest.raises(ValueError, match="pg_timeout_s"):
+        launch(_rank_info, 2, 0, pg_timeout_s=float("nan"))
 
 
 def test_a_script_whose_rank_fails_exits_non_zero(tmp_path):

@@ -61,3 +61,20 @@ def test_aux_free_bias_update_moves_toward_mean_load():
     new = update_expert_bias(bias, torch.tensor([10, 2, 4, 4]), rate=0.01)  # mean 5
     assert new.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
     assert expert_counts(torch.tensor([[0, 1], [1, 3]]), 4).tolist() == [1, 2, 0, 1]
+
+
+@pytest.mark.parametrize("rate", [float("nan"), float("inf"), -1e-3])
+def test_aux_free_bias_update_refuses_a_rate_that_is_not_finite_and_non_negative(rate):
+    """A NaN or infinite rate made the bias NaN, which collapsed GLM's routing onto a few experts while the loss stayed
+    finite; now it is refused."""
+    with pytest.raises(ValueError, match="update rate must be a finite non-negative number"):
+        update_expert_bias(torch.zeros(4), torch.tensor([10, 2, 4, 4]), rate=rate)
+
+
+def test_aux_free_bias_update_refuses_a_bias_that_is_not_finite():
+    """The bias buffer is state the gradient and activation checks never see: a non-finite entry (e.g. a loaded or
+    edited buffer, or an update that overflowed) is named, before and after the update."""
+    with pytest.raises(ValueError, match=r"not finite before the update \(experts \[2\] of 4\)"):
+        update_expert_bias(torch.tensor([0.0, 0.0, float("nan"), 0.0]), torch.tensor([10, 2, 4, 4]), rate=1e-3)
+    with pytest.raises(ValueError, match=r"not finite after an update at rate 1e\+308"):
+        update_expert_bias(torch.full((4,), 3e38), torch.tensor([1, 9, 1, 1]), rate=1e308)

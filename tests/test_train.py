@@ -3,9 +3,12 @@ loss falls, --resume is exact, the records are complete (load statistics include
 
 import json
 import math
+import os
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from _scripts import load_experiment
 
 from lrmoe.integrations.checkpoint import identity_mismatch
@@ -170,3 +173,150 @@ def refused(capsys, tmp_path, *argv) -> str:
         run(tmp_path, *argv)
     assert exc.value.code == 2
     return capsys.readouterr().err
+
+
+# --- checks before launch, and how a run ends (bad input, a hung rank, an interrupt) ----------------------------------
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--lr", "nan"], "--lr"), (["--lr", "-1"], "--lr"), (["--aux-coef", "nan"], "--aux-coef"),
+    (["--hf-config", "glm", "--bias-rate", "nan"], "--bias-rate"), (["--bias-rate", "inf"], "--bias-rate"),
+    (["--trace-out", "x.txt"], "--trace-out"), (["--timeout", "0"], "--timeout"), (["--timeout", "-3"], "--timeout"),
+    (["--timeout", "nan"], "--timeout"), (["--max-bytes", "-5"], "--max-bytes"), (["--eps", "nan"], "--eps"),
+    (["--extra-slots", "-1"], "--extra-slots"), (["--seed", "-1"], "--seed")])
+def test_bad_values_are_argparse_errors_naming_the_flag(capsys, argv, flag):
+    """Each was accepted and found out late (after the ranks started, or after the whole run trained: --trace-out),
+    or with a misleading message (--max-bytes -5: "corpus too small"), or a traceback (--timeout 0)."""
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(argv)
+    assert exc.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_extra_slots_are_bounded_by_the_memory_the_machine_has(tmp_path, capsys):
+    """--extra-slots 100000 passed the checks and allocated about 10 GB per rank; the slots' memory is now estimated
+    (weights and gradient of every slot in every MoE layer) and refused, before any rank starts and before any file
+    is written (the results file's lock too), when the ranks' slots would not fit."""
+    out = tmp_path / "r.jsonl"
+    err = refused(capsys, tmp_path, "--extra-slots", "10000000", "--out", str(out))
+    assert "--extra-slots 10000000: the expert slots alone need" in err and "GiB of memory it has available" in err
+    assert "10000008 slots x 2 MoE layers x 48 KiB" in err  # 16/2 home slots + the extra, 3·64·32 fp32 × 2
+    assert list(tmp_path.iterdir()) == []  # no results file, no checkpoint folder, no .r.jsonl.lock
+
+
+def test_the_results_lock_check_still_refuses_a_live_writer(tmp_path, capsys):
+    """The check no longer creates the lock file it probes (a failed check left `.r.jsonl.lock` behind), and still
+    finds a live writer's lock."""
+    from lrmoe.integrations.tracking import Tracker
+
+    out = tmp_path / "r.jsonl"
+    with Tracker("train", results=out, wandb=False):
+        err = refused(capsys, tmp_path, "--resume", "--steps", "2", "--out", str(out))
+    assert "is being written by another live process" in err
+
+
+def _slot_bytes(rank, args):
+    cfg = train.model_preset(args.preset)
+    run = train.NativeModel(args, cfg, 1, torch.device("cpu"))
+    return sum(2 * layer.store.slots_SW.numel() * layer.store.slots_SW.element_size() for layer in run.layers)
+
+
+def test_the_slot_memory_estimate_is_what_the_model_allocates():
+    """The estimate the check uses against the slots a rank's model really holds (weights, and a gradient as large)."""
+    from lrmoe.runtime.distributed.launch import launch
+
+    args = train.parse_args(["--ranks", "1", "--extra-slots", "3", "--policy", "lrmoe"])
+    args.run_id = "x"
+    estimate, _ = train.slot_memory(args, train.model_preset(args.preset), 1)
+    assert launch(_slot_bytes, 1, args, timeout_s=120)[0] == estimate
+
+
+def test_the_cost_model_prices_each_system_as_the_simulator_builds_it():
+    """--cost-model priced lrmoe-padded as compacted (11.99 against the simulator's 11.48 ms per layer and
+    iteration): it now takes compaction and optimizer sharding from the system's entry, as the simulator does, so
+    the same plan is priced differently as lrmoe (compact backward) and as lrmoe-padded (padded packets)."""
+    from lrmoe.sim.systems import simulator_system
+    from lrmoe.systems import get_system
+
+    counts_NE = torch.tensor([[60] * 4 + [4] * 12] * 4)  # rank 0's experts hot; no spare slot: LRMoE trims
+    priced = {}
+    for policy in ("lrmoe", "lrmoe-padded"):
+        args = train.parse_args(["--policy", policy, "--ranks", "4", "--extra-slots", "0"])
+        cfg = train.model_preset(args.preset)
+        system = simulator_system(get_system(policy), train.system_context(args, cfg, 4))
+        cost = train.cost_model(args, cfg, 4)
+        assert (cost.compaction, cost.sharded_optimizer) == (system.compaction, system.sharded_optimizer)
+        priced[policy] = cost
+    assert priced["lrmoe-padded"].compaction is False
+    plan = simulator_system(get_system("lrmoe-padded"), train.system_context(args, cfg, 4)).make_policy().plan(
+        counts_NE, counts_NE.sum(0))
+    assert plan.bwd_load_N.sum() < plan.fwd_load_N.sum()  # the plan trims: padding costs something
+    assert priced["lrmoe-padded"].cost(plan).total_s != priced["lrmoe"].cost(plan).total_s
+
+
+def _hang_on_rank_1(batches_seen):
+    def get_batch(*args, **kw):
+        batches_seen.append(1)
+        if dist.get_rank() == 1 and len(batches_seen) == 2:
+            time.sleep(3600)  # the second step: rank 1 never reaches the step's collectives
+        return real_get_batch(*args, **kw)
+    return get_batch
+
+
+def _slow_steps(*args, **kw):
+    time.sleep(2.5)  # every rank as slow: a healthy run, longer than --timeout in all
+    return real_get_batch(*args, **kw)
+
+
+real_get_batch = train.get_batch
+
+
+def test_a_hung_rank_is_named_after_timeout_seconds(tmp_path, monkeypatch):
+    """A rank that stops before a collective: its peers give up after --timeout and the run ends naming it, with
+    where it is (before: --timeout, default an hour, bounded the whole run, and the message blamed every rank)."""
+    from lrmoe.runtime.distributed.launch import LaunchError
+
+    monkeypatch.setattr(train, "get_batch", _hang_on_rank_1([]))
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as exc:
+        run(tmp_path, "--steps", "4", "--ckpt-every", "0", "--timeout", "6", "--out", str(tmp_path / "r.jsonl"))
+    assert exc.value.rank == 1 and str(exc.value).startswith("rank 1 of 2 did not arrive at a collective")
+    assert "rank 1: not in a collective" in str(exc.value) and "in get_batch" in str(exc.value)
+    assert time.monotonic() - start < 120
+
+
+def test_a_healthy_run_longer_than_its_timeout_finishes(tmp_path, monkeypatch):
+    """--timeout bounds each wait for the other ranks, not the run: 3 steps of 2.5 s pass --timeout 6 (before: the
+    run was killed after 6 s)."""
+    monkeypatch.setattr(train, "get_batch", _slow_steps)
+    start = time.monotonic()
+    history = run(tmp_path, "--steps", "3", "--ckpt-every", "0", "--timeout", "6", "--out", str(tmp_path / "r.jsonl"))
+    assert len(history) == 3 and time.monotonic() - start > 7.5
+
+
+def test_an_interrupt_ends_the_run_with_status_130_and_one_line(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while the ranks train: status 130, one
+    line, no traceback (before: status 1 and a KeyboardInterrupt traceback)."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "r.jsonl"
+    script = train.__file__
+    proc = subprocess.Popen([sys.executable, script, "--ranks", "2", "--batch", "2", "--seq-len", "32", "--steps",
+                             "100000", "--max-bytes", "300000", "--eval-every", "1000", "--ckpt-every", "0",
+                             "--no-wandb", "--quiet", "--out", str(out)],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out.is_file() and '"kind": "record"' in out.read_text()):  # training: a step is recorded
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("train.py: interrupted"), err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1, err

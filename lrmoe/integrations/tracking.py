@@ -475,7 +475,7 @@ def check_tracking_args(parser, args, name: str, outputs: dict[str, Any] | None 
                 check_resumable(out, name, [r for r in records if r.get("kind") == "run"], bool(records))
             except ValueError as exc:
                 parser.error(str(exc))
-        if out.parent.is_dir():
+        if out.with_name(f".{out.name}.lock").is_file():  # none: no live writer; a check must not leave one behind
             try:
                 FileLock(out).release()
             except (RuntimeError, OSError) as exc:

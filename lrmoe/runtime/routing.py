@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -77,8 +78,22 @@ def load_balancing_loss(scores_TE: torch.Tensor, counts_E: torch.Tensor, top_k: 
 def update_expert_bias(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float = 1e-3) -> torch.Tensor:
     """Aux-loss-free balancing (DeepSeek-V3 §2.1.2, used by GLM-4.5): nudge each expert's selection bias by
     ``rate`` towards the mean load: up when the expert is under-loaded, down when over-loaded. Returns a new
-    tensor; ``counts_E`` should be the global counts of the step."""
-    if rate < 0:
-        raise ValueError(f"rate must be non-negative, got {rate}")
+    tensor; ``counts_E`` should be the global counts of the step.
+
+    A non-finite bias would steer every later selection while the loss stays finite (a NaN bias collapses routing
+    onto a few experts), out of reach of the activation and gradient checks: a non-finite ``rate``, bias before or
+    after the update raises ``ValueError`` (the same on every rank: the counts are global)."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate < 0:
+        raise ValueError(f"the selection-bias update rate must be a finite non-negative number, got {rate!r}")
+    _check_finite_bias(bias_E, "before the update")
     load_E = counts_E.to(torch.float64)
-    return bias_E + rate * torch.sign(load_E.mean() - load_E).to(bias_E.dtype)
+    new_E = bias_E + rate * torch.sign(load_E.mean() - load_E).to(bias_E.dtype)
+    _check_finite_bias(new_E, f"after an update at rate {rate!r}")
+    return new_E
+
+
+def _check_finite_bias(bias_E: torch.Tensor, when: str) -> None:
+    bad = (~torch.isfinite(bias_E)).nonzero().flatten()
+    if len(bad):
+        raise ValueError(f"the routers' selection bias is not finite {when} (experts {bad[:8].tolist()}"
+                         f"{' ...' if len(bad) > 8 else ''} of {bias_E.numel()}): routing would collapse")
