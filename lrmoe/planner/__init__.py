@@ -3,7 +3,9 @@
 * :mod:`~lrmoe.planner.plan`: the plan, plain data the layer and the simulator both consume, and
   :class:`~lrmoe.planner.plan.Policy`, the one interface of what makes it (``name``, ``plan(counts_NE,
   prev_counts_E) -> LayerPlan``);
-* :mod:`~lrmoe.planner.policies`: the policies (static EP, capacity, SYMI, LRMoE, trimmed);
+* :mod:`~lrmoe.planner.policies`: the policies (static EP, capacity, SYMI, LRMoE, trimmed), each ``plan`` a placement
+  and ``plan_on``, the critical path that needs this micro-batch's counts;
+* :mod:`~lrmoe.planner.batched`: the critical paths of every layer of a micro-batch in one call;
 * :mod:`~lrmoe.planner.online`: online replication from the current forward;
 * :mod:`~lrmoe.planner.placement`: SYMI's and LRMoE's placements, and the memory-aware slot count;
 * :mod:`~lrmoe.planner.replica_routing`: which replica computes which pairs, forward and backward;
