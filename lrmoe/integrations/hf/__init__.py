@@ -46,8 +46,9 @@ rank's slots), named to DistributedDataParallel as parameters to leave alone (it
 gradients, averaged in its backward (overlapped with it, ``no_sync`` for accumulation), and the replica store the
 experts'; the step then all-reduces only the non-finite flags (:attr:`HFExpertParallel.dense_reduced_by_ddp`,
 :func:`ddp_reducing`). A DDP around a module above the model would reduce the slots: its first training forward
-raises :class:`DataParallelError`. ``transformers.Trainer`` works with ``optimizers=(ep.optimizer(...,
-max_grad_norm=...), scheduler)`` and Trainer's own ``max_grad_norm=0`` (:class:`EPOptimizer`). ``nn.DataParallel``'s
+raises :class:`DataParallelError`. ``transformers.Trainer`` (any number of processes) takes ``optimizers=(
+ep.optimizer(...), scheduler)`` and ``callbacks=[EPTrainerCallback(ep)]`` (:mod:`lrmoe.integrations.hf.trainer`:
+gradient scale, one clipping, checkpoints and resume). ``nn.DataParallel``'s
 copies and FSDP are refused (:class:`DataParallelError`).
 
 Weights. HF fuses the experts as ``gate_up_proj`` [E, 2F, D] (gate rows first: ``linear(x, W).chunk(2)``) and

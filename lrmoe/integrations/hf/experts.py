@@ -3,6 +3,8 @@ dict in HF's names."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -98,7 +100,8 @@ class EPExperts(nn.Module):
 
 def _emit_hf_weights(module: EPExperts, state_dict: dict, prefix: str, local_metadata) -> None:
     state_dict.pop(prefix + "slots_SW", None)  # this rank's slots: the gathered experts stand for them
-    gate_up, down = module.gather_hf_weights()
+    held = module.__dict__.get("held_hf_weights")  # gathered beforehand on every rank (hold_gathered_weights)
+    gate_up, down = held if held is not None else module.gather_hf_weights()
     state_dict[prefix + "gate_up_proj"] = gate_up
     state_dict[prefix + "down_proj"] = down
 
@@ -113,3 +116,18 @@ def _take_hf_weights(module: EPExperts, state_dict: dict, prefix: str, local_met
         module.load_hf_weights(state_dict.pop(keys[0]), state_dict.pop(keys[1]))
     state_dict[prefix + "slots_SW"] = module.slots_SW.detach()  # the slots load_hf_weights wrote: copied onto
     # themselves, so that the parameter is neither missing nor changed
+
+
+@contextmanager
+def hold_gathered_weights(model: nn.Module):
+    """Gather every swapped block's experts once (collective: every rank enters) and let ``model.state_dict()``
+    use them inside the block without a collective, so that a save that only the main process runs
+    (``transformers.Trainer``'s checkpoints, ``trainer.save_model()``) writes HF's full tensors there."""
+    swapped = [m for m in model.modules() if isinstance(m, EPExperts)]
+    for module in swapped:
+        module.__dict__["held_hf_weights"] = module.gather_hf_weights()
+    try:
+        yield
+    finally:
+        for module in swapped:
+            module.__dict__.pop("held_hf_weights", None)

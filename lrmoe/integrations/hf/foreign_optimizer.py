@@ -27,8 +27,8 @@ FOREIGN_OPTIMIZER = (
     "over model.parameters() (torch.optim.AdamW(model.parameters()), or transformers.Trainer without optimizers=) "
     "never trains them. Use the swapped model's optimizer: opt = ep.optimizer(torch.optim.AdamW, lr=...) in place "
     "of yours, in a plain loop (loss.backward(); opt.step(); opt.zero_grad()) or in Trainer(..., optimizers=(opt, "
-    "scheduler)) with max_grad_norm=0 in TrainingArguments; or, with your own dense optimizer, ep.step(optimizer) "
-    "in place of optimizer.step() (docs/hf.md).")
+    "scheduler), callbacks=[EPTrainerCallback(ep)]) (lrmoe.integrations.hf.trainer); or, with your own dense "
+    "optimizer, ep.step(optimizer) in place of optimizer.step() (docs/hf.md).")
 
 
 GRAD_SAMPLE = 8  # values of each dense gradient EPOptimizer keeps after the backward, to see an edit before its step
@@ -45,7 +45,8 @@ GRADIENT_EDIT = (
     "default 1.0). Each rank holds only its own expert slots, and a replicated expert's slots hold partial sums of "
     "its gradient until the step sums them, so that clipping measures no global norm, and ep.optimizer's own "
     "clipping (max_grad_norm=) would scale the gradients a second time. Clip in the optimizer instead: "
-    "ep.optimizer(..., max_grad_norm=1.0), with TrainingArguments(max_grad_norm=0) under Trainer. Gradients that "
+    "ep.optimizer(..., max_grad_norm=1.0); under Trainer, callbacks=[EPTrainerCallback(ep)] (lrmoe.integrations.hf."
+    "trainer) moves TrainingArguments.max_grad_norm there, or set TrainingArguments(max_grad_norm=0). Gradients that "
     "are meant to be edited before the step (e.g. a gradient scaler's unscale): ep.optimizer(..., "
     "allow_grad_edits=True).")
 

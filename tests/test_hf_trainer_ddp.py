@@ -1,0 +1,130 @@
+"""transformers.Trainer with the drop-in on 2 gloo processes (tiny Qwen3-MoE and GLM-4.5, fp32, CPU), through
+``EPTrainerCallback`` (lrmoe.integrations.hf.trainer).
+
+Trainer wraps the model in DistributedDataParallel and runs its own loop: gradient accumulation over 2 micro-batches
+(``no_sync`` but for the last), a scheduler, and ``max_grad_norm`` set in TrainingArguments small enough that every
+step clips. Properties: the weights after 3 steps (experts gathered from both ranks) equal those of lrmoe's own loop
+on the same ranks and micro-batches (``ep.optimizer(AdamW, max_grad_norm=...)``, the plain loop of docs/hf.md) to
+float noise, with the same clipped norm at the last step; Trainer's own clipping is off during the run and restored
+after it; a Trainer resumed from its step-2 checkpoint (HF's full tensors written by the main process alone, each
+rank's expert state beside them) ends bitwise where the uninterrupted run ended; the checkpoint loads into the
+unmodified HF class.
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+from lrmoe.config import MoEConfig  # noqa: E402
+from lrmoe.integrations.hf import hf_config, swap_moe_blocks  # noqa: E402
+from lrmoe.integrations.hf.trainer import EPTrainerCallback, expert_state_file  # noqa: E402
+from lrmoe.runtime.distributed.launch import launch  # noqa: E402
+
+TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
+                 num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
+RANKS, BATCH, SEQ, MICRO, STEPS, LR = 2, 2, 8, 2, 3, 1e-2
+MAX_NORM = 0.5  # the mean loss's gradient norm is about 2-3 here: every step clips
+WEIGHTS = dict(rtol=1e-4, atol=LR / 100)  # DDP's average against lrmoe's sum: float noise, through Adam
+
+
+def tiny_model(family: str):
+    torch.manual_seed(0)  # the same weights in every run and on every rank
+    if family == "qwen":
+        return Qwen3MoeForCausalLM(hf_config(TINY))
+    return Glm4MoeForCausalLM(hf_config(TINY.replace(router="sigmoid_bias", num_shared_experts=1, shared_ffn=16)))
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def warmup(step: int) -> float:
+    return (step + 1) / STEPS
+
+
+def run_trainer(family: str, folder: str, resume: str | None = None) -> tuple:
+    """Trainer on this rank with the callback; returns (model, ep, optimizer, the token ids of its training
+    forwards, Trainer's max_grad_norm after the run)."""
+    os.environ.update(LOCAL_WORLD_SIZE=os.environ["WORLD_SIZE"], OMP_NUM_THREADS="1")  # what torchrun sets
+    model = tiny_model(family)
+    ep = swap_moe_blocks(model, "lrmoe-no-quotas")
+    seen = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["input_ids"].clone())
+                                    if torch.is_grad_enabled() else None, with_kwargs=True)
+    opt = ep.optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.0)
+    args = TrainingArguments(folder, per_device_train_batch_size=BATCH, gradient_accumulation_steps=MICRO,
+                             max_steps=STEPS, max_grad_norm=MAX_NORM, train_sampling_strategy="sequential",
+                             use_cpu=True, logging_steps=1, save_strategy="steps", save_steps=2, report_to=[],
+                             dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    rows = torch.randint(0, TINY.vocab_size, (RANKS * STEPS * MICRO * BATCH, SEQ),
+                         generator=torch.Generator().manual_seed(1))
+    t = Trainer(model=model, args=args, train_dataset=Rows(rows), callbacks=[EPTrainerCallback(ep)],
+                optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, warmup)))
+    t.train(resume_from_checkpoint=resume)
+    return model, ep, opt, seen, args.max_grad_norm
+
+
+def own_loop(family: str, micro_batches: list[torch.Tensor]) -> tuple:
+    """lrmoe's own loop (docs/hf.md) on this rank's micro-batches: the mean loss's gradient, clipped in the step."""
+    model = tiny_model(family)
+    ep = swap_moe_blocks(model, "lrmoe-no-quotas")
+    opt = ep.optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.0, max_grad_norm=MAX_NORM)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    for step in range(STEPS):
+        for m in range(MICRO):
+            x = micro_batches[step * MICRO + m]
+            model(x, labels=x).loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _trainer_against_own_loop(rank: int, family: str, folder: str) -> dict:
+    model, ep, opt, seen, trainer_norm = run_trainer(family, folder)
+    got = model.state_dict()  # collective: the experts gathered
+    ref, ref_opt = own_loop(family, seen)
+    want = ref.state_dict()
+    resumed, _, _, resumed_seen, _ = run_trainer(family, folder, resume=f"{folder}/checkpoint-2")
+    again = resumed.state_dict()
+    out = {"seen": len(seen), "resumed_seen": len(resumed_seen), "trainer_norm_after": trainer_norm,
+           "norm": (float(opt.last_grad_norm), float(ref_opt.last_grad_norm)),
+           "state_files": sorted(os.listdir(f"{folder}/checkpoint-2")),
+           "expert_state": os.path.isfile(expert_state_file(f"{folder}/checkpoint-2", rank, RANKS)),
+           "resumed_unequal": [k for k in got if not torch.equal(got[k], again[k])], "weights": {}}
+    for name in want:
+        try:
+            torch.testing.assert_close(got[name], want[name], **WEIGHTS)
+        except AssertionError as exc:
+            out["weights"][name] = str(exc)[:300]
+    if rank == 0:  # the checkpoint is HF's: the unmodified class loads it, experts whole
+        cls = Qwen3MoeForCausalLM if family == "qwen" else Glm4MoeForCausalLM
+        loaded = cls.from_pretrained(f"{folder}/checkpoint-2")
+        out["loads"] = type(loaded.model.layers[0].mlp.experts).__name__
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen", "glm"])
+def test_trainer_on_two_processes_trains_as_lrmoes_own_loop_and_resumes_bitwise(tmp_path, family):
+    outs = launch(_trainer_against_own_loop, RANKS, family, str(tmp_path / "run"), timeout_s=300)
+    for rank, out in enumerate(outs):
+        assert out["seen"] == STEPS * MICRO and out["resumed_seen"] == (STEPS - 2) * MICRO, out
+        assert not out["weights"], out["weights"]
+        got, want = out["norm"]
+        assert got > MAX_NORM and got == pytest.approx(want, rel=1e-5), out["norm"]  # clipped, once, globally
+        assert out["trainer_norm_after"] == MAX_NORM  # Trainer's own clipping was off for the run only
+        assert out["expert_state"] and "model.safetensors" in out["state_files"], out["state_files"]
+        assert not out["resumed_unequal"], out["resumed_unequal"]  # bitwise
+    assert outs[0]["loads"] != "EPExperts"
