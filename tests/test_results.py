@@ -94,3 +94,12 @@ def test_a_manifest_removes_exactly_what_its_job_wrote(tmp_path):
     assert all(p.exists() for p in theirs) and other_run.exists()
     assert not (tmp_path / "wandb" / "latest-run").is_symlink()
     assert Manifest(tmp_path, "job").files == {}
+
+
+def test_tracking_re_exports_none_of_the_files_names():
+    """The reader, writer and lock live in lrmoe.results alone: no stale second name for them in tracking."""
+    from lrmoe.integrations import tracking
+
+    stale = [name for name in ("read_results", "atomic_write", "atomic_write_text", "FileLock", "_FileLock",
+                               "Manifest", "complete_lines", "_complete_lines", "_parse") if hasattr(tracking, name)]
+    assert not stale, stale

@@ -49,8 +49,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from lrmoe.results import (FileLock, Manifest, atomic_write_text, complete_lines, parse_lines, read_headers,
-                           read_results)
+from lrmoe import results as files  # the files themselves; this module re-exports none of their names
 
 _PACKAGES = ("torch", "triton", "numpy", "wandb", "lrmoe")
 
@@ -179,13 +178,13 @@ class Tracker:
                                   f"replace it or resume=True (--resume) to continue the run it holds")
         self.results.parent.mkdir(parents=True, exist_ok=True)
         self.quiet = quiet
-        self._lock = FileLock(self.results)
+        self._lock = files.FileLock(self.results)
         self._file = None
         self._overwrite = overwrite
         self.wandb_run = None
         self.wandb_dir: Path | None = None
         try:
-            self.manifest = Manifest.of(self.results)
+            self.manifest = files.Manifest.of(self.results)
             self._adopt_legacy()
             self.run_id = run_id or new_run_id(name)
             self.attempt = 1
@@ -212,16 +211,16 @@ class Tracker:
         this script's (its run header says so), so --overwrite may replace them."""
         if not self.results.is_file() or self.manifest.written(self.results):
             return
-        headers = read_headers(self.results)
+        headers = files.read_headers(self.results)
         if headers and headers[-1].get("name") == self.name:
-            figures = [p for rec in read_results(self.results, "figure") for p in rec.get("paths", [])]
+            figures = [p for rec in files.read_results(self.results, "figure") for p in rec.get("paths", [])]
             self.manifest.add(self.results, *(p for p in figures if Path(p).is_file()), tag=self.name)
 
     # -- resuming -----------------------------------------------------------------------------------------
     def _supersede(self, resume_step: int | None) -> None:
         """Continue the file's run: rewrite it (atomically) without the records past ``resume_step``."""
-        lines = complete_lines(self.results)
-        records = parse_lines(self.results, lines)
+        lines = files.complete_lines(self.results)
+        records = files.parse_lines(self.results, lines)
         headers = [r for r in records if r.get("kind") == "run"]
         check_resumable(self.results, self.name, headers, bool(records))
         if headers:
@@ -243,7 +242,7 @@ class Tracker:
         self.resumed_from_step = resume_step
         self._step = 0 if resume_step is None else resume_step + 1
         self._last_step = max(self._step - 1, 0)
-        atomic_write_text(self.results, "".join(line + "\n" for line in keep))
+        files.atomic_write_text(self.results, "".join(line + "\n" for line in keep))
         dropped = len(records) - len(keep)
         if not self.quiet and self.attempt > 1:
             where = "the start" if resume_step is None else f"step {resume_step}"
@@ -415,7 +414,7 @@ def report_problem(results: str | os.PathLike, replace: bool, name: str) -> str 
             ours = f.readline().startswith(_REPORT_MARK)
         if not ours and results.is_file():
             try:
-                headers = [r for r in parse_lines(results, complete_lines(results)) if r.get("kind") == "run"]
+                headers = files.read_results(results, "run")
             except ValueError:  # not a results file
                 headers = []
             ours = bool(headers) and headers[-1].get("name") == name
@@ -430,8 +429,8 @@ def report_problem(results: str | os.PathLike, replace: bool, name: str) -> str 
 def write_report(results: str | os.PathLike, text: str) -> Path:
     """Write the Markdown report of ``results`` (atomically, marked as a report of that file); its path."""
     report = report_path(results)
-    Manifest.of(results).add(report)
-    atomic_write_text(report, f"{_REPORT_MARK}{Path(results).name} -->\n{text}")
+    files.Manifest.of(results).add(report)
+    files.atomic_write_text(report, f"{_REPORT_MARK}{Path(results).name} -->\n{text}")
     return report
 
 
@@ -439,11 +438,11 @@ def foreign_results(out: Path, name: str) -> str | None:
     """Why ``--overwrite`` may not replace ``out``: neither its manifest nor its run header says script ``name``
     wrote it (None: it may)."""
     try:
-        if Manifest.of(out).tag_of(out) == name:
+        if files.Manifest.of(out).tag_of(out) == name:
             return None
     except ValueError as exc:
         return str(exc)
-    headers = read_headers(out)
+    headers = files.read_headers(out)
     if headers and headers[-1].get("name") == name:
         return None
     whose = f"a run of {headers[-1].get('name')!r}" if headers else "no run of any lrmoe script"
@@ -471,13 +470,13 @@ def check_tracking_args(parser, args, name: str, outputs: dict[str, Any] | None 
             parser.error(problem)
         if args.resume and out.is_file():
             try:
-                records = parse_lines(out, complete_lines(out))
+                records = files.parse_lines(out, files.complete_lines(out))
                 check_resumable(out, name, [r for r in records if r.get("kind") == "run"], bool(records))
             except ValueError as exc:
                 parser.error(str(exc))
         if out.with_name(f".{out.name}.lock").is_file():  # none: no live writer; a check must not leave one behind
             try:
-                FileLock(out).release()
+                files.FileLock(out).release()
             except (RuntimeError, OSError) as exc:
                 parser.error(str(exc))
     for flag, path in (outputs or {}).items():
