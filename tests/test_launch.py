@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +75,7 @@ def test_a_hanging_launch_times_out():
 
 def _sleep_instead_of_all_reduce(rank, sleeper):
     if rank == sleeper:
+        threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()  # a background thread, dumped first
         time.sleep(3600)  # hangs here, outside any collective
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -168,6 +170,7 @@ def test_stack_dumps_tell_a_rank_in_a_collective_from_one_outside():
                           "_child")
     assert outside.collective is None and outside.where == 'File "/j.py", line 1 in f'
     assert parse_stack("", "_child") is None
+    assert parse_stack(dump.split("Current thread")[0], "_child") is None  # not the main thread: keep asking
 
 
 def test_ranks_inherit_the_modules_torch_would_import_in_each_of_them():

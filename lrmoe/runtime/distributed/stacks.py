@@ -65,23 +65,23 @@ class RankStack:
 
 
 def parse_stack(dump: str, entry: str) -> RankStack | None:
-    """The main thread's stack in a ``faulthandler`` dump: the thread whose frames include the function ``entry``
-    (else the last one listed); None when the dump holds no thread."""
+    """The main thread's stack in a ``faulthandler`` dump: the thread whose frames include the function ``entry``,
+    cut below it; None while the dump holds no such thread (e.g. it is still being written: other threads, such as
+    a planner's background worker, may come first)."""
     threads = [[line.strip() for line in block.splitlines() if _FRAME.search(line)]
                for block in re.split(r"\n\s*\n", dump) if "most recent call first" in block]
-    threads = [t for t in threads if t]
-    if not threads:
+    main = next((t for t in threads if any(line.endswith(f" in {entry}") for line in t)), None)
+    if main is None:
         return None
-    main = next((t for t in threads if any(line.endswith(f" in {entry}") for line in t)), threads[-1])
     ends = [i for i, line in enumerate(main) if line.endswith(f" in {entry}")]
-    main = main[:ends[-1] + 1] if ends else main  # the frames that started the process are noise
+    main = main[:ends[-1] + 1]  # the frames that started the process are noise
     parsed = [_FRAME.search(line) for line in main]
     in_dist = parsed[0]["path"].startswith(_DIST_DIR)  # the innermost frame: where the rank is blocked
     collective = _dist_call([(m["path"], m["name"]) for m in reversed(parsed)]) if in_dist else None
     return RankStack(tuple(main), collective)
 
 
-def read_stacks(pids: dict[int, int], folder: str, entry: str, wait_s: float = 2.0) -> dict[int, RankStack]:
+def read_stacks(pids: dict[int, int], folder: str, entry: str, wait_s: float = 5.0) -> dict[int, RankStack]:
     """Ask each rank (``pids``: rank -> process id; each armed by :func:`arm_stack_dump`, its main thread started in
     the function ``entry``) for its stack and wait at most ``wait_s`` for the answers. A rank that did not answer,
     has exited or is not armed yet (its file is missing: the signal's default action would end it) is left out."""
@@ -97,7 +97,7 @@ def read_stacks(pids: dict[int, int], folder: str, entry: str, wait_s: float = 2
     stacks: dict[int, RankStack] = {}
     deadline = time.monotonic() + wait_s
     while len(stacks) < len(sizes) and time.monotonic() < deadline:
-        time.sleep(0.05)  # a dump takes microseconds; this also lets one that is being written finish
+        time.sleep(0.05)  # a dump takes microseconds once the rank runs (a loaded machine may delay it)
         for rank, before in sizes.items():
             if rank in stacks:
                 continue
