@@ -5,7 +5,7 @@ gradient error against the full gradient. Ends with the three LRMoE targets of D
     python experiments/layer_bench.py                               # 4 forked gloo ranks (CPU), a few minutes
     python experiments/layer_bench.py --quick                       # about a minute
     python experiments/layer_bench.py --regime weak                 # the frontier protocol's settings (DESIGN.md §10)
-    torchrun --nproc-per-node 4 experiments/layer_bench.py --torchrun  # NCCL on GPUs, gloo on CPU
+    torchrun --standalone --nproc-per-node 4 experiments/layer_bench.py  # NCCL on GPUs, gloo on CPU
 
 Traces: synthetic Zipf popularity with AR(1) drift and per-token Gumbel-top-k (``lrmoe.integrations.traces``), one per
 ``--skew-param``, labelled synthetic; ``--trace FILE`` adds a recorded one (one micro-batch of each step where its
@@ -62,6 +62,7 @@ from lrmoe.runtime.distributed.accounting import Accountant, check_accounting, e
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.bytemodel.layout import BACKWARD_PHASES, BYTE_PHASES, FORWARD_PHASES, PHASES, STEP_PHASES
 from lrmoe.runtime.distributed.replica import RangeGroups
+from lrmoe.runtime.distributed.torchrun import launched_world_size, record, torchrun_env
 from lrmoe.runtime.layer import EPMoELayer, initial_placement
 from lrmoe.planner.plan import LayerPlan, Policy
 from lrmoe.runtime.reference import ReferenceMoE
@@ -88,8 +89,9 @@ QUICK = {"tokens_per_rank": 128, "steps": 4, "warmup": 1, "hidden": 256, "ffn": 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=positive_int_arg, default=4,
-                   help="ranks of the fork launcher (ignored with --torchrun)")
-    p.add_argument("--torchrun", action="store_true", help="run under torchrun (one process per rank)")
+                   help="ranks of the fork launcher (not under torchrun)")
+    p.add_argument("--torchrun", action="store_true",
+                   help="accepted for older command lines: torchrun is found from its environment")
     p.add_argument("--policies", nargs="+", default=None, type=system_arg,
                    help=f"default: {' '.join(DEFAULT_POLICIES)}; with --regime, the regime's arms. "
                         f"{system_names_help()}")
@@ -156,7 +158,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def world_size(args: argparse.Namespace) -> int:
-    return int(os.environ.get("WORLD_SIZE", "1")) if args.torchrun else args.ranks
+    return launched_world_size(args.ranks)
 
 
 def apply_regime(args: argparse.Namespace) -> None:
@@ -541,10 +543,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(2) from None
 
 
+@record  # under torchrun: a failing rank's traceback reaches torchrun's report
 def main(argv=None):
     args = parse_args(argv)
     check_args(args)
-    if args.torchrun:
+    if torchrun_env() is not None:  # one of torchrun's ranks
         from lrmoe.runtime.distributed.comm import init_process_group_from_env
 
         info = init_process_group_from_env()

@@ -16,9 +16,15 @@ Two architectures run the same loop (data, systems, checkpoints, --resume, recor
   Qwen3 adds --aux-coef times HF's load-balancing loss (of each rank's own tokens); GLM balances with its
   selection bias (--bias-rate). Needs the [hf] extra (transformers).
 
+    torchrun --standalone --nproc-per-node 4 experiments/train.py --policy lrmoe --steps 200
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 experiments/train.py ...
     python experiments/train.py --preset qwen3-30b-a3b-debug --policy lrmoe --ranks 4 --steps 200
     python experiments/train.py --hf-config glm --policy symi-dropless --ranks 4 --steps 200
-    torchrun --nproc-per-node 4 experiments/train.py --torchrun --policy symi-dropless ...
+
+Under torchrun (found from its environment; docs/cluster.md) the script runs as one of torchrun's ranks; otherwise
+it forks --ranks gloo ranks on this machine. The ranks form an expert-parallel x data-parallel mesh
+(lrmoe.runtime.distributed.mesh): --ep-size ranks per EP group, by default the ranks of a node (LOCAL_WORLD_SIZE),
+the whole world when it fits one node.
 
 Logged per step: loss, validation loss (every --eval-every), dropped pairs, retained backward pairs per rank,
 throughput, modelled time (--cost-model), load statistics (lrmoe.integrations.load_stats:
@@ -53,7 +59,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -67,7 +72,9 @@ from lrmoe.config import MoEConfig, cluster_preset, full_scale_preset, model_pre
 from lrmoe.harness.rss import peak_bytes, reset_peak
 from lrmoe.integrations.data import get_batch, load_corpus
 from lrmoe.runtime.clip import clip_grad_norm_
+from lrmoe.runtime.distributed.mesh import Mesh, build_mesh, ep_problem, ep_ranks_per_node, resolve_ep_size
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups
+from lrmoe.runtime.distributed.torchrun import record, torchrun_env
 from lrmoe.runtime.layer import EPMoELayer, grad_flags, initial_placement, raise_on_grad_flags
 from lrmoe.integrations.load_stats import flat_log, load_stats
 from lrmoe.integrations.model import MoETransformer
@@ -90,12 +97,13 @@ HF_CONFIGS = {"qwen3": "qwen3-30b-a3b-debug", "glm": "glm-4.5-air-debug"}  # --h
 ENGINES = ("distributed", "emulated")  # --engine: how the ranks run (the same worker either way)
 
 
-def system_context(args, cfg, world: int) -> SystemContext:
-    """The facts the system's policy is built from: SYMI and LRMoE get the same memory, E/N home slots plus
-    ``--extra-slots`` per rank."""
-    return SystemContext(num_experts=cfg.num_experts, num_ranks=world, spare_slots=args.extra_slots, eps=args.eps,
+def system_context(args, cfg, ranks: int, ranks_per_node: int | None = None) -> SystemContext:
+    """The facts the system's policy is built from, for an EP group of ``ranks`` ranks, ``ranks_per_node`` of them
+    on one node (None: all): SYMI and LRMoE get the same memory, E/N home slots plus ``--extra-slots`` per rank."""
+    return SystemContext(num_experts=cfg.num_experts, num_ranks=ranks, spare_slots=args.extra_slots, eps=args.eps,
                          gamma=args.gamma, pairs_per_rank=args.batch * args.seq_len * cfg.top_k,
-                         push_cost_rows=args.push_cost_rows)
+                         push_cost_rows=args.push_cost_rows,
+                         ranks_per_node=None if ranks_per_node in (None, ranks) else ranks_per_node)
 
 
 def trace_path_arg(text: str) -> str:
@@ -118,11 +126,13 @@ def slot_memory(args, cfg: MoEConfig, world: int) -> tuple[float, str]:
             f"{slots} slots x {cfg.num_moe_layers} MoE layers x {per_slot / 2**10:.0f} KiB (weights and gradient)")
 
 
-def check_slot_memory(args, cfg: MoEConfig, world: int) -> None:
+def check_slot_memory(args, cfg: MoEConfig, world: int, ep: int | None = None) -> None:
     """ValueError when the slots of the ranks this machine runs (every rank, under the fork launcher) would not fit
-    in the memory it has available: --extra-slots is bounded by what the machine can hold."""
-    per_rank, how = slot_memory(args, cfg, world)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if args.torchrun else world
+    in the memory it has available: --extra-slots is bounded by what the machine can hold. ``ep``: the EP group's
+    size, whose E/EP home slots each rank holds (default: the world)."""
+    per_rank, how = slot_memory(args, cfg, world if ep is None else ep)
+    env = torchrun_env()
+    local = world if env is None else env.local_world_size
     available = available_memory_bytes()
     if available is not None and per_rank * local > available:
         raise ValueError(f"--extra-slots {args.extra_slots}: the expert slots alone need {per_rank / 2**30:.2f} GiB "
@@ -183,17 +193,19 @@ class NativeModel:
 
     architecture = "lrmoe"
 
-    def __init__(self, args, cfg: MoEConfig, world: int, device: torch.device):
+    def __init__(self, args, cfg: MoEConfig, world: int, device: torch.device, mesh: Mesh | None = None):
         self.args, self.cfg, self.world, self.device = args, cfg, world, device
-        groups = RangeGroups()
         system = get_system(args.policy)
-        ctx = system_context(args, cfg, world)
+        # the EP group: the mesh's, or without one the whole world (one node)
+        ep, rpn, groups = (world, world, RangeGroups()) if mesh is None else (mesh.ep_size, mesh.ep_ranks_per_node,
+                                                                              mesh.groups)
+        ctx = system_context(args, cfg, ep, rpn)
         self.layers: list[EPMoELayer] = []
 
         def moe_factory(i: int):
             weights = ReferenceMoE.from_config(cfg, seed=args.seed * 1000 + i).export_weights()
             policy = system.make_policy(ctx)
-            placement = initial_placement(policy, world, cfg.num_experts, args.batch * cfg.seq_len * cfg.top_k)
+            placement = initial_placement(policy, ep, cfg.num_experts, args.batch * cfg.seq_len * cfg.top_k)
             layer = EPMoELayer(weights, cfg.top_k, cfg.router, policy, placement, groups,
                                routed_scaling=cfg.routed_scaling, adam=AdamConfig(lr=args.lr, weight_decay=0.0),
                                device=device, backward=system.layer_backward(args.seed * 1000 + i),
@@ -231,7 +243,7 @@ class NativeModel:
         for layer in self.layers:
             layer.expert_step(collected=bool(clip))
             if self.cfg.router == "sigmoid_bias":  # GLM-4.5: aux-loss-free balancing from the step's counts
-                layer.bias_E.copy_(update_expert_bias(layer.bias_E, layer.prev_counts_E.to(self.device),
+                layer.bias_E.copy_(update_expert_bias(layer.bias_E, layer.global_counts_E.to(self.device),
                                                       self.args.bias_rate))
         return torch.stack(losses).mean(), plans, counts
 
@@ -249,7 +261,7 @@ class HFModel:
     """Hugging Face transformers' Qwen3-MoE or GLM-4.5 model of the preset's shape, its sparse MoE blocks on the
     expert-parallel layer; :class:`lrmoe.integrations.hf.HFExpertParallel` holds the training-loop contract."""
 
-    def __init__(self, args, cfg: MoEConfig, world: int, device: torch.device):
+    def __init__(self, args, cfg: MoEConfig, world: int, device: torch.device, mesh: Mesh | None = None):
         from transformers import AutoModelForCausalLM
 
         from lrmoe.integrations.hf import hf_config, swap_moe_blocks
@@ -261,7 +273,10 @@ class HFModel:
             self.model.train()  # HF checkpoints its decoder layers in training mode only
             getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)()
         self.micro_batches = args.micro_batches
-        self.ep = swap_moe_blocks(self.model, args.policy, context=system_context(args, cfg, world), seed=args.seed,
+        if mesh is not None and mesh.ep_size != world:
+            raise ValueError(f"--hf-config runs with EP = the world ({world} ranks), not EP {mesh.ep_size}")
+        context = system_context(args, cfg, world)
+        self.ep = swap_moe_blocks(self.model, args.policy, context=context, seed=args.seed,
                                   adam=AdamConfig(lr=args.lr, weight_decay=0.0), replica_grad=args.replica_grad)
         self.opt = torch.optim.AdamW(self.ep.dense_parameters(), lr=args.lr, weight_decay=0.0)
         self.architecture = self.model.config.model_type
@@ -289,25 +304,28 @@ class HFModel:
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def build(args, world: int, device: torch.device):
-    """(the preset's config, the architecture's model on this rank, the cost model or None)."""
+def build(args, world: int, device: torch.device, mesh: Mesh | None = None):
+    """(the preset's config, the architecture's model on this rank, the cost model or None), on ``mesh`` (None:
+    EP = the world of ``world`` ranks, one node)."""
     cfg = model_preset(args.preset)
-    cfg.check_divisible(world)
-    run = (HFModel if args.hf_config else NativeModel)(args, cfg, world, device)
-    return cfg, run, cost_model(args, cfg, world) if args.cost_model else None
+    ep, rpn = (world, world) if mesh is None else (mesh.ep_size, mesh.ep_ranks_per_node)
+    cfg.check_divisible(ep)
+    run = (HFModel if args.hf_config else NativeModel)(args, cfg, world, device, mesh)
+    return cfg, run, cost_model(args, cfg, ep, rpn) if args.cost_model else None
 
 
-def cost_model(args, cfg: MoEConfig, world: int):
+def cost_model(args, cfg: MoEConfig, ep: int, ranks_per_node: int):
     """The modelled time of --cost-model: this run's plans priced as if every pair were a full-size pair of the
-    model family (the paper-scale preset the debug one scales down, with this run's experts and top-k) on a node of
-    the cluster preset, with the system's registry entry built as the simulator builds it (compaction, optimizer
-    sharding and lrmoe.sim.systems.cost_options), and this run's --replica-grad."""
+    model family (the paper-scale preset the debug one scales down, with this run's experts and top-k) on the EP
+    group's ``ep`` ranks, ``ranks_per_node`` to a node of the cluster preset, with the system's registry entry
+    built as the simulator builds it (compaction, optimizer sharding and lrmoe.sim.systems.cost_options), and this
+    run's --replica-grad."""
     from lrmoe.sim.cost import CostModel
     from lrmoe.sim.systems import simulator_system
 
     full = full_scale_preset(args.preset).replace(num_experts=cfg.num_experts, top_k=cfg.top_k)
-    cluster = cluster_preset(args.cost_model).replace(num_ranks=world, ranks_per_node=world)
-    system = simulator_system(get_system(args.policy), system_context(args, cfg, world))
+    cluster = cluster_preset(args.cost_model).replace(num_ranks=ep, ranks_per_node=ranks_per_node)
+    system = simulator_system(get_system(args.policy), system_context(args, cfg, ep, ranks_per_node))
     return CostModel(full, cluster, compaction=system.compaction, sharded_optimizer=system.sharded_optimizer,
                      replica_grad=args.replica_grad, **system.costs)
 
@@ -356,9 +374,9 @@ def step_record(args, step: int, loss_sum: float, plans_M: list[list[LayerPlan]]
 # resumes re-sharded on another (lrmoe.integrations.checkpoint_state).
 RUN_ARGS = ("preset", "hf_config", "policy", "seed", "batch", "seq_len", "steps", "lr", "lr_schedule",
             "warmup", "min_lr_frac", "aux_coef", "bias_rate", "extra_slots", "eps", "gamma", "push_cost_rows",
-            "replica_grad", "micro_batches", "data", "max_bytes", "clip_grad")
+            "replica_grad", "micro_batches", "data", "max_bytes", "clip_grad", "ep_size")
 # Run arguments added after checkpoints were written: a checkpoint without one ran with this value.
-RUN_ARG_DEFAULTS = {"clip_grad": 0.0}
+RUN_ARG_DEFAULTS = {"clip_grad": 0.0, "ep_size": None}
 
 
 def checkpoint_dir(args) -> CheckpointDir:
@@ -382,7 +400,8 @@ def plan_resume(args, world: int) -> None:
         return
     out = Path(args.out) if args.out else None
     headers = read_results(out, "run") if args.resume and out is not None and out.is_file() else []
-    probe = not args.torchrun or os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 takes the folder (main)
+    env = torchrun_env()
+    probe = env is None or env.rank == 0  # under torchrun rank 0 takes the folder (main)
     args.run_id, args.start_step, manifest = checkpoint_dir(args).plan(
         args.resume, args.overwrite, [h["run_id"] for h in headers], args.run_id, probe=probe)
     if manifest is not None and manifest["world"] != world:
@@ -410,7 +429,8 @@ def worker(rank: int, args) -> list[dict]:
     world = dist.get_world_size()
     # NCCL ranks own one GPU each (torchrun on a GPU cluster); gloo ranks compute on the CPU
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    cfg, run, cost = build(args, world, device)
+    mesh = build_mesh(args.ep_size)  # collective; LOCAL_WORLD_SIZE (torchrun) says what a node is
+    cfg, run, cost = build(args, world, device, mesh)
     corpus = load_corpus(args.data, max_bytes=args.max_bytes)
     gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
     counts: list[torch.Tensor] = []  # per step: [layers, N, E] routed pairs (the recorded trace)
@@ -491,8 +511,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "model preset of either family; its MoE blocks run on the expert-parallel layer "
                              "(lrmoe.integrations.hf; needs the [hf] extra)")
     parser.add_argument("--policy", default="lrmoe", type=system_arg, help=system_names_help())
-    parser.add_argument("--ranks", type=int, default=4, help="ranks of the fork launcher")
-    parser.add_argument("--torchrun", action="store_true", help="run under torchrun (one process per rank)")
+    parser.add_argument("--ranks", type=int, default=4, help="ranks of the fork launcher (not under torchrun)")
+    parser.add_argument("--torchrun", action="store_true",
+                        help="accepted for older command lines: torchrun is found from its environment")
+    parser.add_argument("--ep-size", type=int, default=None, metavar="EP",
+                        help="ranks per expert-parallel group; the EP groups are data-parallel copies (default: the "
+                             "ranks of a node, LOCAL_WORLD_SIZE under torchrun; the world when it fits a node)")
     parser.add_argument("--engine", choices=ENGINES, default="distributed",
                         help="'distributed': one process per rank (the fork launcher, gloo), the reference for "
                              "exactness and time; 'emulated': the --ranks ranks as threads of this process taking "
@@ -600,8 +624,25 @@ def check_args(args) -> None:
     the experts, the system in that world, the expert slots' memory on this machine (:func:`check_slot_memory`), the
     text files and their validation split, and which run --resume
     continues (:func:`plan_resume`: sets ``args.run_id`` and ``args.start_step``). SystemExit with one message."""
-    world = int(os.environ.get("WORLD_SIZE", "1")) if args.torchrun else args.ranks
     parser = build_parser()
+    try:
+        env = torchrun_env()
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.torchrun and env is None:
+        parser.error("--torchrun: this process was not started by torchrun (no RANK, LOCAL_WORLD_SIZE, ... in its "
+                     "environment); drop --torchrun to fork --ranks ranks here")
+    if args.engine == "emulated" and env is not None:
+        parser.error("--engine emulated runs its ranks as threads of one process: run it with python, not torchrun")
+    world = args.ranks if env is None else env.world_size
+    rpn = world if env is None else env.local_world_size
+    ep = resolve_ep_size(args.ep_size, world, rpn)
+    if problem := ep_problem(ep, world, rpn):
+        parser.error(problem)
+    for flag, used in (("--hf-config", args.hf_config), ("--engine emulated", args.engine == "emulated")):
+        if used and ep != world:  # one EP group: HF's swap and the in-process group know no mesh
+            parser.error(f"{flag} runs with EP = the world ({world} ranks); --ep-size {ep} is not supported there "
+                         f"(pass --ep-size {world})")
     check_tracking_args(parser, args, "train", {"--trace-out": args.trace_out})
     if args.ckpt_dir and (problem := output_problem("--ckpt-dir", Path(args.ckpt_dir) / "step", replace=True)):
         parser.error(problem)
@@ -610,8 +651,8 @@ def check_args(args) -> None:
         if args.cost_model:
             cluster_preset(args.cost_model)
             full_scale_preset(args.preset)
-        check_systems([args.policy], system_context(args, cfg, world))
-        check_slot_memory(args, cfg, world)
+        check_systems([args.policy], system_context(args, cfg, ep, ep_ranks_per_node(ep, rpn)))
+        check_slot_memory(args, cfg, world, ep)
         if args.hf_config:
             from lrmoe.integrations.hf import hf_config  # imports transformers here, once, before the ranks fork
 
@@ -628,10 +669,11 @@ def check_args(args) -> None:
         parser.error(str(exc))
 
 
+@record  # under torchrun: a failing rank's traceback reaches torchrun's report
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     check_args(args)
-    if args.torchrun:
+    if torchrun_env() is not None:  # one of torchrun's ranks
         from lrmoe.runtime.distributed.comm import init_process_group_from_env
 
         info = init_process_group_from_env()

@@ -343,7 +343,7 @@ def test_layer_bench_under_torchrun(tmp_path):
     out = tmp_path / "bench.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           _bench_script(), "--torchrun", "--policies", "static-ep", "--out", str(out), *BENCH],
+                           _bench_script(), "--policies", "static-ep", "--out", str(out), *BENCH],
                           capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| static-ep" in proc.stdout and out.exists()

@@ -227,20 +227,22 @@ def test_shard_mode_in_bf16_differs_from_range_mode_by_one_rounding(world_size, 
     torch.testing.assert_close(out["range"][0][0], full.to(torch.bfloat16).float(), rtol=0, atol=0)
 
 
-def test_store_checks_the_mode_and_its_groups():
+def test_store_checks_the_mode_and_needs_no_groups_in_either():
+    """Without shared groups the world is the EP group, in both modes (the range mode creates no group)."""
     def body(rank):
         wg, wu, wd = _weights()
         place = torch.tensor(PAIR_2)
         with pytest.raises(ValueError, match="replica_grad"):
             ReplicaStore(wg, wu, wd, place, None, replica_grad="ring")
-        with pytest.raises(ValueError, match="RangeGroups"):
-            ReplicaStore(wg, wu, wd, place, None)
-        store = ReplicaStore(wg, wu, wd, place, None, replica_grad="shard")
-        store.sync_replica_grads()  # no backward ran: every gradient is zero
-        return store.collect_grad_shards()
+        out = []
+        for mode in ("range", "shard"):
+            store = ReplicaStore(wg, wu, wd, place, None, replica_grad=mode)
+            store.sync_replica_grads()  # no backward ran: every gradient is zero
+            out.append(store.collect_grad_shards())
+        return out
 
     for shards in launch(body, 2):
-        assert shards.shape == (E, 9) and not shards.any()
+        assert all(s.shape == (E, 9) and not s.any() for s in shards)
 
 
 @pytest.mark.slow
@@ -255,10 +257,13 @@ def test_shard_mode_syncs_scattered_replicas_faster_on_cpu():
     assert res["shard"]["median_ms"] < res["range"]["median_ms"]
 
 
-def test_range_groups_are_all_consecutive_ranges():
+def test_range_groups_are_none_by_default_and_every_consecutive_range_on_request():
+    """The replica sync creates no group (RangeGroups() holds none); all_ranges=True creates the N(N-1)/2 range
+    groups, each of the range's size, for timing the backend's all-reduce."""
     def body(rank):
-        groups = RangeGroups()
         import torch.distributed as dist
+        assert len(RangeGroups()) == 0
+        groups = RangeGroups(all_ranges=True)
         sizes = {}
         for lo in range(4):
             for hi in range(lo + 1, 4):
@@ -266,6 +271,8 @@ def test_range_groups_are_all_consecutive_ranges():
                     sizes[(lo, hi)] = dist.get_world_size(groups.get(lo, hi))
         with pytest.raises(ValueError, match="no range group"):
             groups.get(2, 2)
+        with pytest.raises(ValueError, match="all_ranges"):
+            RangeGroups().get(0, 1)
         return len(groups), sizes
 
     out = launch(body, 4)

@@ -50,7 +50,7 @@ def _rank_times(rank: int, placement_NS: torch.Tensor, num_experts: int, hidden:
     torch.manual_seed(seed)
     w = (torch.randn(num_experts, hidden, ffn), torch.randn(num_experts, hidden, ffn),
          torch.randn(num_experts, ffn, hidden))
-    groups = RangeGroups()
+    groups = RangeGroups(all_ranges=True)  # the backend all-reduce variant times the range groups
     grad_SW = torch.randn(placement_NS.shape[1], 3 * hidden * ffn, generator=torch.Generator().manual_seed(rank))
     out = {}
     for variant in variants:

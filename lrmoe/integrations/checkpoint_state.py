@@ -82,9 +82,11 @@ def _sharded(local: torch.Tensor, store):
     """``local`` (this rank's [E, P_n] shard of a per-expert quantity) as a view of the global [E, P] tensor."""
     lo, hi = store.bounds[store.rank]
     meta = ShardMetadata(shard_offsets=[0, lo], shard_sizes=[store.num_experts, hi - lo],
-                         placement=f"rank:{store.rank}/{local.device}")
+                         placement=f"rank:{dist.get_rank()}/{local.device}")  # the global rank
     shards = [Shard(local, meta)] if hi > lo else []
-    return init_from_local_shards(shards, store.num_experts, store.numel)  # collective (metadata check)
+    # on the EP group (lrmoe.runtime.distributed.mesh): its DP copies write the same columns, which DCP saves once
+    return init_from_local_shards(shards, store.num_experts, store.numel,
+                                  process_group=store.ep_group)  # collective (metadata check)
 
 
 def dense_state(model: nn.Module, layers) -> dict[str, torch.Tensor]:
@@ -93,6 +95,11 @@ def dense_state(model: nn.Module, layers) -> dict[str, torch.Tensor]:
     own = {t.data_ptr() for layer in layers for t in (layer.store.slots_SW, *(getattr(layer.store, n)
                                                                             for n in SHARDED))}
     return {k: v for k, v in model.state_dict().items() if not (torch.is_tensor(v) and v.data_ptr() in own)}
+
+
+def _planning_key(store, i: int, key: str) -> str:
+    """Where layer ``i``'s placement and counts live: each EP group of a mesh plans its own (DP copy k: ``dp<k>/``)."""
+    return f"experts/{i}/{key}" if store.dp_size == 1 else f"dp{dist.get_rank(store.dp_group)}/experts/{i}/{key}"
 
 
 def save_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layers,
@@ -111,9 +118,9 @@ def save_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
         for name in SHARDED:
             state[f"experts/{i}/{name}"] = _sharded(getattr(store, name), store)
         state[f"experts/{i}/adam_steps"] = torch.tensor(store.adam_steps)
-        state[f"experts/{i}/placement_NS"] = store.placement_NS
+        state[_planning_key(store, i, "placement_NS")] = store.placement_NS
         if layer.prev_counts_E is not None:
-            state[f"experts/{i}/prev_counts_E"] = layer.prev_counts_E
+            state[_planning_key(store, i, "prev_counts_E")] = layer.prev_counts_E
         if layer.bwd_generator is not None:
             state[f"rank{rank}/experts/{i}/bwd_generator"] = layer.bwd_generator.get_state()
     state.update({f"rank{rank}/{k}": g.get_state() for k, g in generators.items()})
@@ -144,8 +151,9 @@ def load_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
         for name in SHARDED:
             state[f"experts/{i}/{name}"] = _sharded(getattr(layer.store, name), layer.store)
         for key in ("adam_steps",) + (("prev_counts_E", "placement_NS") if saved_world == world else ()):
-            if f"experts/{i}/{key}" in saved:
-                state[f"experts/{i}/{key}"] = empty(f"experts/{i}/{key}")
+            name = f"experts/{i}/{key}" if key == "adam_steps" else _planning_key(layer.store, i, key)
+            if name in saved:
+                state[name] = empty(name)
         if layer.bwd_generator is not None and rank < saved_world:
             state[f"rank{rank}/experts/{i}/bwd_generator"] = layer.bwd_generator.get_state()
     if rank < saved_world:
@@ -162,12 +170,12 @@ def load_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     for i, layer in enumerate(layers):
         store = layer.store
         store.adam_steps = int(state[f"experts/{i}/adam_steps"])
-        counts = state.get(f"experts/{i}/prev_counts_E")
+        counts = state.get(_planning_key(store, i, "prev_counts_E"))
         layer.prev_counts_E = None if counts is None else counts.to(layer.bias_E.device)
         layer.iteration_counts_NE, layer.micro_batches, layer.decisions, layer.last_plan = None, 0, [], None
         if layer.bwd_generator is not None and rank < saved_world:
             layer.bwd_generator.set_state(state[f"rank{rank}/experts/{i}/bwd_generator"])
-        placement = state.get(f"experts/{i}/placement_NS", store.placement_NS)
+        placement = state.get(_planning_key(store, i, "placement_NS"), store.placement_NS)
         store.redistribute(placement)  # the slots from the loaded master weights (collective)
     for k, g in generators.items():
         if rank < saved_world:

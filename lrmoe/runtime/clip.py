@@ -45,8 +45,8 @@ def clip_grad_norm_(dense_params: Iterable[torch.Tensor], layers, max_norm: floa
     expert_sq = torch.zeros((), dtype=torch.float32, device=device)
     for shard_EW in shards:
         expert_sq += torch.linalg.vector_norm(shard_EW, dtype=torch.float32) ** 2
-    if layers and layers[0].num_ranks > 1:
-        dist.all_reduce(expert_sq)  # each rank's shards of every expert: each expert once
+    if layers and layers[0].num_ranks > 1:  # each EP rank's shards of every expert: each expert once (the DP
+        dist.all_reduce(expert_sq, group=layers[0].store.ep_group)  # copies hold the same summed shards)
     dense_sq = sum((torch.linalg.vector_norm(g, dtype=torch.float32).to(device) ** 2 for g in grads),
                    torch.zeros((), dtype=torch.float32, device=device))  # the same on every rank: once
     norm = (dense_sq + expert_sq).sqrt()

@@ -32,12 +32,12 @@ from lrmoe.planner.plan import DROP_RULES, LayerPlan
 
 # -- communication and accounting ----------------------------------------------------------------------------------
 class Comm:
-    """What an exchange needs from its surroundings: this rank, the world size, and the accountant (optional) that
-    times phases and counts bytes and work. The layer builds one and hands it to the dispatcher and the backward;
-    neither holds the layer."""
+    """What an exchange needs from its surroundings: this rank and the size of its expert-parallel ``group`` (None:
+    the world), and the accountant (optional) that times phases and counts bytes and work. The layer builds one and
+    hands it to the dispatcher and the backward; neither holds the layer."""
 
-    def __init__(self, rank: int, num_ranks: int, accountant: Accountant | None = None):
-        self.rank, self.num_ranks, self.accountant = rank, num_ranks, accountant
+    def __init__(self, rank: int, num_ranks: int, accountant: Accountant | None = None, group=None):
+        self.rank, self.num_ranks, self.accountant, self.group = rank, num_ranks, accountant, group
 
     def phase(self, name: str):
         return self.accountant.phase(name) if self.accountant is not None else nullcontext()
@@ -52,16 +52,16 @@ class Comm:
 
     def all_gather_counts(self, counts_E: Tensor) -> Tensor:
         """long [N, E] on the host: every rank's routed pairs per expert (the one collective of the plan)."""
-        return all_gather_rows(counts_E).cpu()
+        return all_gather_rows(counts_E, self.group).cpu()
 
     def exchange(self, x: Tensor, send: list[int], recv: list[int], phase: str) -> Tensor:
         """A variable all-to-all over the rows of ``x`` (``send[r]`` rows to rank r, ``recv[r]`` from it), timed
         as ``phase``, with the bytes that leave and reach this rank. Not differentiable."""
         if self.accountant is None:
-            return all_to_all_rows(x, send, recv)
+            return all_to_all_rows(x, send, recv, self.group)
         row = math.prod(x.shape[1:]) * x.element_size()
         with self.accountant.phase(phase):
-            out = all_to_all_rows(x, send, recv)
+            out = all_to_all_rows(x, send, recv, self.group)
         away = lambda splits: sum(s for r, s in enumerate(splits) if r != self.rank) * row  # noqa: E731
         self.accountant.add_bytes(phase, away(send), away(recv))
         return out

@@ -198,7 +198,7 @@ class EPMoELayer(nn.Module):
         self.store = ReplicaStore(weights["w_gate_EDF"], weights["w_up_EDF"], weights["w_down_EFD"], placement_NS,
                                   groups, dtype=dtype, device=device, adam=adam, accountant=accountant,
                                   replica_grad=replica_grad)
-        self.comm = Comm(self.store.rank, self.store.num_ranks, accountant)
+        self.comm = Comm(self.store.rank, self.store.num_ranks, accountant, self.store.ep_group)
         self.dispatcher = TokenDispatcher(self.comm, self.kernel_backend)
         self.experts = SwiGLUExperts(D, F, self.kernel_backend)  # the expert-compute seam of the exchange
         self.w_router_ED = nn.Parameter(weights["w_router_ED"].to(device, dtype).clone())
@@ -212,7 +212,8 @@ class EPMoELayer(nn.Module):
             raise ValueError(f"backward must be a BackwardConfig or None, got {type(backward).__name__}")
         self.backward_config = backward
         self.bwd_generator = backward.generator(self.rank) if backward is not None else None
-        self.prev_counts_E: torch.Tensor | None = None  # the previous iteration's global counts: every plan's input
+        self.prev_counts_E: torch.Tensor | None = None  # the previous iteration's EP-group counts: every plan's input
+        self.global_counts_E: torch.Tensor | None = None  # the same summed over the DP copies (the selection bias's)
         self.iteration_counts_NE: torch.Tensor | None = None  # this iteration's counts, summed over micro-batches
         self.micro_batches = 0  # training forwards since the last expert step
         self.decisions: list[Decision] = []  # this iteration's, for recomputation (module doc)
@@ -227,7 +228,13 @@ class EPMoELayer(nn.Module):
     # -- parameters --------------------------------------------------------------------------------------------
     @property
     def num_ranks(self) -> int:
+        """The ranks of this layer's expert-parallel group: the placements' N."""
         return self.store.num_ranks
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the run: the EP group times its data-parallel copies."""
+        return self.store.num_ranks * self.store.dp_size
 
     @property
     def rank(self) -> int:
@@ -392,12 +399,13 @@ class EPMoELayer(nn.Module):
 
     # -- after the backward --------------------------------------------------------------------------------------
     def mean_grad_scale(self) -> float:
-        """1 / (ranks x micro-batches of this iteration): what turns the summed gradients into the gradient of the
-        mean loss (module doc: the default of every method that reduces gradients)."""
-        return 1.0 / (self.num_ranks * max(self.micro_batches, 1))
+        """1 / (ranks x micro-batches of this iteration), the ranks of the whole world: what turns the summed
+        gradients into the gradient of the mean loss (module doc: the default of every method that reduces
+        gradients)."""
+        return 1.0 / (self.world_size * max(self.micro_batches, 1))
 
     def sync_dense_grads(self, grad_scale: float | None = None) -> None:
-        """All-reduce (sum) the router's and shared expert's gradients over all ranks, times ``grad_scale``
+        """All-reduce (sum) the router's and shared expert's gradients over all ranks of the world, times ``grad_scale``
         (default :meth:`mean_grad_scale`: the gradient of the mean loss over ranks and micro-batches), in one flat
         all-reduce that carries the gradient check (NonFiniteError on every rank)."""
         scale = self.mean_grad_scale() if grad_scale is None else grad_scale
@@ -406,11 +414,12 @@ class EPMoELayer(nn.Module):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         flat = torch.cat([p.grad.reshape(-1) for p in params])
-        flags = grad_flags([self], self.rank, self.num_ranks, torch.isfinite(flat).all()).to(flat)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        flags = grad_flags([self], rank, world, torch.isfinite(flat).all()).to(flat)
         flat = torch.cat([flat, flags])
-        if self.num_ranks > 1:
+        if world > 1:
             dist.all_reduce(flat)
-        raise_on_grad_flags(flat[-self.num_ranks:], [self], self.rank)
+        raise_on_grad_flags(flat[-world:], [self], rank)
         offset = 0
         for p in params:
             p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad)).mul_(scale)
@@ -452,5 +461,10 @@ class EPMoELayer(nn.Module):
         if self.iteration_counts_NE is not None:
             self.prev_counts_E = self.iteration_counts_NE.sum(0) if self.placement_ahead is None else \
                 self.placement_ahead.summed_counts(self.iteration_counts_NE)
+            self.global_counts_E = self.prev_counts_E
+            if self.store.dp_size > 1:  # the DP copies' counts too: a selection bias the same on every rank
+                counts_E = self.prev_counts_E.to(self.store.device, copy=True)  # the backend's (NCCL: the GPU)
+                dist.all_reduce(counts_E, group=self.store.dp_group)
+                self.global_counts_E = counts_E.cpu()
         self.iteration_counts_NE, self.micro_batches, self.decisions = None, 0, []
         return self.placement_NS

@@ -4,6 +4,8 @@
 torchrun setup;
 * :mod:`~lrmoe.runtime.distributed.launch`: the fork + gloo launcher for tests and CPU experiments (fails fast, never
 hangs);
+* :mod:`~lrmoe.runtime.distributed.torchrun`: torchrun found from its environment, and ``record`` for a script's main;
+* :mod:`~lrmoe.runtime.distributed.mesh`: the expert-parallel x data-parallel device mesh (EP inside a node);
 * :mod:`~lrmoe.runtime.distributed.replica`: the replica substrate: slots, replica gradient sync, sharded Adam,
 redistribution;
 * :mod:`~lrmoe.runtime.distributed.accounting`: per-rank, per-phase counters and the formulas they must match.

@@ -81,11 +81,11 @@ def exchange_rows(send: dict[int, torch.Tensor], recv_numel: dict[int, int], dty
     """Point-to-point exchange of one flat buffer per peer (not differentiable).
 
     ``send[peer]`` is sent to ``peer``; a buffer of ``recv_numel[peer]`` elements is received from each peer in
-    ``recv_numel``; empty buffers are skipped on both sides. Peers are global ranks; a rank never sends to itself
-    (copy locally instead). Every pair of ranks exchanges at most one message each way, so no tags are needed and
-    the matching works the same on gloo and NCCL.
+    ``recv_numel``; empty buffers are skipped on both sides. Peers are ranks of ``group`` (default: the world); a
+    rank never sends to itself (copy locally instead). Every pair of ranks exchanges at most one message each way,
+    so no tags are needed and the matching works the same on gloo and NCCL.
     """
-    rank = dist.get_rank()
+    rank = dist.get_rank(group)
     if rank in send or rank in recv_numel:
         raise ValueError(f"exchange_rows: rank {rank} must not send to or receive from itself")
     received = {peer: torch.empty(int(n), dtype=dtype, device=device) for peer, n in sorted(recv_numel.items())}
@@ -98,9 +98,9 @@ def exchange_rows(send: dict[int, torch.Tensor], recv_numel: dict[int, int], dty
             if buf.dtype != dtype or buf.dim() != 1:
                 raise ValueError(f"exchange_rows: buffer for rank {peer} must be flat {dtype}, got "
                                  f"{buf.dtype} of shape {tuple(buf.shape)}")
-            ops.append(dist.P2POp(dist.isend, buf.contiguous(), peer, group=group))
+            ops.append(dist.P2POp(dist.isend, buf.contiguous(), group=group, group_peer=peer))
         if peer in received and received[peer].numel():
-            ops.append(dist.P2POp(dist.irecv, received[peer], peer, group=group))
+            ops.append(dist.P2POp(dist.irecv, received[peer], group=group, group_peer=peer))
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()

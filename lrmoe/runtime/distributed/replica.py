@@ -1,7 +1,8 @@
 """The replica substrate (DESIGN.md §3, shared by SYMI and LRMoE): expert weights in slots, replica gradient
 sync, a statically sharded Adam, and point-to-point redistribution of the updated weights into the next placement.
 
-Every rank has S slots; slot j of rank n holds the weights of expert ``placement_NS[n, j]`` (-1: empty). One
+The N ranks are those of one expert-parallel (EP) group (:class:`RangeGroups`; the world by default). Every rank
+has S slots; slot j of rank n holds the weights of expert ``placement_NS[n, j]`` (-1: empty). One
 expert's parameters are handled as one flat vector of P = 3·D·F numbers, laid out ``[gate (D·F) | up (D·F) |
 down (F·D)]``, and split into N contiguous shards (the first P mod N shards one element longer); rank n owns shard
 n of every expert: its fp32 master weights and Adam moments, for the whole run, whatever the placement.
@@ -11,15 +12,17 @@ One optimizer step (:meth:`ReplicaStore.step`), with the replica-gradient path c
 
 1. **replica sync**: each rank sums the gradients of its local slots of an expert (in fp32, sent in the slots'
    dtype). Then, in ``"range"`` mode (SYMI's), the ranks of the consecutive range spanned by the expert's hosts
-   all-reduce that sum in the range's process group (all N(N-1)/2 range groups are created once, by
-   :class:`RangeGroups`; a single-rank range needs no collective), one expert after the other. Ranks inside the
-   range that host nothing join with zeros (correct, costs bytes; SYMI's contiguous placements never need it).
+   all-reduce that sum, point to point inside the EP group (no process group per range: a group per range
+   would make N(N-1)/2 of them; a single-rank range needs no exchange), one expert after the other. Ranks inside
+   the range that host nothing join with zeros (correct, costs bytes; SYMI's contiguous placements never need it).
    In ``"shard"`` mode (ours) each host sends shard q of each of its sums straight to rank q, the shard's
    optimizer owner, for all hosted experts in one variable all-to-all; no groups;
 2. **gradient collection**: rank n ends with shard n of every expert's summed gradient. ``"range"``: it takes it
    from a rank that holds the reduced gradient: itself when it can, else the holders in round-robin (the i-th
    rank needing it asks holder i mod h). ``"shard"``: it adds what the hosts sent. The shard is multiplied by a
-   placement-independent ``grad_scale`` (never by the replica count);
+   placement-independent ``grad_scale`` (never by the replica count). With data parallelism over several EP
+   groups (:mod:`lrmoe.runtime.distributed.mesh`), the shard is first summed over the DP group: rank n of every
+   EP group owns the same shard, so this holds whatever each EP group's placement;
 3. **Adam** on the fp32 shards, element for element the update of ``torch.optim.Adam`` over the full parameters;
 4. **redistribution**: rank n sends its updated shard (in the slots' dtype) of each expert to every other rank
    that hosts the expert in the *next* placement, one message per pair of ranks; each rank assembles the full
@@ -129,25 +132,44 @@ def pack_owner_major_(send: torch.Tensor, src: torch.Tensor, h: int, num_h: int,
 
 # -- process groups --------------------------------------------------------------------------------------------
 class RangeGroups:
-    """The process groups of every consecutive rank range [lo, hi], lo < hi: N(N-1)/2 groups, created once at
-    start by every rank together (``new_group`` is collective), never during training. Share one instance
-    between all layers."""
+    """The process groups the expert-parallel layers of one model share (one instance for all layers): the
+    expert-parallel (EP) group whose ranks hold the experts, slots and optimizer shards (default: the world), and
+    the data-parallel (DP) group joining this rank with the ranks that hold the same shards in the other EP groups
+    (None: one EP group). :mod:`lrmoe.runtime.distributed.mesh` builds both from a device mesh.
 
-    def __init__(self):
+    Range-mode replica sync needs no process group per range: it exchanges point to point inside the EP group
+    (DESIGN.md §3.4), so none is created. ``all_ranges=True`` creates the groups of every range of consecutive EP
+    ranks [lo, hi], lo < hi, up front (N(N-1)/2 of them; collective over the world, every rank taking part), for
+    code that times the backend's own all-reduce over a range (:meth:`get`)."""
+
+    def __init__(self, ep_group=None, dp_group=None, *, all_ranges: bool = False):
         if not dist.is_initialized():
             raise ValueError("RangeGroups needs an initialised default process group")
-        self.world_size = dist.get_world_size()
+        self.ep_group, self.dp_group = ep_group, dp_group
+        self.world_size = dist.get_world_size(ep_group)  # the EP group's size: the placements' N
+        ranks = dist.get_process_group_ranks(dist.group.WORLD if ep_group is None else ep_group)
         self._groups = {}
-        for lo in range(self.world_size):
-            for hi in range(lo + 1, self.world_size):
-                self._groups[(lo, hi)] = dist.new_group(list(range(lo, hi + 1)))
+        if all_ranges:
+            if ep_group is not None:
+                raise ValueError("all_ranges=True builds the range groups of the world: pass no ep_group")
+            for lo in range(self.world_size):
+                for hi in range(lo + 1, self.world_size):
+                    self._groups[(lo, hi)] = dist.new_group(ranks[lo:hi + 1])
+
+    @property
+    def dp_size(self) -> int:
+        return 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
 
     def __len__(self) -> int:
+        """The range groups created (``all_ranges``)."""
         return len(self._groups)
 
     def get(self, lo: int, hi: int):
+        """The process group of EP ranks [lo, hi] (created by ``all_ranges=True``)."""
         if not 0 <= lo < hi < self.world_size:
-            raise ValueError(f"no range group [{lo}, {hi}] in a world of {self.world_size} ranks")
+            raise ValueError(f"no range group [{lo}, {hi}] in an EP group of {self.world_size} ranks")
+        if (lo, hi) not in self._groups:
+            raise ValueError(f"range group [{lo}, {hi}] was not created: build RangeGroups(all_ranges=True)")
         return self._groups[(lo, hi)]
 
 
@@ -168,8 +190,10 @@ def unflatten_experts(flat_XW: torch.Tensor, hidden: int, ffn: int):
 class ReplicaStore(nn.Module):
     """One rank's part of the replica substrate of one MoE layer: its S slots (a parameter [S, P] in the compute
     dtype, whose gradient the layer's backward fills) and its fp32 shard of every expert's master weights and Adam
-    moments. ``replica_grad`` picks the replica-gradient path (``"range"``: needs the shared :class:`RangeGroups`;
-    ``"shard"``: ``groups`` may be None). Construction is collective only through the shared groups.
+    moments. ``replica_grad`` picks the replica-gradient path. ``groups`` (the shared :class:`RangeGroups`; None:
+    the world is the EP group) names the EP group, whose ranks are this store's N ranks (placement rows, shard
+    owners, every exchange), and the DP group over which the collected gradient shards are summed. Construction
+    is not collective.
     """
 
     def __init__(self, w_gate_EDF: torch.Tensor, w_up_EDF: torch.Tensor, w_down_EFD: torch.Tensor,
@@ -184,9 +208,10 @@ class ReplicaStore(nn.Module):
         if tuple(w_down_EFD.shape) != (E, F, D):
             raise ValueError(f"w_down_EFD must be [{E}, {F}, {D}], got {tuple(w_down_EFD.shape)}")
         self.replica_grad = check_replica_grad(replica_grad)
-        if replica_grad == "range" and groups is None:
-            raise ValueError("replica_grad='range' all-reduces in the range groups: pass the shared RangeGroups")
-        self.rank, self.num_ranks = dist.get_rank(), dist.get_world_size()
+        self.ep_group = None if groups is None else groups.ep_group
+        self.dp_group = None if groups is None else groups.dp_group
+        self.rank, self.num_ranks = dist.get_rank(self.ep_group), dist.get_world_size(self.ep_group)
+        self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         check_placement(placement_NS, E, self.num_ranks)
         self.num_experts, self.hidden, self.ffn = E, D, F
         self.numel = 3 * D * F
@@ -249,16 +274,22 @@ class ReplicaStore(nn.Module):
         if self.accountant is not None:
             self.accountant.add_bytes(name, sent, recv)
 
-    def _exchange(self, phase: str, x: torch.Tensor, in_splits: list[int], out_splits: list[int],
-                  group=None) -> torch.Tensor:
-        """A variable all-to-all of flat ``x`` (not differentiable), counting the bytes that leave and reach this
-        rank (its own split is a copy)."""
-        me = dist.get_rank(group)
+    def _exchange(self, phase: str, x: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
+        """A variable all-to-all of flat ``x`` over the EP group (not differentiable), counting the bytes that
+        leave and reach this rank (its own split is a copy)."""
+        me = self.rank
         with torch.no_grad():
-            out = all_to_all_rows(x, in_splits, out_splits, group)
+            out = all_to_all_rows(x, in_splits, out_splits, self.ep_group)
         elem = x.element_size()
         self._bytes(phase, (sum(in_splits) - in_splits[me]) * elem, (sum(out_splits) - out_splits[me]) * elem)
         return out
+
+    def _p2p(self, phase: str, send: dict[int, torch.Tensor], recv_numel: dict[int, int]) -> dict[int, torch.Tensor]:
+        """:func:`exchange_rows` inside the EP group, counting the bytes that leave and reach this rank."""
+        got = exchange_rows(send, recv_numel, self.dtype, self.device, self.ep_group)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self._bytes(phase, sum(b.numel() for b in send.values()) * elem, sum(recv_numel.values()) * elem)
+        return got
 
     def _local_sum(self, e: int) -> torch.Tensor:
         """The sum of this rank's slots of ``e`` (in at least fp32, in slot order), in the slots' dtype: the
@@ -301,18 +332,22 @@ class ReplicaStore(nn.Module):
             self._reduced[e] = buf
 
     def _allreduce_in_order(self, buf: torch.Tensor, lo: int, hi: int, hosting: list[int]) -> torch.Tensor:
-        """All-reduce ``buf`` over the range [lo, hi] as a direct reduce-scatter then an all-gather, member i
-        folding chunk i of the ``hosting`` members (group indices, ascending) left to right in fp32: the
-        summation order of the shard mode. Members that host nothing send zeros that are not added."""
+        """All-reduce ``buf`` over the EP ranks [lo, hi], point to point (no process group per range): a direct
+        reduce-scatter, member i folding chunk i of the ``hosting`` members (range indices, ascending) left to
+        right in fp32 (the summation order of the shard mode), then an all-gather. Members that host nothing send
+        zeros that are not added: the bytes of SYMI's range all-reduce."""
         h, me = hi - lo + 1, self.rank - lo
-        group = self.groups.get(lo, hi)
         chunks = shard_sizes(self.numel, h)
-        parts = self._exchange("replica_sync", buf, chunks, [chunks[me]] * h, group).view(h, chunks[me])
+        pieces = buf.split(chunks)
+        others = [k for k in range(h) if k != me]
+        got = self._p2p("replica_sync", {lo + k: pieces[k] for k in others}, {lo + k: chunks[me] for k in others})
+        parts = [pieces[me] if k == me else got[lo + k] for k in range(h)]
         acc = parts[hosting[0]].to(torch.float32, copy=True)
         for k in hosting[1:]:
             acc += parts[k].to(torch.float32)
         mine = acc.to(self.dtype)
-        return self._exchange("replica_sync", mine.repeat(h), [chunks[me]] * h, chunks, group)
+        got = self._p2p("replica_sync", {lo + k: mine for k in others}, {lo + k: chunks[k] for k in others})
+        return torch.cat([mine if k == me else got[lo + k] for k in range(h)])
 
     def _sync_shard(self) -> None:
         hosted = [hosted_experts(self.sync_placement(), n) for n in range(self.num_ranks)]
@@ -337,6 +372,8 @@ class ReplicaStore(nn.Module):
             raise ValueError(f"grad_scale must be finite, got {grad_scale}")
         with self._phase("grad_collect"), torch.no_grad():
             shards_EW = self._collect_range() if self.replica_grad == "range" else self._collect_shard()
+            if self.dp_size > 1:  # the other EP groups' sums of this shard: the gradient over the whole world
+                dist.all_reduce(shards_EW, group=self.dp_group)
             shards_EW.mul_(grad_scale)
         self.grad_shards_EW, self._fresh_shards = shards_EW, True
         self._reduced, self._received = {}, None
@@ -357,7 +394,7 @@ class ReplicaStore(nn.Module):
             if need:
                 recv_numel[peer] = len(need) * self.shard_numel
                 recv_experts[peer] = need
-        got = exchange_rows(send, recv_numel, self.dtype, self.device)
+        got = exchange_rows(send, recv_numel, self.dtype, self.device, self.ep_group)
         lo, hi = self.bounds[self.rank]
         shards_EW = torch.zeros(self.num_experts, hi - lo, dtype=torch.float32, device=self.device)
         for e in (src_NE[self.rank] == self.rank).nonzero().flatten().tolist():
@@ -415,7 +452,7 @@ class ReplicaStore(nn.Module):
                     if m != self.rank and es}
             recv_numel = {q: len(mine) * (hi - lo) for q, (lo, hi) in enumerate(self.bounds)
                           if q != self.rank and mine and hi > lo}
-            got = exchange_rows(send, recv_numel, self.dtype, self.device)
+            got = exchange_rows(send, recv_numel, self.dtype, self.device, self.ep_group)
             full = torch.empty(len(mine), self.numel, dtype=self.dtype, device=self.device)
             for q, (lo, hi) in enumerate(self.bounds):
                 if q == self.rank:
@@ -469,7 +506,7 @@ class ReplicaStore(nn.Module):
                 got = rows[(rows[:, 0] == m) & (rows[:, 1] == me), 2]
                 if len(got):
                     recv_numel[m] = len(got) * self.numel
-            got = exchange_rows(send, recv_numel, self.dtype, self.device)
+            got = exchange_rows(send, recv_numel, self.dtype, self.device, self.ep_group)
             for j in range(S):
                 g = me * S + j
                 if not bool(pushed_G[g]):
@@ -534,7 +571,7 @@ class ReplicaStore(nn.Module):
         padded = torch.zeros(self.num_experts, width, dtype=shards_EW.dtype, device=shards_EW.device)
         padded[:, :shards_EW.shape[1]] = shards_EW
         parts = [torch.empty_like(padded) for _ in self.bounds]
-        dist.all_gather(parts, padded)
+        dist.all_gather(parts, padded, group=self.ep_group)
         return torch.cat([part[:, :hi - lo] for part, (lo, hi) in zip(parts, self.bounds)], dim=1)
 
     def full_master(self) -> torch.Tensor:
