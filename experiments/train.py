@@ -314,16 +314,17 @@ def build(args, world: int, device: torch.device, mesh: Mesh | None = None):
     return cfg, run, cost_model(args, cfg, ep, rpn) if args.cost_model else None
 
 
-def cost_model(args, cfg: MoEConfig, ep: int, ranks_per_node: int):
+def cost_model(args, cfg: MoEConfig, ep: int, ranks_per_node: int | None = None):
     """The modelled time of --cost-model: this run's plans priced as if every pair were a full-size pair of the
     model family (the paper-scale preset the debug one scales down, with this run's experts and top-k) on the EP
-    group's ``ep`` ranks, ``ranks_per_node`` to a node of the cluster preset, with the system's registry entry
-    built as the simulator builds it (compaction, optimizer sharding and lrmoe.sim.systems.cost_options), and this
-    run's --replica-grad."""
+    group's ``ep`` ranks, ``ranks_per_node`` (default: all) to a node of the cluster preset, with the system's
+    registry entry built as the simulator builds it (compaction, optimizer sharding and
+    lrmoe.sim.systems.cost_options), and this run's --replica-grad."""
     from lrmoe.sim.cost import CostModel
     from lrmoe.sim.systems import simulator_system
 
     full = full_scale_preset(args.preset).replace(num_experts=cfg.num_experts, top_k=cfg.top_k)
+    ranks_per_node = ep if ranks_per_node is None else ranks_per_node
     cluster = cluster_preset(args.cost_model).replace(num_ranks=ep, ranks_per_node=ranks_per_node)
     system = simulator_system(get_system(args.policy), system_context(args, cfg, ep, ranks_per_node))
     return CostModel(full, cluster, compaction=system.compaction, sharded_optimizer=system.sharded_optimizer,
