@@ -677,7 +677,7 @@ def main(argv=None) -> list[dict]:
     if torchrun_env() is not None:  # one of torchrun's ranks
         from lrmoe.runtime.distributed.comm import init_process_group_from_env
 
-        info = init_process_group_from_env()
+        info = init_process_group_from_env(timeout_s=args.timeout)  # --timeout bounds each collective's wait
         chosen = [args.run_id, args.start_step]
         dist.broadcast_object_list(chosen, src=0)  # a new run's id and the resumed step: rank 0's
         args.run_id, args.start_step = chosen
