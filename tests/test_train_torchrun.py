@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from _scripts import load_experiment
 
-from lrmoe.integrations.tracking import read_results
+from lrmoe.results import read_results
 from lrmoe.runtime.distributed.torchrun import TORCHRUN_VARS
 
 train = load_experiment("train")
