@@ -39,28 +39,21 @@ import itertools
 import math
 import sys
 
-import matplotlib
+from typing import TYPE_CHECKING
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import pandas as pd
-import seaborn as sns
-import torch
-from tqdm import tqdm
-
-from lrmoe.config import MoEConfig, cluster_preset, model_preset
-from lrmoe.sim.cost import CostModel
-from lrmoe.sim.overheads import OVERHEADS
-from lrmoe.sim.cells import TOKENS, Cell, build_systems, charged_overheads, cost_kwargs, system_context
-from lrmoe.sim.simulator import simulate
-from lrmoe.sim.systems import plan_twins
-from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
-from lrmoe.systems import check_systems, system_arg, system_names_help
+# The parser needs only these light modules; the simulator, torch, pandas and matplotlib are imported by the
+# functions that run the sweep, so --help and argument errors come back at once.
 from lrmoe.checks import (fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg,
                           positive_int_arg)
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
-from lrmoe.traces.stats import gini, max_over_mean
-from lrmoe.traces.synthetic import generate_trace
+from lrmoe.cli import SYSTEMS_HELP, one_of, script_parser, system_arg
+from lrmoe.config import cluster_preset, model_preset
+from lrmoe.integrations.tracking import check_tracking_args
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import torch
+
+    from lrmoe.config import MoEConfig
 
 MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
 SKEW_FAMILIES = ("zipf", "dirichlet")
@@ -119,6 +112,8 @@ def skew_stats(counts_ILNE: torch.Tensor, warmup: int = 1) -> dict[str, float]:
     """The skew a trace measurably has, means over its iterations after warm-up and its layers: the per-rank
     max / mean of the pairs static expert parallelism would compute (expert e on rank e // (E/N)), the hottest
     expert over the mean, and the Gini coefficient of the per-expert pairs."""
+    from lrmoe.traces.stats import gini, max_over_mean
+
     counts = counts_ILNE[warmup:] if counts_ILNE.shape[0] > warmup else counts_ILNE
     per_expert_ILE = counts.sum(2).double()
     n = counts.shape[2]
@@ -144,10 +139,23 @@ def corners() -> dict[str, dict]:
             for values in itertools.product(*(SENSITIVITY[k] for k in keys))}
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _overhead_names() -> tuple[str, ...]:
+    from lrmoe.sim.overheads import OVERHEADS
+
+    return (*OVERHEADS, "all")
+
+
+def _replica_grad_names() -> tuple[str, ...]:
+    from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
+
+    return ("best", *REPLICA_GRAD_MODES)
+
+
+def build_parser():
+    """The command line (light modules only: tests/test_cli.py)."""
+    parser = script_parser(__doc__, "outputs/ablate.jsonl")
     parser.add_argument("--quick", action="store_true", help="a small sweep (used by the tests and the main job)")
-    parser.add_argument("--models", nargs="+", default=MODELS)
+    parser.add_argument("--models", nargs="+", default=MODELS, help="model presets (lrmoe.config)")
     parser.add_argument("--cluster", default="a100-40gb-x8", help="cluster preset (its node is replicated)")
     parser.add_argument("--ranks", nargs="+", type=positive_int_arg, default=None, help="default 8 16 64 (quick: 8 16)")
     parser.add_argument("--skews", nargs="+", type=skew_arg, default=None,
@@ -156,7 +164,7 @@ def parse_args(argv=None):
     parser.add_argument("--mem-gb", nargs="+", type=positive_float_arg, default=None,
                         help="per-rank budget for all MoE layers, GB (default 0.8x, 1x, 2x the device; quick 1x)")
     parser.add_argument("--tokens-per-rank", type=positive_int_arg, default=None,
-                        help="default per model: " + str(TOKENS))
+                        help="tokens per rank per micro-batch (default: the model's, lrmoe.sim.cells.TOKENS)")
     parser.add_argument("--steps", type=positive_int_arg, default=None, help="iterations (default 100; quick 3)")
     parser.add_argument("--micro-batches", type=positive_int_arg, default=8,
                         help="micro-batches per iteration: the sync phases run once per iteration (ours); the "
@@ -164,9 +172,12 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=positive_int_arg, default=None,
                         help="simulated MoE layers (default all, quick too; fewer: their mean stands for the rest)")
     parser.add_argument("--systems", nargs="+", default=None, type=system_arg,
-                        help=f"default: {' '.join(SYSTEMS)} (quick: {' '.join(QUICK_SYSTEMS)}); {system_names_help()}")
-    parser.add_argument("--eps", type=non_negative_float_arg, default=0.1, help="LRMoE balance slack")
-    parser.add_argument("--gamma", type=fraction_arg, default=0.1, help="LRMoE per-expert floor")
+                        help=f"systems to price; default: {' '.join(SYSTEMS)} (quick: {' '.join(QUICK_SYSTEMS)}); "
+                             f"{SYSTEMS_HELP}")
+    parser.add_argument("--eps", type=non_negative_float_arg, default=0.1,
+                        help="LRMoE balance slack (fraction of the mean load a rank may exceed)")
+    parser.add_argument("--gamma", type=fraction_arg, default=0.1,
+                        help="LRMoE per-expert floor (fraction of each expert's pairs always kept)")
     parser.add_argument("--max-extra", type=non_negative_int_arg, default=None,
                         help="most extra slots per rank (default E/N)")
     parser.add_argument("--headroom-rule", choices=["planned", "fixed"], default="planned",
@@ -177,19 +188,24 @@ def parse_args(argv=None):
                              "(ours: later iterations route a little differently from the reference one)")
     parser.add_argument("--symi-headroom", type=positive_float_arg, default=1.5,
                         help="fixed rule only: SYMI-dropless reserves buffers for this x the mean load")
-    parser.add_argument("--no-overheads", nargs="*", default=[], choices=[*OVERHEADS, "all"],
-                        help="overheads not to charge (lrmoe.sim.overheads), to show their effect")
+    parser.add_argument("--no-overheads", nargs="*", default=[], type=one_of(_overhead_names, "overhead"),
+                        help="overheads not to charge (names of lrmoe.sim.overheads.OVERHEADS, or all), to show "
+                             "their effect")
     parser.add_argument("--no-band", action="store_true", help="skip the sensitivity corners (faster)")
-    parser.add_argument("--replica-grad", choices=["best", *REPLICA_GRAD_MODES], default="best",
+    parser.add_argument("--replica-grad", type=one_of(_replica_grad_names, "--replica-grad"), default="best",
                         help="replica-gradient path (DESIGN.md §3.4): 'range' (SYMI's), 'shard' (straight to the "
                              "optimizer-shard owners), or 'best': each system priced in both from the same plans and "
                              "reported in its faster mode (iter_s_range, iter_s_shard and replica_grad say which)")
     parser.add_argument("--headline-mem-gb", type=positive_float_arg, default=None,
-                        help="budget of the headline (default 1x)")
+                        help="per-rank budget of the headline, GB (default 1x the device)")
     parser.add_argument("--band-every-budget", action="store_true",
                         help="price the sensitivity corners at every budget, not the headline's alone")
-    parser.add_argument("--seed", type=int, default=0)
-    add_tracking_args(parser, "outputs/ablate.jsonl")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_tracking_args(parser, args, "ablate")
     try:
@@ -227,6 +243,10 @@ def validate(args) -> None:
 def check_args(args) -> None:
     """What would otherwise fail cell by cell, hours into a sweep, raised once up front (ValueError naming the
     flag): the model presets, the sizes, and every system in the first cell of each model."""
+    from lrmoe.sim.cells import TOKENS, Cell, system_context
+    from lrmoe.sim.cost import CostModel
+    from lrmoe.systems import check_systems
+
     models = [model_preset(name) for name in args.models]
     if any(r < 1 for r in args.ranks):
         raise ValueError(f"--ranks must be positive, got {args.ranks}")
@@ -295,6 +315,14 @@ def _record(common: dict, name: str, res, layers: int, model: MoEConfig, note: s
 
 def run_cells(args, run) -> pd.DataFrame:
     """Simulate every (cell, system); one record per pair, logged as it completes."""
+    import pandas as pd
+    from tqdm import tqdm
+
+    from lrmoe.sim.cells import TOKENS, Cell, build_systems, charged_overheads, cost_kwargs
+    from lrmoe.sim.simulator import simulate
+    from lrmoe.sim.systems import plan_twins
+    from lrmoe.traces.synthetic import generate_trace
+
     base = cluster_preset(args.cluster)
     plan = []
     for name in args.models:
@@ -395,6 +423,8 @@ def band(rec: dict, ref: dict) -> tuple[float, float] | None:
 
 def _ratio(a, b, col: str = "iter_s") -> str:
     """``a / b`` with the sensitivity band, as a table cell."""
+    import pandas as pd
+
     if a is None or b is None or pd.isna(getattr(a, col, float("nan"))) or pd.isna(getattr(b, col, float("nan"))):
         return "n/a"
     value = f"{getattr(a, col) / getattr(b, col):.2f}"
@@ -408,6 +438,8 @@ def _ratio(a, b, col: str = "iter_s") -> str:
 def headline(table: pd.DataFrame, args) -> str:
     """Markdown: LRMoE ÷ SYMI-dropless and ÷ SYMI-cf1 per model, on one node and on two, across skews, each ratio
     with its sensitivity band, beside the skew the traces measurably have."""
+    import pandas as pd
+
     ranks_per_node = cluster_preset(args.cluster).ranks_per_node
     sel = table[(table.mem_gb == args.headline_mem_gb) & table.ranks.isin([ranks_per_node, 2 * ranks_per_node])]
     lines = ["| model | nodes x GPUs | skew | rank max/mean | expert max/mean | Gini | LRMoE / SYMI-dropless | "
@@ -448,6 +480,9 @@ def headline(table: pd.DataFrame, args) -> str:
 
 
 def assumptions(args) -> str:
+    from lrmoe.sim.cells import TOKENS, charged_overheads
+    from lrmoe.sim.cost import CostModel
+
     c = cluster_preset(args.cluster)
     cm = CostModel(model_preset(args.models[0]), c)
     rule = ("each dropless system's buffers for its own planned peak load (its plans of the warm-up iteration), "
@@ -470,6 +505,12 @@ def assumptions(args) -> str:
 def plot(table: pd.DataFrame, run, args) -> list:
     """Time relative to SYMI-dropless vs skew per system (one panel per model and rank count), and the
     split of LRMoE's and SYMI's time into forward, backward, communication and sync."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
     figs = []
     ok = table[table["vs_symi_dropless"].notna()] if "vs_symi_dropless" in table else table.iloc[0:0]
     ok = ok[(ok.mem_gb == args.headline_mem_gb) & ok.system.isin(PLOTTED)]
@@ -508,6 +549,10 @@ def plot(table: pd.DataFrame, run, args) -> list:
 def main(argv=None) -> pd.DataFrame:
     """Run the sweep, print the tables, log everything; exits non-zero (from the command line) if a run failed."""
     args = parse_args(argv)
+    import pandas as pd
+
+    from lrmoe.integrations.tracking import Tracker
+
     with Tracker("ablate", vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
         table = run_cells(args, run)

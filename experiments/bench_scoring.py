@@ -20,28 +20,30 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import matplotlib
+from typing import TYPE_CHECKING
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import pandas as pd
-import seaborn as sns
-import torch
+# The parser needs only these light modules; torch, the metric and pandas load in the functions that measure.
+from lrmoe.cli import script_parser
+from lrmoe.integrations.tracking import check_tracking_args
 
-from lrmoe.harness.timing import time_ms
-from lrmoe.recal.recalibrate import pair_groups, proportional_quotas
-from lrmoe.recal.scoring import METRIC_REGISTRY, PairParts
-from lrmoe.recal.selection import MODES, select
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
-from lrmoe.traces.synthetic import sample_topk, zipf_popularity
+if TYPE_CHECKING:
+    import pandas as pd
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")  # names of torch dtypes
 
 
 def make_problem(tokens: int, top_k: int, experts: int, sources: int, width: int, rho: float, zipf: float,
-                 seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+                 seed: int, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
     """One layer-iteration at a home rank (synthetic, labelled as such): groups and quotas on the host, the
-    pairs' parts on ``device``. Pair p = t·k + j; grad_o = g·δ_t."""
+    pairs' parts on ``device`` in ``dtype`` (default float32). Pair p = t·k + j; grad_o = g·δ_t."""
+    import torch
+
+    from lrmoe.recal.recalibrate import pair_groups, proportional_quotas
+    from lrmoe.recal.scoring import PairParts
+    from lrmoe.traces.synthetic import sample_topk, zipf_popularity
+
+    dtype = dtype or torch.float32
     gen = torch.Generator().manual_seed(seed)
     idx_TK = sample_topk(torch.log(zipf_popularity(experts, zipf, gen)), tokens, top_k, gen)
     group_P, counts_Q = pair_groups(idx_TK, experts, sources)
@@ -58,10 +60,16 @@ def make_problem(tokens: int, top_k: int, experts: int, sources: int, width: int
 
 
 def bench(args) -> list[dict]:
+    import torch
+
+    from lrmoe.harness.timing import time_ms
+    from lrmoe.recal.scoring import METRIC_REGISTRY
+    from lrmoe.recal.selection import MODES, select
+
     torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     prob = make_problem(args.tokens, args.top_k, args.experts, args.sources, args.width, args.rho, args.zipf,
-                        args.seed, args.device, DTYPES[args.dtype])
+                        args.seed, args.device, getattr(torch, args.dtype))
     group_P, quota_Q, parts, gen = prob["group_P"], prob["quota_Q"], prob["parts"], prob["gen"]
     rows = []
     for name, metric in METRIC_REGISTRY.items():
@@ -81,22 +89,27 @@ def bench(args) -> list[dict]:
     return rows
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=128)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (light modules only: tests/test_cli.py)."""
+    parser = script_parser(__doc__, "outputs/bench_scoring.jsonl")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens of the layer-iteration at the home rank")
+    parser.add_argument("--top-k", type=int, default=8, help="experts per token")
+    parser.add_argument("--experts", type=int, default=128, help="experts of the layer")
     parser.add_argument("--sources", type=int, default=16, help="source ranks: groups = sources × experts")
     parser.add_argument("--width", type=int, default=2048, help="model width D of the grad_o and o rows (Qwen3: 2048)")
     parser.add_argument("--rho", type=float, default=0.7, help="retention ratio of the quotas")
     parser.add_argument("--zipf", type=float, default=0.6, help="Zipf exponent of the synthetic expert popularity")
     parser.add_argument("--device", default="cpu", help="where the pairs' parts lie and the metric scores (cpu, cuda)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the pairs' parts")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the pairs' parts")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--reps", type=int, default=30, help="timed repetitions per measurement (median)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing")
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (tests)")
-    add_tracking_args(parser, "outputs/bench_scoring.jsonl")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_tracking_args(parser, args, "bench_scoring")
     if args.quick:
@@ -108,6 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--top-k {args.top_k} exceeds --experts {args.experts}")
     if not 0.0 <= args.rho <= 1.0:
         parser.error(f"--rho must lie in [0, 1], got {args.rho}")
+    import torch
+
     try:
         device = torch.device(args.device)
     except RuntimeError as err:
@@ -119,6 +134,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> pd.DataFrame:
     args = parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    from lrmoe.integrations.tracking import Tracker
+
     with Tracker("bench_scoring", vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
         rows = bench(args)

@@ -21,8 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lrmoe.integrations.tracking import Tracker, add_tracking_args
-
+from lrmoe.checks import positive_int_arg
+from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
+from lrmoe.integrations.tracking import Tracker
 from lrmoe.results import read_results
 
 TRAIN = Path(__file__).resolve().parent / "train.py"
@@ -48,18 +49,24 @@ def measure(args, checkpointing: bool, folder: Path) -> dict:
             "min_peak_mib": min(peaks), "max_peak_mib": max(peaks), "steps": len(peaks)}
 
 
-def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (light modules only: tests/test_cli.py)."""
+    parser = script_parser(__doc__, "outputs/checkpoint_memory.jsonl")
     parser.add_argument("--preset", default="qwen3-30b-a3b-debug", help="the model preset of lrmoe's own model")
     parser.add_argument("--hf-config", default=None, help="HF's architecture instead (train.py's --hf-config)")
-    parser.add_argument("--policy", default="lrmoe")
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--micro-batches", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per configuration (after one warm-up)")
-    parser.add_argument("--seed", type=int, default=0)
-    add_tracking_args(parser, "outputs/checkpoint_memory.jsonl")
+    parser.add_argument("--policy", default="lrmoe", type=system_arg, help=f"the system trained; {SYSTEMS_HELP}")
+    parser.add_argument("--ranks", type=positive_int_arg, default=2, help="gloo CPU rank processes")
+    parser.add_argument("--batch", type=positive_int_arg, default=8, help="sequences per rank per step")
+    parser.add_argument("--seq-len", type=positive_int_arg, default=256, help="tokens per sequence")
+    parser.add_argument("--micro-batches", type=positive_int_arg, default=1, help="micro-batches per step")
+    parser.add_argument("--steps", type=positive_int_arg, default=5,
+                        help="measured steps per configuration (after one warm-up)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data order")
+    return parser
+
+
+def main(argv=None) -> list[dict]:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("ranks", "batch", "seq_len", "micro_batches", "steps"):
         if getattr(args, name) <= 0:

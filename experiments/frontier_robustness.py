@@ -13,19 +13,18 @@ import argparse
 from pathlib import Path
 
 from lrmoe.analysis.protocol import REGIMES
-from lrmoe.analysis.robustness import VARIANTS, robustness_table, steps_per_loss_margin
 from lrmoe.results import read_records
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args, write_report
+from lrmoe.cli import script_parser
+from lrmoe.integrations.tracking import Tracker, check_tracking_args, write_report
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """The command line (light modules only: tests/test_cli.py)."""
+    parser = script_parser(__doc__.split("\n\n")[0], "outputs/frontier_robustness.jsonl")
     parser.add_argument("--runs", default="paper_figures/results/frontier_protocol_sweep.jsonl",
                         help="the protocol's collected runs (experiments/frontier_sweep.py)")
     parser.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES),
                         help="the regimes to re-decide")
-    add_tracking_args(parser, "outputs/frontier_robustness.jsonl")
     return parser
 
 
@@ -39,6 +38,8 @@ def parse_args(argv=None):
 
 
 def report(tables: dict, worth: dict) -> str:
+    from lrmoe.analysis.robustness import VARIANTS  # pandas and SciPy: loaded for the work, not for --help
+
     lines = ["# The frontier protocol's claims under changed choices (DESIGN.md §10.8)", "",
              "Holm-adjusted p and the decision word of every claim, per variant (one choice of §10.3-10.4 changed "
              "at a time; `protocol` is the decided table).", ""]
@@ -58,6 +59,8 @@ def report(tables: dict, worth: dict) -> str:
 
 
 def run(args) -> dict:
+    from lrmoe.analysis.robustness import robustness_table, steps_per_loss_margin
+
     try:
         rows = read_records(args.runs)
     except ValueError as exc:

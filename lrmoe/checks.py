@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
+
+if TYPE_CHECKING:  # torch is imported where a tensor is handled, so the command-line types load without it
+    from torch import Tensor
 
 APPORTION_RULES = ("cumulative", "largest_remainder")
 
@@ -145,7 +147,9 @@ def check_placement(placement_NS: Tensor, num_experts: int, num_ranks: int | Non
                     name: str = "placement_NS") -> None:
     """Raise ``ValueError`` unless ``placement_NS`` is a non-empty long [N, S] tensor of experts in [-1, E) (-1: an
     empty slot), with one row per rank when ``num_ranks`` is given."""
-    if not isinstance(placement_NS, Tensor) or placement_NS.dim() != 2 or placement_NS.dtype != torch.long:
+    import torch
+
+    if not isinstance(placement_NS, torch.Tensor) or placement_NS.dim() != 2 or placement_NS.dtype != torch.long:
         raise ValueError(f"{name} must be a 2-D long tensor [ranks, slots], got "
                          f"{getattr(placement_NS, 'dtype', type(placement_NS))} of shape "
                          f"{tuple(getattr(placement_NS, 'shape', ()))}")
@@ -231,10 +235,14 @@ def apportion(total_Y: Tensor, weight_Z: Tensor, segment_Z: Tensor, rule: str = 
     """
     if rule not in APPORTION_RULES:
         raise ValueError(f"apportion: rule={rule!r} is not one of {APPORTION_RULES}")
+    import torch
+
     out = apportion_array(long_array(total_Y), long_array(weight_Z), long_array(segment_Z), rule)
     return torch.from_numpy(out).to(weight_Z.device)
 
 
 def apportion_rows(total_R: Tensor, weight_RZ: Tensor) -> Tensor:
     """:func:`apportion` with rule "cumulative" where segment r is row r of a dense [R, Z] weight matrix."""
+    import torch
+
     return torch.from_numpy(apportion_rows_array(long_array(total_R), long_array(weight_RZ))).to(weight_RZ.device)

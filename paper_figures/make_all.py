@@ -13,20 +13,33 @@ import argparse
 import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; notebooks importing figures keep their inline backend
-from lrmoe.paper_figures import figures  # noqa: E402 - after the backend is chosen
+from lrmoe.cli import one_of, script_parser
 
 HERE = Path(__file__).resolve().parent
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _figure_names() -> list[str]:
+    from lrmoe.paper_figures import figures
+
+    return sorted(figures.FIGURES)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (light modules only: matplotlib loads when figures are drawn; tests/test_cli.py)."""
+    parser = script_parser(__doc__)
     parser.add_argument("--results", default=str(HERE.parent / "outputs" / "quick"), help="folder of results files")
     parser.add_argument("--out", default=None, help="figure folder (default: <results>/figures)")
-    parser.add_argument("--only", nargs="*", help="figure names", choices=sorted(figures.FIGURES))
-    args = parser.parse_args(argv)
+    parser.add_argument("--only", nargs="*", type=one_of(_figure_names, "figure"),
+                        help="figure names to draw (those of lrmoe.paper_figures.figures.FIGURES; default all)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; notebooks importing figures keep their inline backend
+    from lrmoe.paper_figures import figures
     results = Path(args.results)
     if not results.is_dir():
         sys.exit(f"error: results folder {results} does not exist (run `make reproduce` first)")

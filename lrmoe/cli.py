@@ -1,0 +1,75 @@
+"""The experiment scripts' command lines: one help formatter, one parent parser of the flags every script shares,
+and the registry's system names as an argparse type.
+
+Nothing here imports torch (nor the registry, the simulator or pandas at import time): a script builds its parser
+from this module, :mod:`lrmoe.checks`' argument types and :mod:`lrmoe.config`'s presets, and imports the heavy
+modules inside the function that runs the work, so ``--help`` and argument errors come back at once
+(tests/test_cli.py holds every script to this).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable
+
+from lrmoe.integrations.tracking import add_tracking_args
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the line breaks of the description (a script's docstring) and appends each flag's default to its help.
+
+    The default is left out where it says nothing: a switch (``store_true``), ``None`` (the help says what happens
+    when the flag is not given), an empty list, or a help that already names its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        silent = (default is None or default is False or default is argparse.SUPPRESS
+                  or (isinstance(default, (list, tuple)) and not default)
+                  or "default" in text.lower() or not action.option_strings)
+        if silent:
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def tracking_parent(default_results: str) -> argparse.ArgumentParser:
+    """The parent parser of the flags every experiment script shares (results file, overwrite/resume, W&B), with
+    ``default_results`` as --out's default. Built per script: argparse shares a parent's actions with its children,
+    so one parser object would carry the last script's default."""
+    parent = argparse.ArgumentParser(add_help=False)
+    add_tracking_args(parent, default_results)
+    return parent
+
+
+def script_parser(description: str | None, default_results: str | None = None,
+                  **kwargs) -> argparse.ArgumentParser:
+    """A script's parser: :class:`HelpFormatter`, the script's docstring as description, and the shared flags of
+    :func:`tracking_parent` when the script writes a results file (``default_results``: where, by default)."""
+    parents = [tracking_parent(default_results)] if default_results is not None else []
+    return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter, parents=parents,
+                                   **kwargs)
+
+
+def system_arg(value: str) -> str:
+    """argparse ``type=`` of a system name: its registry name, or an argparse error listing the known ones. The
+    registry (which builds policies, and so imports torch) is imported when a name is parsed, not for ``--help``."""
+    from lrmoe.systems import system_arg as registry_system_arg
+
+    return registry_system_arg(value)
+
+
+SYSTEMS_HELP = ("names in the registry, lrmoe.systems (older names are accepted; an unknown name is an error listing "
+                "the known ones)")
+
+
+def one_of(names: Callable[[], Iterable[str]], what: str = "value") -> Callable[[str], str]:
+    """argparse ``type=`` of one of ``names()``: the list comes from a heavy module (the simulator's overheads, the
+    byte model's modes), so it is read when a value is parsed, never for ``--help``; anything else is an argparse
+    error listing the names."""
+    def parse(value: str) -> str:
+        known = tuple(names())
+        if value not in known:
+            raise argparse.ArgumentTypeError(f"{what} {value!r} is not one of {', '.join(known)}")
+        return value
+    return parse
