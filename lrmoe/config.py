@@ -222,9 +222,15 @@ _MODELS = {
         router="softmax_topk", num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=256, seq_len=128,
         dtype="float32"),
 }
+# The model pilot's ladder of DESIGN.md §11.1 (ours): the routing-shape preset at hidden 64 / 128, expert width
+# 32 / 64, layers 2 / 4 (the smallest rung is qwen3-30b-a3b-routing-debug itself).
+_MODELS.update({
+    f"qwen3-30b-a3b-routing-h{h}-f{f}-l{n}": _MODELS["qwen3-30b-a3b-routing-debug"].replace(
+        name=f"qwen3-30b-a3b-routing-h{h}-f{f}-l{n}", hidden=h, expert_ffn=f, num_layers=n)
+    for h in (64, 128) for f in (32, 64) for n in (2, 4) if (h, f, n) != (64, 32, 2)})
 # The paper-scale preset each debug preset scales down (what a training run's modelled time prices it as).
 _FULL_SCALE = {"qwen3-30b-a3b-debug": "qwen3-30b-a3b", "glm-4.5-air-debug": "glm-4.5-air",
-               "qwen3-30b-a3b-routing-debug": "qwen3-30b-a3b"}
+               **{name: "qwen3-30b-a3b" for name in _MODELS if name.startswith("qwen3-30b-a3b-routing")}}
 
 # --- cluster presets -----------------------------------------------------------------------------------------
 _CLUSTERS = {

@@ -1,0 +1,183 @@
+"""The time-to-quality protocol's runs (DESIGN.md §11): the model pilot, the variance pilot, the sweep; resumable;
+and its report.
+
+Each run is experiments/train.py on the emulated engine with the protocol's arguments (lrmoe.analysis.tq_protocol:
+the eleven runs of a seed, their step budgets, evaluation every 15 steps, the run's own trace), called in-process
+through its command-line entry point. A finished run is collected as one line of the results file (its endpoint,
+curve, routing shape and, at the full budget, its modelled paper-scale iteration time from its own trace,
+lrmoe.sim.replay); a run already collected with the same identity is skipped, one collected with other settings is
+an error, and an interrupted run resumes from its last checkpoint.
+
+    python experiments/tq_sweep.py --stage model-pilot                        # seeds 2100-2101, static EP
+    python experiments/tq_sweep.py --stage model-pilot --preset qwen3-30b-a3b-routing-h128-f32-l2
+    python experiments/tq_sweep.py --stage pilot                              # seeds 2000-2003, weak first
+    python experiments/tq_sweep.py --stage sweep --seeds-count 12             # seeds 3000-3011
+    python experiments/tq_sweep.py --stage pilot --report outputs/tq_pilot.md  # no training: the report
+    python experiments/tq_sweep.py --stage pilot --max-runs 1                 # one more run, then stop
+
+The report (--report FILE.md, never over an existing file; a figure beside it) holds per regime the per-seed table,
+the eight claims with their words (interim below the planned seeds), the six robustness checks of §11.4, power
+after the fact and the controls; for the model pilot, the rule of §11.1 per preset; with --time-axis, the time
+ratios from the runs' own traces beside a Zipf matched on static EP's slowest rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+from pathlib import Path
+
+from lrmoe.analysis import tq_protocol as P
+from lrmoe.analysis.runs import config_differences
+from lrmoe.checks import positive_int_arg
+from lrmoe.results import append_record, read_headers, read_records, read_results
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", choices=P.STAGES, required=True)
+    parser.add_argument("--preset", default=P.PRESET, choices=P.LADDER,
+                        help=f"the model (default {P.PRESET}; the model pilot's record names the one chosen)")
+    parser.add_argument("--regimes", nargs="+", default=list(P.REGIMES), choices=list(P.REGIMES))
+    parser.add_argument("--seeds-count", type=positive_int_arg, default=None,
+                        help=f"the sweep's seeds per regime (from the pilot's power calculation, at most "
+                             f"{P.MAX_SEEDS}): {P.SWEEP_SEED0}, {P.SWEEP_SEED0 + 1}, ...")
+    parser.add_argument("--work", default="outputs/tq_protocol", help="per-run files, traces, checkpoints")
+    parser.add_argument("--out", default=None, help="the collected runs (default "
+                                                     "paper_figures/results/tq_protocol_<stage>.jsonl)")
+    parser.add_argument("--max-runs", type=positive_int_arg, default=None, help="train at most this many runs")
+    parser.add_argument("--report", default=None, help="train nothing; write the report to this Markdown file")
+    parser.add_argument("--time-axis", action="store_true",
+                        help="with --report: the runs' own time ratios beside the Zipf-matched ones")
+    args = parser.parse_args(argv)
+    try:
+        args.runs = P.stage_runs(args.stage, args.seeds_count, args.regimes, args.preset)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.out = Path(args.out or f"paper_figures/results/tq_protocol_{args.stage.replace('-', '_')}.jsonl")
+    if args.report and Path(args.report).exists():
+        parser.error(f"--report {args.report} exists; give a new name")
+    if args.time_axis and not args.report:
+        parser.error("--time-axis goes with --report")
+    return args
+
+
+def finished(run: P.TQRun, work: Path) -> bool:
+    path = run.results(work)
+    return path.exists() and run.trace(work).exists() and any(r.get("step") == run.steps for r in read_results(path))
+
+
+def differences(run: P.TQRun, work: Path) -> list[str]:
+    """How the run's per-run results file (its stored configuration) differs from the protocol's arguments."""
+    headers = read_headers(run.results(work)) if run.results(work).exists() else []
+    if not headers:
+        return []
+    return config_differences(headers[-1].get("config") or {}, run.train_argv(work), ignore=P.NOT_IDENTITY)
+
+
+def check(args) -> list[dict]:
+    """Before anything trains: every collected line of this stage's runs has the protocol's identity, and every
+    per-run file not yet collected holds the run the protocol asks for. SystemExit naming what differs."""
+    try:
+        rows = read_records(args.out)
+    except ValueError as exc:
+        raise SystemExit(f"tq_sweep.py: error: {exc}") from None
+    for run in args.runs:
+        if (row := P.clashing(rows, run)) is not None:
+            raise SystemExit(f"tq_sweep.py: error: {args.out} holds {run.key} with other train.py arguments "
+                             f"({row.get('argv')}): not this protocol's run; give another --out")
+        if not any(P.same_run(r, run) for r in rows) and (diffs := differences(run, Path(args.work))):
+            raise SystemExit(f"tq_sweep.py: error: {run.results(args.work)} holds a run of other settings "
+                             f"({'; '.join(diffs)}): move it away, or give the sweep its own --work")
+    return rows
+
+
+def train(argv: list[str]) -> None:
+    """experiments/train.py's command line, run in this process (its entry point; scripts import no other
+    script's internals)."""
+    importlib.import_module("lrmoe.experiments.train").main(argv)
+
+
+def run_stage(args, trainer=train) -> int:
+    """Train and collect what is missing, in the protocol's order; returns the runs trained."""
+    work = Path(args.work)
+    rows = check(args)
+    trained = 0
+    for run in args.runs:
+        if any(P.same_run(r, run) for r in rows):
+            continue
+        wall = None
+        if not finished(run, work):
+            if args.max_runs is not None and trained >= args.max_runs:
+                break
+            resume = run.results(work).exists()
+            print(f"{run.key}: {'resuming' if resume else 'training'}", flush=True)
+            start = time.perf_counter()
+            try:
+                trainer(run.train_argv(work, resume=resume))
+            except SystemExit as exc:
+                if exc.code:
+                    raise SystemExit(f"tq_sweep.py: error: train.py {' '.join(run.train_argv(work, resume))} "
+                                     f"exited with {exc.code}") from None
+            wall = time.perf_counter() - start
+            trained += 1
+            if not finished(run, work):
+                raise SystemExit(f"tq_sweep.py: error: train.py returned, but {run.results(work)} has not reached "
+                                 f"step {run.steps} (or wrote no trace)")
+        row = P.collect(run, work, wall_s=wall)
+        append_record(args.out, row)  # one whole line, fsynced, under the file's lock
+        rows.append(row)
+        print(f"{run.key}: collected (endpoint {row['endpoint']:.4f}"
+              + (f", {row['time_s']:.3f} s per paper-scale iteration" if "time_s" in row else "") + ")", flush=True)
+    return trained
+
+
+def report(args) -> str:
+    from lrmoe.analysis import tq_report as R
+    from lrmoe.analysis import time_to_quality as tq
+
+    rows = [r for r in read_records(args.out) if any(P.same_run(r, run) for run in args.runs)]
+    lines = [f"# Time-to-quality protocol (DESIGN.md §11), stage {args.stage}: {len(rows)} of {len(args.runs)} runs "
+             f"collected in {args.out.name}", ""]
+    if args.stage == "model-pilot":
+        if rows:
+            v = P.model_pilot_verdict(rows)
+            lines += [f"Model {v['preset']}, {v['seeds']} seeds: validation loss falls {100 * v['loss_drop']:.1f} % "
+                      f"from step 25 to 300 (rule: ≥ {100 * P.MODEL_PILOT_LOSS_DROP:g} %), per-expert Gini moves "
+                      f"{v['gini_move']:.3f} (rule: ≥ {P.MODEL_PILOT_GINI_MOVE}): "
+                      f"{'learns to route' if v['learns_to_route'] else 'does not pass'}.", ""]
+        return "\n".join(lines)
+    planned = len({r.seed for r in args.runs})
+    tables = {}
+    for regime in args.regimes:
+        lines.append(R.regime_report(rows, regime, planned, args.stage))
+        per_seed = tq.per_seed_table(*R.regime_frames(R.regime_rows(rows, regime), regime))
+        if not per_seed.empty:
+            tables[regime] = tq.tq_table(per_seed)
+        if args.time_axis:
+            try:
+                lines += ["### The time axis: own routing against a matched Zipf", "",
+                          R.time_axis_text(rows, regime)]
+            except ValueError as exc:
+                lines += [f"No time axis yet: {exc}.", ""]
+    if tables:
+        figure = Path(args.report).with_suffix(".png")
+        R.claims_figure(tables).savefig(figure, dpi=120)
+        lines += [f"![claims]({figure.name})", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.report:
+        text = report(args)
+        Path(args.report).write_text(text + "\n")
+        print(text)
+        return
+    trained = run_stage(args)
+    print(f"{trained} runs trained; {len(read_records(args.out))} lines in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

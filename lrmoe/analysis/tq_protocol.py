@@ -1,0 +1,219 @@
+"""The time-to-quality protocol of DESIGN.md §11 as data: stages, seeds, regimes, the eleven runs of a seed, the
+train.py arguments of each run, and what a finished run is collected as (its endpoint, curve and, at the full
+budget, its modelled iteration time from its own routing, :mod:`lrmoe.sim.replay`).
+
+    runs = stage_runs("pilot")                       # [TQRun], regime-major (weak first), seed by seed
+    argv = run.train_argv(work)                      # experiments/train.py's arguments, --engine emulated
+    row = collect(run, work)                         # one results line: endpoint, curve, time, shape statistics
+
+The quantities and the claims (the dropless curve, r*, q, the Holm family) are :mod:`lrmoe.analysis.time_to_quality`;
+the report over collected lines is :mod:`lrmoe.analysis.tq_report`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lrmoe.analysis import protocol
+from lrmoe.analysis.skew import trace_imbalance
+from lrmoe.config import cluster_preset, model_preset
+
+# DESIGN.md §11.1: the emulated engine, Qwen3-30B-A3B's routing shape (128 experts, top-8, 16 ranks)
+ENGINE = "emulated"
+RANKS = 16
+PRESET = "qwen3-30b-a3b-routing-debug"  # the ladder's smallest rung; the model pilot's record names the one chosen
+LADDER = tuple(f"qwen3-30b-a3b-routing-h{h}-f{f}-l{layers}" if (h, f, layers) != (64, 32, 2) else PRESET
+               for layers in (2, 4) for h in (64, 128) for f in (32, 64))  # smallest first (fewest parameters)
+STEPS = 300
+BATCH = 4
+SEQ_LEN = 64
+WARMUP = 10  # the cosine schedule's warm-up steps; the time replays every recorded step after them
+EVAL_EVERY = 15  # every step budget (255, 270, 285, 300) ends on an evaluation
+EVAL_BATCHES = 16
+ENDPOINT_EVALS = 3
+CKPT_EVERY = 75  # a stopped run resumes from its last checkpoint (75 divides none of the shorter budgets' ends)
+BUDGETS = {0.85: 255, 0.90: 270, 0.95: 285, 1.0: 300}  # step fraction -> steps, each with its own schedule
+
+# DESIGN.md §11.1: the model pilot's rule, read at steps 25 and 300 (its evaluation every 25 steps has both)
+MODEL_PILOT_SEEDS = (2100, 2101)
+MODEL_PILOT_EVAL_EVERY = 25
+MODEL_PILOT_REGIME = "weak"  # aux-loss 1e-3
+MODEL_PILOT_LOSS_DROP = 0.20
+MODEL_PILOT_GINI_MOVE = 0.02
+# DESIGN.md §11.5
+PILOT_SEEDS = (2000, 2001, 2002, 2003)
+SWEEP_SEED0 = 3000
+MAX_SEEDS = 32
+REGIMES = ("weak", "production")  # weak first
+STAGES = ("model-pilot", "pilot", "sweep")
+
+DROPLESS_BUDGETS = (("static-ep", 0.85), ("static-ep", 0.90), ("static-ep", 0.95), ("static-ep", 1.0),
+                    ("symi-dropless", 1.0))
+LRMOE_ARMS = ("lrmoe-rho0.75-early-unbiased", "lrmoe-rho0.9-unbiased", "lrmoe-rho0.75-unbiased", "lrmoe")
+CONTROLS = ("symi-dropless-rho0.75-unbiased", "lrmoe-rho0.75-random-unbiased")
+SEED_RUNS = (*DROPLESS_BUDGETS, *((a, 1.0) for a in (*LRMOE_ARMS, *CONTROLS)))  # the eleven runs of a seed
+
+# train.py flags that do not change what a run computes (a run's identity leaves them out)
+NOT_IDENTITY = ("--out", "--trace-out", "--ckpt-dir", "--resume", "--quiet", "--no-wandb", "--ckpt-every",
+                "--timeout")
+
+
+@dataclass(frozen=True)
+class TQRun:
+    """One training run of the protocol: its stage, regime, seed, system (``arm``), step budget and model preset."""
+
+    stage: str
+    regime: str
+    seed: int
+    arm: str
+    budget: float
+    preset: str = PRESET
+
+    @property
+    def steps(self) -> int:
+        return BUDGETS[self.budget]
+
+    @property
+    def eval_every(self) -> int:
+        return MODEL_PILOT_EVAL_EVERY if self.stage == "model-pilot" else EVAL_EVERY
+
+    @property
+    def key(self) -> dict:
+        return {"stage": self.stage, "regime": self.regime, "seed": self.seed, "arm": self.arm,
+                "budget": self.budget, "preset": self.preset}
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm}-r{self.budget:g}"
+
+    def folder(self, work: Path) -> Path:
+        return Path(work) / self.stage / self.preset / self.regime / f"seed{self.seed}"
+
+    def results(self, work: Path) -> Path:
+        return self.folder(work) / f"{self.name}.jsonl"
+
+    def trace(self, work: Path) -> Path:
+        return self.folder(work) / f"{self.name}.trace.npz"
+
+    def identity_argv(self) -> list[str]:
+        """train.py's arguments that decide what the run computes (DESIGN.md §11.1-11.2)."""
+        regime = protocol.get_regime(self.regime)
+        spare = regime.spare_slots(model_preset(self.preset).num_experts, RANKS)
+        return ["--engine", ENGINE, "--preset", self.preset, "--policy", self.arm, "--ranks", str(RANKS),
+                "--seed", str(self.seed), "--steps", str(self.steps), "--batch", str(BATCH),
+                "--seq-len", str(SEQ_LEN), "--lr-schedule", "cosine", "--warmup", str(WARMUP),
+                "--eval-every", str(self.eval_every), "--eval-batches", str(EVAL_BATCHES),
+                "--aux-coef", repr(regime.aux_coef), "--extra-slots", str(spare), "--eps", repr(regime.eps),
+                "--gamma", repr(regime.gamma)]
+
+    def train_argv(self, work: Path, resume: bool = False) -> list[str]:
+        """The whole command line: the identity, the run's own files (results, trace, checkpoints), quiet, no W&B."""
+        return [*self.identity_argv(), "--out", str(self.results(work)), "--trace-out", str(self.trace(work)),
+                "--ckpt-every", str(CKPT_EVERY), "--quiet", "--no-wandb", *(["--resume"] if resume else [])]
+
+
+def stage_runs(stage: str, seeds_count: int | None = None, regimes=REGIMES, preset: str = PRESET) -> list[TQRun]:
+    """The runs of a stage in the order they run: the model pilot's static-EP runs on ``preset``; the variance
+    pilot's and the sweep's eleven runs per seed, regime-major (weak first), seed by seed (whole seeds first)."""
+    if stage == "model-pilot":
+        return [TQRun(stage, MODEL_PILOT_REGIME, s, "static-ep", 1.0, preset) for s in MODEL_PILOT_SEEDS]
+    if stage == "pilot":
+        seeds = list(PILOT_SEEDS)
+    elif stage == "sweep":
+        if seeds_count is None or not 1 <= seeds_count <= MAX_SEEDS:
+            raise ValueError(f"the sweep runs 1 to {MAX_SEEDS} seeds per regime (the pilot's seed count), got "
+                             f"{seeds_count}")
+        seeds = list(range(SWEEP_SEED0, SWEEP_SEED0 + seeds_count))
+    else:
+        raise ValueError(f"unknown stage {stage!r}; known: {', '.join(STAGES)}")
+    for regime in regimes:
+        protocol.get_regime(regime)
+    return [TQRun(stage, regime, seed, arm, budget, preset) for regime in regimes for seed in seeds
+            for arm, budget in SEED_RUNS]
+
+
+def paper_scale():
+    """The time axis: (model, cluster, tokens per rank, micro-batches), the §10 protocol's SIM_* constants."""
+    return (model_preset(protocol.SIM_MODEL), cluster_preset(protocol.SIM_CLUSTER, protocol.SIM_NODES),
+            protocol.SIM_TOKENS_PER_RANK, protocol.SIM_MICRO_BATCHES)
+
+
+def price(trace, run: TQRun, band: bool = True, warmup_steps: int = WARMUP):
+    """The run's modelled iteration at paper scale from its own routing (:func:`lrmoe.sim.replay.price_run`) at its
+    regime's slots, eps and gamma, every step from ``warmup_steps`` on."""
+    from lrmoe.sim.replay import price_run
+
+    model, cluster, tokens, mb = paper_scale()
+    regime = protocol.get_regime(run.regime)
+    return price_run(trace, run.arm, model, cluster, tokens, mb,
+                     spare_slots=regime.spare_slots(model.num_experts, cluster.num_ranks), eps=regime.eps,
+                     gamma=regime.gamma, warmup_steps=warmup_steps, band=band)
+
+
+def shape_stats(trace, warmup: int = WARMUP) -> dict:
+    """The routing's shape as static EP at paper scale would see it (the steps after the warm-up): slowest rank ÷
+    mean, per-expert Gini, hottest expert ÷ mean (:func:`lrmoe.analysis.skew.trace_imbalance`)."""
+    return trace_imbalance(trace.counts_ILNE[warmup:])
+
+
+def collect(run: TQRun, work: Path, band: bool = True, wall_s: float | None = None) -> dict:
+    """One finished run as one results line: its identity (key and train.py arguments), endpoint over its last
+    three evaluations, validation curve, routing-shape statistics of its trace, its training steps' seconds (and
+    ``wall_s``, the whole run's as its runner measured it), and at the full budget its modelled iteration time
+    (central, MoE, dense, the constants band's corners)."""
+    from lrmoe.results import read_results
+    from lrmoe.traces.trace import load_trace
+
+    records = {r["step"]: r for r in read_results(run.results(work))}  # a resumed step: the later record wins
+    rows = [records[s] for s in sorted(records)]
+    if not rows or rows[-1]["step"] != run.steps:
+        raise ValueError(f"{run.results(work)} has not finished ({rows[-1]['step'] if rows else 0} of "
+                         f"{run.steps} steps)")
+    evals = [r for r in rows if r.get("val_loss") is not None]
+    steps, val = [r["step"] for r in evals], [r["val_loss"] for r in evals]
+    trace = load_trace(run.trace(work))
+    if trace.num_steps != run.steps:
+        raise ValueError(f"{run.trace(work)} holds {trace.num_steps} steps, the run {run.steps}")
+    row = {**run.key, "argv": run.identity_argv(), "steps": run.steps,
+           "endpoint": protocol.endpoint(steps, val, ENDPOINT_EVALS, run.steps), "eval_steps": steps,
+           "val_loss": val, "shape": shape_stats(trace),
+           "train_s": float(sum(BATCH * SEQ_LEN * RANKS / r["tokens_per_s"] for r in rows if r.get("tokens_per_s"))),
+           **({"wall_s": wall_s} if wall_s is not None else {})}
+    if run.stage == "model-pilot":
+        row["gini_first_last"] = [trace_imbalance(trace.counts_ILNE[i:i + 1])["gini"] for i in (24, run.steps - 1)]
+    elif run.budget == 1.0:
+        t = price(trace, run, band=band)
+        row |= {"time_s": t.time_s, "moe_s": t.moe_s, "dense_s": t.dense_s, "replica_grad": t.replica_grad,
+                "steps_priced": t.steps_priced, "time_corners": t.corners,
+                "sim": {k: t.summary[k] for k in ("drop_rate", "fwd_imbalance", "rho", "slots_per_rank",
+                                                  "peak_mem_bytes")}}
+    return row
+
+
+def same_run(row: dict, run: TQRun) -> bool:
+    """Whether a collected line is this run: the same key and the same train.py identity."""
+    return all(row.get(k) == v for k, v in run.key.items()) and row.get("argv") == run.identity_argv()
+
+
+def clashing(rows: list[dict], run: TQRun) -> dict | None:
+    """A collected line with this run's key but other train.py arguments (a run of other settings), if any."""
+    return next((r for r in rows if all(r.get(k) == v for k, v in run.key.items()) and
+                 r.get("argv") != run.identity_argv()), None)
+
+
+def model_pilot_verdict(rows: list[dict]) -> dict:
+    """DESIGN.md §11.1's rule on one rung's collected model-pilot runs: the validation loss falls by at least 20 %
+    from step 25 to step 300, and the per-expert Gini moves by at least 0.02 between them (means over the seeds)."""
+    drops, moves = [], []
+    for r in rows:
+        val = dict(zip(r["eval_steps"], r["val_loss"]))
+        if 25 not in val or STEPS not in val:
+            raise ValueError(f"the model pilot's run of seed {r['seed']} has no evaluation at step 25 and 300")
+        drops.append(1 - val[STEPS] / val[25])
+        moves.append(abs(r["gini_first_last"][1] - r["gini_first_last"][0]))
+    drop, move = float(np.mean(drops)), float(np.mean(moves))
+    return {"preset": rows[0]["preset"] if rows else None, "seeds": len(rows), "loss_drop": drop,
+            "gini_move": move, "learns_to_route": drop >= MODEL_PILOT_LOSS_DROP and move >= MODEL_PILOT_GINI_MOVE}
