@@ -1,0 +1,73 @@
+"""The time-to-quality report over collected lines (lrmoe.analysis.tq_report, DESIGN.md §11.4): on runs whose answer
+is known (a dropless curve, arms whose loss sits at a chosen r*, times at a chosen ratio) the claims, the six
+robustness checks, power and the controls come out as constructed."""
+
+import numpy as np
+import pytest
+
+from lrmoe.analysis import time_to_quality as tq
+from lrmoe.analysis import tq_protocol as P
+from lrmoe.analysis import tq_report as R
+
+A, B = 1.2, -0.3  # log d(r) = A + B r
+
+
+def rows_for(seeds=10, ratio=0.85, r_arm=1.0, noise=0.002, time_noise=0.01, regime="weak"):
+    """Collected lines of ``seeds`` whole seeds: static EP's endpoints on the curve, every full-budget arm's loss
+    at the curve's value at ``r_arm``, its time ``ratio`` x the dropless systems' (2.0 s), with a little noise."""
+    rng = np.random.default_rng(1)
+    rows = []
+    for seed in range(2000, 2000 + seeds):
+        for arm, budget in P.SEED_RUNS:
+            r = budget if arm in ("static-ep", "symi-dropless") else r_arm
+            loss = float(np.exp(A + B * r) * (1 + noise * rng.standard_normal()))
+            row = {"stage": "pilot", "regime": regime, "seed": seed, "arm": arm, "budget": budget,
+                   "endpoint": loss, "val_loss": [loss + 0.01, loss, loss],
+                   "shape": {"rank_max_over_mean": 1.3, "gini": 0.3, "expert_max_over_mean": 2.5}}
+            if budget == 1.0:
+                dropless = arm in ("static-ep", "symi-dropless")
+                t = 2.0 if dropless else 2.0 * ratio * (1 + time_noise * rng.standard_normal())
+                row |= {"time_s": t, "time_corners": {"base|mb=8|dense=0.5": t, "low": t * 0.97,
+                                                      "high": t * (1.1 if arm not in tq.REFERENCES else 1.0)}}
+            rows.append(row)
+    return rows
+
+
+def test_claims_hold_where_constructed_and_band_corner_turns_them():
+    rows = rows_for()
+    per_seed = tq.per_seed_table(*R.regime_frames(rows, "weak"))
+    assert len(per_seed) == 10
+    assert per_seed["r_star/lrmoe"].mean() == pytest.approx(1.0, abs=0.02)
+    table = tq.tq_table(per_seed)
+    assert (table["word"] == "holds").all()
+    assert table["estimate"].mean() == pytest.approx(-15, abs=1.5)  # 0.85 / 1.0 - 1
+    checks = R.robustness(rows, "weak")
+    # (10 seeds: with 6 the smallest sign-flip or Wilcoxon p, 1/64, is 0.125 after Holm's x 8: they cannot hold)
+    assert list(checks.columns) == ["claim", *R.CHECKS, "robust"]
+    assert (checks[list(R.CHECKS[:6])] == "holds").all().all()
+    # the least favourable corner puts every arm at 1.1 x 0.85 = 0.935 of the references: still a saving
+    assert (checks[R.CHECKS[6]] == "holds").all() and checks["robust"].all()
+    power = R.power_after(table)
+    assert (power["power"] > 0.99).all() and (power["seeds_for_0.8"] <= 4).all()
+
+
+def test_no_saving_fails_and_controls_reported():
+    rows = rows_for(ratio=1.0, r_arm=1.0, noise=0.0005, time_noise=0.002)
+    table = tq.tq_table(tq.per_seed_table(*R.regime_frames(rows, "weak")))
+    assert (table["word"] == "fails").all()  # the interval's lower end is above −2 %
+    ctrl = R.controls(rows, "weak")
+    assert list(ctrl["arm"]) == list(P.CONTROLS)
+    assert ctrl["gap_pct"].abs().max() < 1 and ctrl["r_star"].sub(1).abs().max() < 0.05
+    own = R.own_ratios(rows, "weak").set_index("arm")
+    assert own.loc["lrmoe", "/static-ep"] == pytest.approx(1.0, abs=0.02)
+    assert R.runs_shape(rows, "weak")["rank_max_over_mean"] == pytest.approx(1.3)
+
+
+def test_report_text_and_figure(tmp_path):
+    rows = rows_for(seeds=3)
+    text = R.regime_report(rows, "weak", planned_seeds=4, stage="pilot")
+    assert "interim, 3 of 4 seeds" in text and "Robustness" in text and "Controls" in text
+    table = tq.tq_table(tq.per_seed_table(*R.regime_frames(rows, "weak")))
+    R.claims_figure({"weak": table}).savefig(tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 0
+    assert "No whole seed yet" in R.regime_report(rows[:5], "weak", 4, "pilot")
