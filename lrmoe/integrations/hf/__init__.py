@@ -81,10 +81,11 @@ from lrmoe.integrations.hf.families import (DEFAULT_BIAS_RATE, FAMILIES, Family,
                                             moe_blocks, reference_to_hf)
 from lrmoe.integrations.hf.foreign_optimizer import (FOREIGN_OPTIMIZER, GRAD_SAMPLE, GRADIENT_EDIT,
                                                      ForeignOptimizerError, GradientEditError)
-from lrmoe.integrations.hf.swap import gather_trace, swap_moe_blocks
+from lrmoe.integrations.hf.swap import gather_trace, load_safetensors_, swap_moe_blocks
 
 __all__ = ["DATA_PARALLEL_REFUSAL", "DDP_REDUCES_EXPERTS", "DEFAULT_BIAS_RATE", "FAMILIES", "FOREIGN_OPTIMIZER",
            "FSDP_REFUSAL", "GRADIENT_EDIT", "GRAD_SAMPLE", "DataParallelError", "EPExperts", "EPOptimizer", "Family",
            "ForeignOptimizerError", "GradientEditError", "HFExpertParallel", "ddp_reducing", "fsdp_wrapped",
-           "gather_trace", "hf_config", "hf_to_reference", "ignore_experts_in_ddp", "moe_blocks", "path_to_blocks",
+           "gather_trace", "hf_config", "hf_to_reference", "ignore_experts_in_ddp", "load_safetensors_", "moe_blocks",
+           "path_to_blocks",
            "reference_to_hf", "swap_moe_blocks"]

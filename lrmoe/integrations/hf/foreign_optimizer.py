@@ -80,9 +80,7 @@ class _ForeignStepGuard:
     def __init__(self, model: nn.Module, layer: EPMoELayer, swapped: list[str]):
         self.model, self.layer, self.path = model, layer, path_to_blocks(swapped)
         self.expert_params = [model.get_submodule(name).experts.slots_SW for name in swapped]
-        experts = {id(p) for p in self.expert_params}
-        self.dense_params = [p for p in model.parameters() if id(p) not in experts]
-        self.param_ids = {id(p) for p in self.dense_params}
+        self._expert_ids = {id(p) for p in self.expert_params}
         self.ddp_reduces = False  # the last training forward ran inside a DDP that reduces its backward
         self.versions: list[int] | None = None  # the dense parameters' versions at the last training forward
         self.stepped_outside = False  # a torch optimizer stepped them inside the open iteration
@@ -106,6 +104,15 @@ class _ForeignStepGuard:
 
     def _forget(self, module, incompatible_keys) -> None:
         self.versions = None
+
+    @property
+    def dense_params(self) -> list[nn.Parameter]:
+        """The model's parameters but the expert slots (read each time: loading a meta-device model replaces them)."""
+        return [p for p in self.model.parameters() if id(p) not in self._expert_ids]
+
+    @property
+    def param_ids(self) -> set[int]:
+        return {id(p) for p in self.dense_params}
 
     def dense_versions(self) -> list[int]:
         """The dense parameters' version counters (the expert slots' move with online replication's writes)."""

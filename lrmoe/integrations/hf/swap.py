@@ -35,7 +35,7 @@ def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: System
                     spare_slots: int = 1, pairs_per_rank: int | None = None, seed: int = 0,
                     adam: AdamConfig | None = None, replica_grad: str = "range", backward=None,
                     accountant=None, kernel_backend: str | None = None,
-                    groups: RangeGroups | None = None) -> "HFExpertParallel":
+                    groups: RangeGroups | None = None, device: torch.device | str | None = None) -> "HFExpertParallel":
     """Replace the experts of every sparse MoE block of ``model`` (Qwen3-MoE or GLM-4.5) by the expert-parallel
     layer, in place, and return the training-loop helper. Collective: call it on every rank of the default process
     group, with the same model (same weights) on every rank, after moving the model to its device.
@@ -44,6 +44,11 @@ def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: System
     policy object (then ``backward`` is the layer's backward config). Its policy is built per MoE layer from
     ``context`` (default: E experts, the world's ranks, ``spare_slots``, ``pairs_per_rank``); the backward seed of
     MoE layer i is ``seed * 1000 + i``. ``adam``: the experts' optimizer (the replica store's sharded Adam).
+
+    A model built on the meta device (``with torch.device("meta"): model = cls(config)``) swaps too, given
+    ``device``: each layer then allocates on ``device`` this rank's slots and optimizer shards only (zeros, built
+    one layer at a time), and :func:`load_safetensors_` fills them and materialises the dense part from a
+    checkpoint, one tensor at a time.
     """
     family = _family(model.config)
     if not dist.is_initialized():
@@ -69,15 +74,25 @@ def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: System
     swapped = []
     for i, (block_name, block) in enumerate(blocks):
         hf_experts = block.experts
-        dtype, device = hf_experts.gate_up_proj.dtype, hf_experts.gate_up_proj.device
-        w_gate, w_up, w_down = hf_to_reference(hf_experts.gate_up_proj.detach(), hf_experts.down_proj.detach())
-        weights = {"w_router_ED": block.gate.weight.detach(), "bias_E": torch.zeros(E), "w_gate_EDF": w_gate,
-                   "w_up_EDF": w_up, "w_down_EFD": w_down}
+        dtype, layer_device = hf_experts.gate_up_proj.dtype, hf_experts.gate_up_proj.device
+        if layer_device.type == "meta":  # nothing to copy: the store starts from zeros, the checkpoint fills it
+            if device is None:
+                raise ValueError("the model is on the meta device: pass device= (where each rank's experts live)")
+            layer_device = torch.device(device)
+            D, F = hf_experts.down_proj.shape[1:]
+            w_gate = w_up = torch.zeros(E, D, F, dtype=dtype, device=layer_device)
+            w_down = torch.zeros(E, F, D, dtype=dtype, device=layer_device)
+            router = torch.zeros(E, D, dtype=dtype, device=layer_device)  # the layer's own copy is never used
+        else:
+            w_gate, w_up, w_down = hf_to_reference(hf_experts.gate_up_proj.detach(), hf_experts.down_proj.detach())
+            router = block.gate.weight.detach()
+        weights = {"w_router_ED": router, "bias_E": torch.zeros(E), "w_gate_EDF": w_gate, "w_up_EDF": w_up,
+                   "w_down_EFD": w_down}
         policy = spec.make_policy(context) if spec is not None else system
         layer_backward = spec.layer_backward(seed * 1000 + i) if spec is not None else backward
         placement = initial_placement(policy, N, E, pairs_per_rank)
         layer = EPMoELayer(weights, top_k, family.router, policy, placement, groups, routed_scaling=routed_scaling,
-                           dtype=dtype, device=device, adam=adam or AdamConfig(), accountant=accountant,
+                           dtype=dtype, device=layer_device, adam=adam or AdamConfig(), accountant=accountant,
                            kernel_backend=kernel_backend, backward=layer_backward, replica_grad=replica_grad)
         layer.w_router_ED.requires_grad_(False)  # HF's gate routes; the layer's copy never enters the loss
         layer.name = block_name  # errors name the block (e.g. a non-finite input)
@@ -95,3 +110,53 @@ def gather_trace(recorder: RouterRecorder, **meta) -> Trace:
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local.counts_ILNE)
     return join_ranks([Trace(p, local.meta) for p in parts])
+
+
+@torch.no_grad()
+def load_safetensors_(model: nn.Module, path: str, device: torch.device | str = "cpu") -> list[str]:
+    """Load a ``.safetensors`` checkpoint of the unmodified HF class into a swapped model, one tensor at a time:
+    each dense tensor is read and assigned (materialising a model built on the meta device), each block's experts
+    (HF's two fused tensors, or the per-expert ones transformers 5 writes) are read, this rank's slots and master
+    shards taken from them (``load_hf_weights``), and freed,
+    so the peak holds the dense part, this rank's experts and one layer's fused tensors. No collective. Returns
+    the checkpoint's keys the model has no place for. The dense parameters are new objects: build the optimizer after
+    loading. Non-persistent buffers (the rotary embedding's
+    ``inv_freq``) are not in a checkpoint: a model built on the meta device rebuilds them."""
+    from safetensors import safe_open
+
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, EPExperts)}
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    unexpected = []
+    with safe_open(path, framework="pt", device=str(device)) as f:
+        keys = set(f.keys())
+        for name, module in experts.items():
+            fused = [f"{name}.gate_up_proj", f"{name}.down_proj"]
+            if all(k in keys for k in fused):  # the fused layout
+                keys -= set(fused)
+                module.load_hf_weights(f.get_tensor(fused[0]), f.get_tensor(fused[1]))
+                continue
+            # the per-expert layout transformers 5 writes (what its checkpoints on the Hub hold): gate_proj and
+            # up_proj [F, D] (stacked: HF's gate_up_proj rows), down_proj [D, F]
+            parts = {p: [f"{name}.{e}.{p}.weight" for e in range(module.num_experts)]
+                     for p in ("gate_proj", "up_proj", "down_proj")}
+            absent = [k for ks in parts.values() for k in ks if k not in keys]
+            if absent:
+                raise ValueError(f"{path} holds neither {fused} nor the per-expert weights of {name} "
+                                 f"(missing {absent[:3]}...)")
+            keys -= {k for ks in parts.values() for k in ks}
+            gate_up_EXD = torch.stack([torch.cat([f.get_tensor(g), f.get_tensor(u)])
+                                       for g, u in zip(parts["gate_proj"], parts["up_proj"])])
+            module.load_hf_weights(gate_up_EXD, torch.stack([f.get_tensor(k) for k in parts["down_proj"]]))
+            del gate_up_EXD
+        for key in sorted(keys):
+            if key not in params:
+                unexpected.append(key)
+                continue
+            owner_name, _, attr = key.rpartition(".")
+            owner, old = model.get_submodule(owner_name), params[key]
+            value = f.get_tensor(key).to(old.dtype)
+            if isinstance(old, nn.Parameter):  # a new parameter (a meta tensor takes no data)
+                setattr(owner, attr, nn.Parameter(value, requires_grad=old.requires_grad))
+            else:
+                owner._buffers[attr] = value
+    return unexpected
