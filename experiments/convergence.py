@@ -93,6 +93,7 @@ def train_argv(args, policy: str, seed: int, results: Path) -> list[str]:
             "--lr-schedule", args.lr_schedule, "--warmup", str(min(args.warmup, args.steps - 1)),
             "--extra-slots", str(args.lrmoe_extra_slots if lrmoe else args.extra_slots),
             "--eps", str(args.lrmoe_eps), "--aux-coef", str(args.aux_coef), "--micro-batches", str(args.micro_batches),
+            "--engine", args.engine,
             *(["--activation-checkpointing"] if args.activation_checkpointing else []),
             "--ckpt-dir", str(folder / "checkpoints" / policy), "--ckpt-every", str(args.ckpt_every),
             "--out", str(results), "--trace-out", str(folder / f"trace_{policy}.npz"),
@@ -146,6 +147,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=non_negative_int_arg, default=10, help="warm-up steps of the cosine schedule")
     parser.add_argument("--seq-len", type=positive_int_arg, default=64)
     parser.add_argument("--micro-batches", type=positive_int_arg, default=1, help="train.py's: micro-batches per step")
+    parser.add_argument("--engine", choices=("distributed", "emulated"), default="distributed",
+                        help="train.py's: gloo ranks, or the emulated engine's in-process ranks (docs/emulated.md)")
     parser.add_argument("--activation-checkpointing", action="store_true", help="train.py's: recompute activations")
     parser.add_argument("--eval-every", type=positive_int_arg, default=20)
     parser.add_argument("--eval-batches", type=positive_int_arg, default=4,
