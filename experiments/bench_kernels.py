@@ -23,18 +23,16 @@ import statistics
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+# The parser needs only these light modules; torch and the kernels load in the functions that measure.
+from lrmoe.checks import positive_float_arg, positive_int_arg
+from lrmoe.cli import script_parser
+from lrmoe.config import cluster_preset, model_preset
+from lrmoe.integrations.tracking import check_tracking_args
 
-if not torch.cuda.is_available():  # before any kernel module imports triton
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from lrmoe.config import cluster_preset, model_preset  # noqa: E402 - after TRITON_INTERPRET
-from lrmoe.harness.timing import time_once_ms  # noqa: E402
-from lrmoe.kernels.compact import compact_plan, pack, unpack  # noqa: E402
-from lrmoe.kernels.grouped_gemm import grouped_mm, swiglu_experts  # noqa: E402
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args  # noqa: E402
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,6 +47,10 @@ BW_GOAL, GEMM_GOAL = 0.8, 0.9
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, cuda: bool) -> dict:
     """Median milliseconds of each function, the functions run in turn within every repeat (so drift on a
     shared machine hits all alike). CUDA events on a GPU, wall clock on CPU."""
+    import torch
+
+    from lrmoe.harness.timing import time_once_ms
+
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -64,12 +66,16 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
 def group_sizes(M: int, E: int, gen: torch.Generator) -> list[int]:
     """M rows split over E groups with Dirichlet(1) popularity (normalised exponentials: Gini about 0.5, the
     skewed end of DESIGN.md's range; some groups may come out empty)."""
+    import torch
+
     probs = -torch.log(torch.rand(E, generator=gen, dtype=torch.float64).clamp_min(1e-12))
     idx = torch.multinomial(probs / probs.sum(), M, replacement=True, generator=gen)
     return torch.bincount(idx, minlength=E).tolist()
 
 
 def routing(T: int, k: int, N: int, E: int, keep_frac: float, gen: torch.Generator, device):
+    import torch
+
     P = T * k
     dest_P = torch.randint(0, N, (P,), generator=gen)
     expert_P = torch.randint(0, E, (P,), generator=gen)
@@ -79,6 +85,8 @@ def routing(T: int, k: int, N: int, E: int, keep_frac: float, gen: torch.Generat
 
 def device_generator(gen: torch.Generator, device) -> torch.Generator:
     """A generator on ``device`` seeded from ``gen``: device tensors drawn where they live, reproducibly."""
+    import torch
+
     return torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
 
 
@@ -93,6 +101,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def bench_compaction(T, k, D, N, E, keep_frac, dtype, device, backends, repeats, warmup, gen):
     """Pack (rows per pair: the backward dispatch; rows per token: the forward dispatch) and the weighted unpack
     (the combine) on each backend, against a plain copy of the packed bytes, all on one routing."""
+    import torch
+
+    _interpret_without_gpu()
+    from lrmoe.kernels.compact import compact_plan, pack, unpack
+
     cuda = device.type == "cuda"
     dest, expert, keep = routing(T, k, N, E, keep_frac, gen, device)
     t0 = time.perf_counter()
@@ -128,6 +141,8 @@ def bench_compaction(T, k, D, N, E, keep_frac, dtype, device, backends, repeats,
 def bench_grouped_gemm(M, K, N, E, dtype, device, backend, repeats, warmup, gen, torch_grouped: bool):
     """Forward, dX and dW of the grouped GEMM against one dense matmul of the same FLOPs (and, on a GPU,
     against torch's grouped_mm on the same operands). Weights are stored [E, N, K] and used transposed."""
+    import torch
+
     cuda = device.type == "cuda"
     sizes = group_sizes(M, E, gen)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
@@ -137,6 +152,7 @@ def bench_grouped_gemm(M, K, N, E, dtype, device, backend, repeats, warmup, gen,
     w_ENK = (torch.randn(E, N, K, device=device, generator=dg) / K ** 0.5).to(dtype)
     w_EKN = w_ENK.transpose(1, 2)
     dense_w_KN = w_EKN[0]
+    _interpret_without_gpu()
     from lrmoe.kernels.grouped_gemm import _mm, _mm_dw
 
     ops = {
@@ -171,6 +187,12 @@ def bench_grouped_gemm(M, K, N, E, dtype, device, backend, repeats, warmup, gen,
 
 def check_interpreter_small(gen) -> list[dict]:
     """The interpreted Triton kernels against the torch path on small CPU shapes (float32)."""
+    import torch
+
+    _interpret_without_gpu()
+    from lrmoe.kernels.compact import compact_plan, pack, unpack
+    from lrmoe.kernels.grouped_gemm import grouped_mm
+
     records = []
     dest, expert, keep = routing(13, 2, 3, 4, 0.7, gen, "cpu")
     plan = compact_plan(dest, expert, 3, 4, keep, top_k=2)
@@ -187,9 +209,18 @@ def check_interpreter_small(gen) -> list[dict]:
     return records
 
 
-def check_bf16_paths(device, gen, D, F, E, M, T, k, backend="triton", dtype=torch.bfloat16) -> list[dict]:
+def check_bf16_paths(device, gen, D, F, E, M, T, k, backend="triton", dtype=None) -> list[dict]:
     """bf16 on the GPU: Triton against torch (exact for copies; relative error for sums and GEMMs), plus a
-    float32 reference for the GEMMs. (``backend``/``dtype`` let the tests run this on CPU, interpreted.)"""
+    float32 reference for the GEMMs. (``backend``/``dtype`` let the tests run this on CPU, interpreted; the dtype
+    is bf16 when None.)"""
+    import torch
+
+    dtype = dtype or torch.bfloat16
+
+    _interpret_without_gpu()
+    from lrmoe.kernels.compact import compact_plan, pack, unpack
+    from lrmoe.kernels.grouped_gemm import grouped_mm, swiglu_experts
+
     records = []
     tag = f"{backend}_{str(dtype).replace('torch.', '')}"
     dest, expert, keep = routing(T, k, 8, E, 0.7, gen, device)
@@ -252,6 +283,8 @@ def markdown(rows: list[dict], columns: list[str]) -> str:
 
 
 def hbm_peak_gbps(args) -> tuple[float | None, str]:
+    import torch
+
     if args.hbm_peak_gbs:
         return args.hbm_peak_gbs, "--hbm-peak-gbs"
     name = torch.cuda.get_device_name(0)
@@ -282,18 +315,37 @@ def run_part(part: str, fn, run, log: list[dict]) -> None:
         log.append(rec)
 
 
-def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _interpret_without_gpu() -> None:
+    """Run the Triton kernels in the interpreter when there is no GPU: set before a kernel module imports triton."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (light modules only: tests/test_cli.py)."""
+    parser = script_parser(__doc__, "outputs/bench_kernels.jsonl")
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repeats")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (median)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--repeats", type=positive_int_arg, default=None,
+                        help="timed repeats per measurement, median reported (default 11; --quick 5)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing and weights")
+    parser.add_argument("--threads", type=positive_int_arg, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--skip-gpu", action="store_true", help="CPU part only, even with a GPU")
-    parser.add_argument("--hbm-peak-gbs", type=float, default=None, help="HBM peak in GB/s (default: from the GPU "
-                        "name via the cluster presets)")
-    add_tracking_args(parser, "outputs/bench_kernels.jsonl")
+    parser.add_argument("--hbm-peak-gbs", type=positive_float_arg, default=None,
+                        help="HBM peak in GB/s (default: from the GPU name via the cluster presets)")
+    return parser
+
+
+def main(argv=None) -> list[dict]:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_tracking_args(parser, args, "bench_kernels")
+    _interpret_without_gpu()
+    import torch
+
+    from lrmoe.integrations.tracking import Tracker
+
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = args.repeats or (5 if args.quick else 11)

@@ -28,22 +28,19 @@ import math
 import random
 import statistics
 
-import matplotlib
+from typing import TYPE_CHECKING
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import pandas as pd
-import torch
+# The parser needs only these light modules; the planner, torch, pandas and matplotlib load in the functions that
+# time and draw.
+from lrmoe.checks import fraction_arg, non_negative_float_arg, non_negative_int_arg
+from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
+from lrmoe.integrations.tracking import check_tracking_args
 
-from lrmoe.harness.timing import time_ms, time_once_ms
-from lrmoe.planner.batched import plan_layers, vectorised
-from lrmoe.planner.placement import lrmoe_placement
-from lrmoe.planner.policies import placement_popularity
-from lrmoe.planner.quotas import rank_caps, retention_quotas
-from lrmoe.planner.replica_routing import route_backward, route_forward
-from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
-from lrmoe.traces.synthetic import generate_trace
+if TYPE_CHECKING:
+    import pandas as pd
+    import torch
+
+    from lrmoe.systems import SystemContext
 
 POLICY_NAMES = ("lrmoe", "lrmoe-rho0.75", "lrmoe-tight", "symi-dropless", "symi-cf1", "online-greedy", "static-ep",
                 "capacity-cf1")
@@ -54,12 +51,16 @@ def system_context(num_experts: int, num_ranks: int, args, total_pairs: int) -> 
     """SYMI gets the same slot budget as LRMoE (E/N + ``--extra-slots``); no memory model. lrmoe-tight: no balance
     slack and a memory cap of 90 % of the mean load, so the backward routing and the quotas do work on every
     rank."""
+    from lrmoe.systems import SystemContext
+
     return SystemContext(num_experts=num_experts, num_ranks=num_ranks, spare_slots=args.extra_slots, eps=args.eps,
                          gamma=args.gamma, pairs_per_rank=total_pairs / num_ranks)
 
 
 def layer_counts(num_ranks: int, num_experts: int, args) -> tuple[torch.Tensor, torch.Tensor]:
     """(counts_LNE of the planned micro-batch, the previous iteration's global counts_LE), one per layer."""
+    from lrmoe.traces.synthetic import generate_trace
+
     trace = generate_trace(2, args.layers, num_ranks, num_experts, args.top_k, args.tokens_per_rank, skew=args.skew,
                            skew_param=args.skew_param, seed=args.seed)
     return trace.counts_ILNE[1], trace.counts_ILNE[0].sum(1)
@@ -67,6 +68,11 @@ def layer_counts(num_ranks: int, num_experts: int, args) -> tuple[torch.Tensor, 
 
 def stage_times(counts_NE, prev_E, args) -> dict[str, float]:
     """Median time of each stage of the LRMoE plan, called one by one through the public functions."""
+    from lrmoe.harness.timing import time_ms
+    from lrmoe.planner.placement import lrmoe_placement
+    from lrmoe.planner.quotas import rank_caps, retention_quotas
+    from lrmoe.planner.replica_routing import route_backward, route_forward
+
     N, E = counts_NE.shape
     base = E // N
     placement = lrmoe_placement(prev_E, N, base, args.extra_slots)
@@ -96,6 +102,8 @@ def paired_ratios(reference, others: dict, repeats: int, seed: int = 0) -> dict[
     """Median over ``repeats`` rounds of each function's time over the reference's in the same round: the calls of
     a round run back to back (a neighbour's load that changes slowly cancels out of the ratio), in an order shuffled
     per round (so that no call always finds the caches the one before it warmed)."""
+    from lrmoe.harness.timing import time_once_ms
+
     ratios = {name: [] for name in others}
     calls = [("reference", reference), *others.items()]
     order = random.Random(seed)
@@ -108,6 +116,8 @@ def paired_ratios(reference, others: dict, repeats: int, seed: int = 0) -> dict[
 
 
 def _median(f, repeats: int, warmup: int) -> tuple[float, float, float]:
+    from lrmoe.harness.timing import time_ms
+
     times = time_ms(f, repeats, warmup)
     q = statistics.quantiles(times, n=10) if len(times) > 1 else [times[0]] * 9
     return statistics.median(times), q[0], q[-1]
@@ -117,6 +127,12 @@ def time_policy(name: str, counts_LNE: torch.Tensor, prev_LE: torch.Tensor, args
     """One record: the old plan, the overlapped placement and the critical path (per layer and batched) of one
     policy on layer 0's counts (per-layer timings) and on every layer's (the batched call), after checking that
     the batched plans are the per-layer ones."""
+    import torch
+
+    from lrmoe.planner.batched import plan_layers, vectorised
+    from lrmoe.planner.policies import placement_popularity
+    from lrmoe.systems import get_system
+
     L, N, E = counts_LNE.shape
     total = int(counts_LNE[0].sum())
     policies = [get_system(name).make_policy(system_context(E, N, args, total)) for _ in range(L)]
@@ -154,6 +170,9 @@ def time_policy(name: str, counts_LNE: torch.Tensor, prev_LE: torch.Tensor, args
 
 
 def run_benchmark(args, log=lambda record: None) -> pd.DataFrame:
+    import pandas as pd
+    import torch
+
     torch.set_num_threads(1)
     rows = []
     for E in args.experts:
@@ -169,6 +188,11 @@ def run_benchmark(args, log=lambda record: None) -> pd.DataFrame:
 
 
 def plot(frame: pd.DataFrame):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
     styles = dict(zip(sorted(frame["E"].unique()), ["-", "--", ":", "-."]))
     colors = {name: f"C{i}" for i, name in enumerate(frame["policy"].unique())}
@@ -189,6 +213,8 @@ def plot(frame: pd.DataFrame):
 
 def check_args(args, parser: argparse.ArgumentParser) -> None:
     """One clear error for arguments that would fail mid-run: sizes, skew, and every system on every (E, N)."""
+    from lrmoe.systems import check_systems
+
     for name in ("experts", "ranks"):
         if any(v < 1 for v in getattr(args, name)):
             parser.error(f"--{name} must be positive, got {getattr(args, name)}")
@@ -210,31 +236,44 @@ def check_args(args, parser: argparse.ArgumentParser) -> None:
             parser.error(f"E={E}, N={N}: {exc}")
 
 
-def main(argv=None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--experts", type=int, nargs="+", default=[128, 256, 384])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (light modules only: tests/test_cli.py)."""
+    parser = script_parser(__doc__, "outputs/bench_planner.jsonl")
+    parser.add_argument("--experts", type=int, nargs="+", default=[128, 256, 384], help="expert counts E to time")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256],
+                        help="rank counts N to time (each (E, N) with N dividing E)")
     parser.add_argument("--layers", type=int, default=48, help="MoE layers planned by one batched call")
     parser.add_argument("--policies", nargs="+", default=list(POLICY_NAMES), type=system_arg,
-                        help=system_names_help())
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--tokens-per-rank", type=int, default=4096)
-    parser.add_argument("--skew", default="zipf", choices=["zipf", "dirichlet"])
-    parser.add_argument("--skew-param", type=float, default=0.6)
-    parser.add_argument("--extra-slots", type=int, default=1, help="LRMoE replica slots per rank (SYMI: same total)")
-    parser.add_argument("--eps", type=float, default=0.1)
-    parser.add_argument("--gamma", type=float, default=0.1)
+                        help=f"systems whose planners are timed; {SYSTEMS_HELP}")
+    parser.add_argument("--top-k", type=int, default=8, help="experts per token")
+    parser.add_argument("--tokens-per-rank", type=int, default=4096, help="tokens per rank of the synthetic trace")
+    parser.add_argument("--skew", default="zipf", choices=["zipf", "dirichlet"],
+                        help="family of the synthetic expert popularity")
+    parser.add_argument("--skew-param", type=float, default=0.6,
+                        help="its parameter: Zipf exponent s (>= 0) or Dirichlet alpha (> 0)")
+    parser.add_argument("--extra-slots", type=non_negative_int_arg, default=1,
+                        help="LRMoE replica slots per rank (SYMI: same total)")
+    parser.add_argument("--eps", type=non_negative_float_arg, default=0.1,
+                        help="LRMoE balance slack (fraction of the mean load a rank may exceed)")
+    parser.add_argument("--gamma", type=fraction_arg, default=0.1,
+                        help="LRMoE per-expert floor (fraction of each expert's pairs always kept)")
     parser.add_argument("--repeats", type=int, default=200, help="timed repetitions of each per-layer call")
     parser.add_argument("--batched-repeats", type=int, default=10, help="timed repetitions of the batched call")
     parser.add_argument("--paired-repeats", type=int, default=100,
                         help="rounds of the back-to-back timing of plan, plan_on and one placement (the shares)")
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--warmup", type=non_negative_int_arg, default=10, help="untimed calls before each timing")
     parser.add_argument("--no-stages", dest="stages", action="store_false", help="skip the per-stage timing")
-    parser.add_argument("--seed", type=int, default=0)
-    add_tracking_args(parser, "outputs/bench_planner.jsonl")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces")
+    return parser
+
+
+def main(argv=None) -> pd.DataFrame:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_tracking_args(parser, args, "bench_planner")
     check_args(args, parser)
+    from lrmoe.integrations.tracking import Tracker
+
     with Tracker("bench_planner", config=vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
         frame = run_benchmark(args, log=run.log)

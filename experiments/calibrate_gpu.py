@@ -18,13 +18,16 @@ import json
 import math
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-
-import torch
-
-from lrmoe.harness.timing import time_ms
+# The parser needs only these light modules; torch loads in the functions that measure.
+from lrmoe.checks import positive_float_arg, positive_int_arg
+from lrmoe.cli import script_parser
 from lrmoe.config import cluster_preset, model_preset
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
+from lrmoe.integrations.tracking import check_tracking_args
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
@@ -35,6 +38,8 @@ GPU_PRESETS = {"H200": "h200x8", "A100": "a100-40gb-x8"}  # name fragment -> clu
 
 def swiglu_grouped(x_MD, w_gate_GFD, w_up_GFD, w_down_GDF, offs_G, grouped_mm):
     """The routed-expert SwiGLU as three grouped GEMMs (weights stored [G, out, in], passed transposed)."""
+    import torch
+
     gate = grouped_mm(x_MD, w_gate_GFD.transpose(-2, -1), offs_G)
     up = grouped_mm(x_MD, w_up_GFD.transpose(-2, -1), offs_G)
     return grouped_mm(torch.nn.functional.silu(gate) * up, w_down_GDF.transpose(-2, -1), offs_G)
@@ -42,6 +47,8 @@ def swiglu_grouped(x_MD, w_gate_GFD, w_up_GFD, w_down_GDF, offs_G, grouped_mm):
 
 def pick_grouped_mm(backend: str):
     """The grouped GEMM to time: torch's (``torch``), the package's kernel (``lrmoe``) or a loop of mm."""
+    import torch
+
     if backend == "torch":
         fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
         if fn is None:
@@ -61,12 +68,16 @@ def pick_grouped_mm(backend: str):
 
 def time_call(fn, repeats: int, device: torch.device) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after two warm-ups (CUDA events on a GPU)."""
+    from lrmoe.harness.timing import time_ms
+
     return statistics.median(time_ms(fn, repeats, warmup=2, cuda=device.type == "cuda")) / 1e3
 
 
 def measure(hidden: int, ffn: int, rows: int, groups: int, grouped_mm, device: torch.device, dtype: torch.dtype,
             repeats: int, generator: torch.Generator) -> dict:
     """Forward and forward+backward seconds of ``groups`` experts with ``rows`` rows each."""
+    import torch
+
     def rand(*shape):
         return (torch.randn(*shape, generator=generator) * 0.02).to(device=device, dtype=dtype)
 
@@ -94,6 +105,8 @@ def fit_curve(samples: list[dict], peak_flops: float) -> dict:
     Linear least squares in (launch, 1/(eff_max peak), m_half/(eff_max peak)), weighted by 1/t so that every
     row count counts by its relative error. Each sample needs rows, groups, flops_per_row and fwd_s.
     """
+    import torch
+
     if len(samples) < 3:
         raise ValueError(f"fit_curve needs at least 3 samples, got {len(samples)}")
     a = torch.tensor([[1.0, s["groups"] * s["flops_per_row"] * s["rows"], s["groups"] * s["flops_per_row"]]
@@ -116,6 +129,8 @@ def fit_curve(samples: list[dict], peak_flops: float) -> dict:
 
 
 def provenance(device: torch.device, backend: str) -> dict:
+    import torch
+
     import platform
 
     prov = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -150,21 +165,35 @@ def gpu_preset_for(device_name: str) -> str:
                      f"(pass --peak-tflops and --preset-out)")
 
 
-def main(argv=None) -> dict | None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=MODELS)
-    parser.add_argument("--groups", nargs="+", type=int, default=[1, 8], help="experts per grouped GEMM call")
-    parser.add_argument("--rows", nargs="+", type=int, default=None, help="rows per expert to time")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--backend", default="torch", choices=["torch", "lrmoe", "loop"])
-    parser.add_argument("--peak-tflops", type=float, default=None, help="peak bf16 TFLOP/s (default: the preset)")
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (light modules only: tests/test_cli.py)."""
+    parser = script_parser(__doc__, "outputs/calibrate_gpu.jsonl")  # --overwrite also replaces the data file
+    parser.add_argument("--models", nargs="+", default=MODELS,
+                        help="model presets (lrmoe.config) whose expert shapes are timed")
+    parser.add_argument("--groups", nargs="+", type=positive_int_arg, default=[1, 8],
+                        help="experts per grouped GEMM call")
+    parser.add_argument("--rows", nargs="+", type=positive_int_arg, default=None,
+                        help="rows per expert to time (default: 1 to 8192 in 20 steps; --quick 6)")
+    parser.add_argument("--repeats", type=positive_int_arg, default=20, help="timed repeats per shape (median)")
+    parser.add_argument("--backend", default="torch", choices=["torch", "lrmoe", "loop"],
+                        help="grouped GEMM timed: torch's grouped_mm, lrmoe's Triton kernel, or a loop of matmuls")
+    parser.add_argument("--peak-tflops", type=positive_float_arg, default=None,
+                        help="peak bf16 TFLOP/s (default: the preset)")
     parser.add_argument("--preset-out", default=None, help="data file (default lrmoe/sim/presets/<gpu>_gemm.json)")
     parser.add_argument("--quick", action="store_true", help="a few row counts, 5 repeats")
     parser.add_argument("--cpu", action="store_true", help="run on CPU in float32 (to test the script only)")
-    parser.add_argument("--seed", type=int, default=0)
-    add_tracking_args(parser, "outputs/calibrate_gpu.jsonl")  # --overwrite also replaces the data file
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random operands")
+    return parser
+
+
+def main(argv=None) -> dict | None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_tracking_args(parser, args, "calibrate_gpu")
+    import torch
+
+    from lrmoe.integrations.tracking import Tracker
+
     if not torch.cuda.is_available() and not args.cpu:
         print("calibrate_gpu: no CUDA GPU is visible, so nothing was measured and no data file was written; the "
               "cost model keeps its placeholder GEMM constants (see lrmoe/sim/cost.py). Run this on a GPU.")

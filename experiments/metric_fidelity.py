@@ -32,7 +32,8 @@ error divided by random's at the same ρ and mode, per data source: below 1 the 
 """
 
 # No ``from __future__ import annotations``: tests load this script by path without entering it in sys.modules,
-# and dataclasses cannot resolve string annotations of a module missing there.
+# and dataclasses cannot resolve string annotations of a module missing there. The annotations naming torch or the
+# model are quoted (dotted, so dataclasses leave them be): those modules load in the functions, not for --help.
 import argparse
 import dataclasses
 import hashlib
@@ -41,26 +42,23 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+# The parser needs only these light modules; torch, the model, the metrics, pandas and matplotlib load in the
+# functions that measure and draw.
+from lrmoe.checks import fraction_arg, positive_float_arg, positive_int_arg
+from lrmoe.cli import one_of, script_parser
+from lrmoe.config import model_preset
+from lrmoe.integrations.tracking import check_tracking_args
 
-import matplotlib
+if TYPE_CHECKING:
+    import pandas as pd
+    import torch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import pandas as pd
-import seaborn as sns
-import torch
-
-from lrmoe.config import MoEConfig, model_preset
-from lrmoe.integrations.data import Corpus, get_batch, load_corpus
-from lrmoe.integrations.model import MoETransformer
-from lrmoe.recal.recalibrate import Recalibration, pair_groups, pair_hook, proportional_quotas
-from lrmoe.runtime.reference import ReferenceMoE
-from lrmoe.runtime.routing import update_expert_bias
-from lrmoe.recal.scoring import METRICS
-from lrmoe.recal.selection import MODES
-from lrmoe.checks import fraction_arg
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
+    from lrmoe.config import MoEConfig
+    from lrmoe.integrations.data import Corpus
+    from lrmoe.integrations.model import MoETransformer
+    from lrmoe.runtime.reference import ReferenceMoE
 
 EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
 RANDOM_DATA = ("gaussian", "heavy")  # random-init layer, random x and δ
@@ -72,12 +70,14 @@ PRESETS = ("qwen3-30b-a3b-debug", "glm-4.5-air-debug")
 class Gradients:
     """The gradients the harness compares, for one backward pass."""
 
-    expert_EV: torch.Tensor  # every expert's weight gradient, flattened (gate, up, down concatenated)
-    x_TD: torch.Tensor  # input gradient of the layer
+    expert_EV: "torch.Tensor"  # every expert's weight gradient, flattened (gate, up, down concatenated)
+    x_TD: "torch.Tensor"  # input gradient of the layer
 
 
-def make_batch(data: str, tokens: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(data: str, tokens: int, hidden: int, seed: int) -> "tuple[torch.Tensor, torch.Tensor]":
     """Inputs x_TD and upstream gradient delta_TD of one batch of random data (see the module doc)."""
+    import torch
+
     if data not in RANDOM_DATA:
         raise ValueError(f"data={data!r} is not one of the random sources {RANDOM_DATA}")
     gen = torch.Generator().manual_seed(seed)
@@ -88,8 +88,11 @@ def make_batch(data: str, tokens: int, hidden: int, seed: int) -> tuple[torch.Te
     return x_TD, delta_TD
 
 
-def layer_gradients(layer: ReferenceMoE, x_TD: torch.Tensor, delta_TD: torch.Tensor, **forward_kwargs) -> Gradients:
+def layer_gradients(layer: "ReferenceMoE", x_TD: "torch.Tensor", delta_TD: "torch.Tensor",
+                    **forward_kwargs) -> Gradients:
     """One forward and backward of ``layer`` with upstream gradient delta_TD."""
+    import torch
+
     x_TD = x_TD.clone().requires_grad_()
     y_TD, _ = layer(x_TD, **forward_kwargs)
     params = [getattr(layer, name) for name in EXPERT_WEIGHTS]
@@ -98,14 +101,14 @@ def layer_gradients(layer: ReferenceMoE, x_TD: torch.Tensor, delta_TD: torch.Ten
     return Gradients(expert_EV=expert_EV, x_TD=grad_x)
 
 
-def _cos(a: torch.Tensor, b: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def _cos(a: "torch.Tensor", b: "torch.Tensor", dim: int | None = None) -> "torch.Tensor":
     a, b = a.double(), b.double()
     if dim is None:
         a, b, dim = a.reshape(-1), b.reshape(-1), 0
     return (a * b).sum(dim) / (a.norm(dim=dim) * b.norm(dim=dim)).clamp_min(1e-300)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def _rel(a: "torch.Tensor", b: "torch.Tensor", dim: int | None = None) -> "torch.Tensor":
     """‖a − b‖ / ‖b‖."""
     a, b = a.double(), b.double()
     if dim is None:
@@ -113,7 +116,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor, dim: int | None = None) -> torch.Tens
     return (a - b).norm(dim=dim) / b.norm(dim=dim).clamp_min(1e-300)
 
 
-def compare(got: Gradients, full: Gradients, x_fixed_TD: torch.Tensor, active_E: torch.Tensor) -> dict:
+def compare(got: Gradients, full: Gradients, x_fixed_TD: "torch.Tensor", active_E: "torch.Tensor") -> dict:
     """Fidelity numbers of one recalibrated backward against the full one. ``x_fixed_TD``: the part of the
     input gradient that never changes (router and shared expert), ``active_E``: experts that got pairs."""
     cos_E = _cos(got.expert_EV, full.expert_EV, dim=1)[active_E]
@@ -129,9 +132,17 @@ def compare(got: Gradients, full: Gradients, x_fixed_TD: torch.Tensor, active_E:
     }
 
 
-def fidelity_sweep(layer: ReferenceMoE, x_TD: torch.Tensor, delta_TD: torch.Tensor, *, metrics=METRICS,
-                   modes=MODES, rhos=(0.5, 0.7, 0.85), sources: int = 4, draws: int = 4, seed: int = 0) -> list[dict]:
-    """Every (metric, mode, ρ) on one layer and batch: one record each, averaged over draws where random."""
+def fidelity_sweep(layer: "ReferenceMoE", x_TD: "torch.Tensor", delta_TD: "torch.Tensor", *, metrics=None,
+                   modes=None, rhos=(0.5, 0.7, 0.85), sources: int = 4, draws: int = 4, seed: int = 0) -> list[dict]:
+    """Every (metric, mode, ρ) on one layer and batch (metrics and modes: all by default): one record each,
+    averaged over draws where random."""
+    import torch
+
+    from lrmoe.recal.recalibrate import Recalibration, pair_groups, pair_hook, proportional_quotas
+    from lrmoe.recal.scoring import METRICS
+    from lrmoe.recal.selection import MODES
+
+    metrics, modes = metrics or METRICS, modes or MODES
     full = layer_gradients(layer, x_TD, delta_TD)
     with torch.no_grad():
         _, aux = layer(x_TD)
@@ -197,23 +208,33 @@ class TrainSpec:
         return f"{self.preset}-{self.weights_label}-{digest}.pt"
 
 
-def corpus_digest(corpus: Corpus) -> str:
+def corpus_digest(corpus: "Corpus") -> str:
+    import torch
+
     return hashlib.sha256(corpus.train.to(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-def build_model(cfg: MoEConfig, seed: int) -> MoETransformer:
+def build_model(cfg: "MoEConfig", seed: int) -> "MoETransformer":
     """The preset's single-process transformer with reference MoE layers (layer i drawn from seed · 1000 + i,
     as experiments/train.py draws them)."""
+    from lrmoe.integrations.model import MoETransformer
+    from lrmoe.runtime.reference import ReferenceMoE
+
     return MoETransformer(cfg, lambda i: ReferenceMoE.from_config(cfg, seed=seed * 1000 + i), seed=seed)
 
 
-def moe_layers(model: MoETransformer) -> list[ReferenceMoE]:
+def moe_layers(model: "MoETransformer") -> "list[ReferenceMoE]":
     return [block.ffn for block in model.blocks if block.is_moe]
 
 
-def train_model(spec: TrainSpec, corpus: Corpus) -> tuple[MoETransformer, list[float]]:
+def train_model(spec: TrainSpec, corpus: "Corpus") -> "tuple[MoETransformer, list[float]]":
     """Train the preset's model from its seeded initialisation for ``spec.steps`` steps of next-byte prediction
     on ``corpus.train``. Returns the model and the LM loss of every step (deterministic for a given spec)."""
+    import torch
+
+    from lrmoe.integrations.data import get_batch
+    from lrmoe.runtime.routing import update_expert_bias
+
     cfg = model_preset(spec.preset)
     model = build_model(cfg, spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
@@ -233,9 +254,11 @@ def train_model(spec: TrainSpec, corpus: Corpus) -> tuple[MoETransformer, list[f
     return model, losses
 
 
-def trained_model(spec: TrainSpec, corpus: Corpus, cache_dir: Path) -> tuple[MoETransformer, dict]:
+def trained_model(spec: TrainSpec, corpus: "Corpus", cache_dir: Path) -> "tuple[MoETransformer, dict]":
     """The model of ``spec``: loaded from ``cache_dir`` when a run with the same spec saved it, else trained and
     saved there. Returns the model and {"cached", "path", "losses"}."""
+    import torch
+
     path = Path(cache_dir) / spec.cache_name()
     if path.exists():
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -251,14 +274,14 @@ def trained_model(spec: TrainSpec, corpus: Corpus, cache_dir: Path) -> tuple[MoE
     return model, {"cached": False, "path": path, "losses": losses}
 
 
-def capture_moe_io(model: MoETransformer, ids_BT: torch.Tensor, targets_BT: torch.Tensor
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+def capture_moe_io(model: "MoETransformer", ids_BT: "torch.Tensor", targets_BT: "torch.Tensor"
+                   ) -> "tuple[list[torch.Tensor], list[torch.Tensor], float]":
     """One forward and backward of the LM loss (no auxiliary loss) through ``model``. Returns, for every MoE
     layer, its input x_TD (forward hook on the block's FFN) and the gradient delta_TD = ∂(LM loss)/∂y_TD of its
     output (tensor hook on y), and the loss. Parameter gradients are left cleared."""
     layers = moe_layers(model)
-    xs: list[torch.Tensor | None] = [None] * len(layers)
-    deltas: list[torch.Tensor | None] = [None] * len(layers)
+    xs: "list[torch.Tensor | None]" = [None] * len(layers)
+    deltas: "list[torch.Tensor | None]" = [None] * len(layers)
 
     def forward_hook(i):
         def hook(module, inputs, output):
@@ -279,15 +302,19 @@ def capture_moe_io(model: MoETransformer, ids_BT: torch.Tensor, targets_BT: torc
     return xs, deltas, float(loss.detach())
 
 
-def text_batch(corpus: Corpus, tokens: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def text_batch(corpus: "Corpus", tokens: int, seq_len: int, seed: int) -> "tuple[torch.Tensor, torch.Tensor]":
     """A held-out batch of about ``tokens`` tokens: max(1, tokens // seq_len) windows of min(seq_len, tokens)."""
+    import torch
+
+    from lrmoe.integrations.data import get_batch
+
     if tokens <= 0:
         raise ValueError(f"tokens must be positive, got {tokens}")
     length = min(seq_len, tokens)
     return get_batch(corpus.val, max(1, tokens // length), length, torch.Generator().manual_seed(seed))
 
 
-def versus_random(table: pd.DataFrame, key: str = "rel_w_all") -> pd.DataFrame:
+def versus_random(table: "pd.DataFrame", key: str = "rel_w_all") -> "pd.DataFrame":
     """For each setting, every metric's error divided by the random metric's error at the same ρ and mode."""
     cols = [c for c in ("preset", "weights", "data", "layer", "mode", "rho") if c in table]
     base = table[table.metric == "random"].set_index(cols)[key].rename("random")
@@ -297,7 +324,7 @@ def versus_random(table: pd.DataFrame, key: str = "rel_w_all") -> pd.DataFrame:
     return joined[cols + ["metric", key, "random", "ratio_to_random"]].dropna(subset=["ratio_to_random"])
 
 
-def ratio_table(vs: pd.DataFrame) -> pd.DataFrame:
+def ratio_table(vs: "pd.DataFrame") -> "pd.DataFrame":
     """The headline: mean ratio to random per (mode, metric), over everything (``all``), per data source
     (weights / data) and, for trained sources, per ρ."""
     vs = vs.assign(source=vs["weights"] + " / " + vs["data"])
@@ -311,7 +338,7 @@ def ratio_table(vs: pd.DataFrame) -> pd.DataFrame:
     return table.reset_index()
 
 
-def verdict(vs: pd.DataFrame) -> list[str]:
+def verdict(vs: "pd.DataFrame") -> list[str]:
     """Lines per data source: the best metric against random in each mode (mean over presets, layers and ρ), and
     the best (metric, mode) against the stronger of the two random baselines (random in the top-k mode shrinks
     the gradient by about ρ; random in the unbiased mode rescales kept pairs by 1/p and does not)."""
@@ -332,22 +359,41 @@ def verdict(vs: pd.DataFrame) -> list[str]:
     return lines
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", nargs="+", default=list(PRESETS))
-    parser.add_argument("--data", nargs="+", default=list(DATA), choices=DATA)
-    parser.add_argument("--metrics", nargs="+", default=list(METRICS), choices=METRICS)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--rhos", nargs="+", type=fraction_arg, default=[0.5, 0.7, 0.85])
+def _metric_names() -> tuple[str, ...]:
+    from lrmoe.recal.scoring import METRICS
+
+    return tuple(METRICS)
+
+
+def _mode_names() -> tuple[str, ...]:
+    from lrmoe.recal.selection import MODES
+
+    return tuple(MODES)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (light modules only: tests/test_cli.py)."""
+    parser = script_parser(__doc__, "outputs/metric_fidelity.jsonl")
+    parser.add_argument("--presets", nargs="+", default=list(PRESETS), help="model presets (lrmoe.config)")
+    parser.add_argument("--data", nargs="+", default=list(DATA), choices=DATA,
+                        help="data sources: random-init layers on gaussian or heavy-tailed x and δ, or trained "
+                             "layers on text")
+    parser.add_argument("--metrics", nargs="+", default=None, type=one_of(_metric_names, "metric"),
+                        help="pair metrics to compare (lrmoe.recal.scoring.METRICS; default all)")
+    parser.add_argument("--modes", nargs="+", default=None, type=one_of(_mode_names, "mode"),
+                        help="selection modes (lrmoe.recal.selection.MODES; default all)")
+    parser.add_argument("--rhos", nargs="+", type=fraction_arg, default=[0.5, 0.7, 0.85],
+                        help="retention ratios: the fraction of backward pairs kept")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per batch")
     parser.add_argument("--sources", type=int, default=4, help="simulated source ranks (quota groups)")
     parser.add_argument("--draws", type=int, default=8, help="draws per random configuration")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random layers, data and draws")
     group = parser.add_argument_group("the text source (trained layers, real gradients)")
     group.add_argument("--train-steps", type=int, default=None, help="training steps (default 150; --quick: 20)")
     group.add_argument("--train-batch", type=int, default=16, help="sequences per training step")
-    group.add_argument("--train-seq-len", type=int, default=None, help="default: the preset's seq_len")
-    group.add_argument("--train-lr", type=float, default=3e-3)
+    group.add_argument("--train-seq-len", type=positive_int_arg, default=None,
+                       help="tokens per training sequence (default: the preset's seq_len)")
+    group.add_argument("--train-lr", type=positive_float_arg, default=3e-3, help="training learning rate (AdamW)")
     group.add_argument("--aux-coef", type=float, default=0.1, help="load-balancing loss weight (as train.py)")
     group.add_argument("--bias-rate", type=float, default=1e-3, help="aux-free bias update rate (GLM)")
     group.add_argument("--corpus", default=None, help="folder or glob of text files (default: Python's stdlib)")
@@ -355,9 +401,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--cache-dir", default=None,
                        help="where trained weights are cached (default: <results stem>_models beside the results)")
     parser.add_argument("--quick", action="store_true", help="tiny run for tests: 128 tokens, 2 draws, 20 steps")
-    add_tracking_args(parser, "outputs/metric_fidelity.jsonl")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_tracking_args(parser, args, "metric_fidelity")
+    args.metrics = args.metrics or list(_metric_names())
+    args.modes = args.modes or list(_mode_names())
     if args.quick:
         args.tokens, args.draws = 128, 2
         args.train_steps = 20 if args.train_steps is None else args.train_steps
@@ -371,8 +423,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def sources(args, preset: str, corpus: Corpus | None, summary: dict):
+def sources(args, preset: str, corpus: "Corpus | None", summary: dict):
     """Yield (labels, layer, x_TD, delta_TD) for every data source of ``preset`` the run asks for."""
+    from lrmoe.runtime.reference import ReferenceMoE
+
     cfg = model_preset(preset)
     for data in args.data:
         if data in RANDOM_DATA:
@@ -401,8 +455,19 @@ def sources(args, preset: str, corpus: Corpus | None, summary: dict):
             yield labels, layer, x_TD, delta_TD
 
 
-def main(argv=None) -> pd.DataFrame:
+def main(argv=None) -> "pd.DataFrame":
     args = parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+    import torch
+
+    from lrmoe.integrations.data import load_corpus
+    from lrmoe.integrations.tracking import Tracker
+
     torch.set_num_threads(1)
     rows = []
     start = time.perf_counter()
