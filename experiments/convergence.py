@@ -21,21 +21,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import matplotlib
+from typing import TYPE_CHECKING
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import pandas as pd
-import seaborn as sns
-
-from lrmoe.analysis.claims import claim_table, gap_table
-from lrmoe.analysis.protocol import REFERENCES, endpoint
-from lrmoe.analysis.runs import config_differences, last_per_step, per_run, summarise, time_to_reach
-from lrmoe.config import model_preset
-from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
+# The parser needs only these light modules; the registry (torch), the analysis (pandas, SciPy) and matplotlib
+# load in the functions that check, collect and draw.
 from lrmoe.checks import non_negative_float_arg, non_negative_int_arg, positive_int_arg
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
+from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
+from lrmoe.config import model_preset
+from lrmoe.integrations.tracking import check_tracking_args
 from lrmoe.results import read_headers, read_results
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 RHOS = (0.9, 0.75, 0.6, 0.5)
 # the full sweep: the references, LRMoE in cap mode, and the retention budget at each rho with m2 top-k, m2
@@ -59,6 +56,8 @@ TRAIN_SWITCHES = ("--activation-checkpointing",)
 def check_runs(args) -> None:
     """What would fail the first run, checked before any trains: the preset, and every system in the runs' world
     (train.py checks its own arguments again when it starts). SystemExit with one message."""
+    from lrmoe.systems import SystemContext, check_systems, get_system
+
     try:
         cfg = model_preset(args.preset)
         for lrmoe_run in (False, True):
@@ -85,6 +84,8 @@ def run_path(work: Path, policy: str, seed: int, seeds: list[int]) -> Path:
 
 def train_argv(args, policy: str, seed: int, results: Path) -> list[str]:
     """experiments/train.py's arguments for one run (LRMoE systems get their own slots and slack)."""
+    from lrmoe.systems import get_system
+
     lrmoe = get_system(policy).family == "lrmoe"
     folder = results.parent
     return ["--preset", args.preset, "--policy", policy, "--ranks", str(args.ranks),
@@ -104,6 +105,8 @@ def train_argv(args, policy: str, seed: int, results: Path) -> list[str]:
 def run_differences(args, policy: str, seed: int) -> list[str]:
     """How the run in the per-run file of (``policy``, ``seed``) differs from the run these arguments make (its
     stored configuration against train.py's arguments now; none where the file does not exist)."""
+    from lrmoe.analysis.runs import config_differences
+
     results = run_path(Path(args.out_work), policy, seed, args.seeds)
     headers = read_headers(results) if results.exists() else []
     if not headers:
@@ -133,24 +136,26 @@ def check_identities(parser, args) -> None:
                              f"sweep its own --out")
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen3-30b-a3b-debug")
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (light modules only: tests/test_cli.py)."""
+    parser = script_parser(__doc__, "outputs/convergence.jsonl")
+    parser.add_argument("--preset", default="qwen3-30b-a3b-debug", help="model preset of every run (lrmoe.config)")
     parser.add_argument("--policies", nargs="+", default=None, type=system_arg,
-                        help="default: the full grid (--quick: the quick grid). " + system_names_help())
-    parser.add_argument("--ranks", type=positive_int_arg, default=4)
-    parser.add_argument("--steps", type=positive_int_arg, default=200)
-    parser.add_argument("--batch", type=positive_int_arg, default=4)
+                        help="systems trained, one run each per seed; default: the full grid (--quick: the quick "
+                             "grid); " + SYSTEMS_HELP)
+    parser.add_argument("--ranks", type=positive_int_arg, default=4, help="ranks of every run")
+    parser.add_argument("--steps", type=positive_int_arg, default=200, help="training steps per run")
+    parser.add_argument("--batch", type=positive_int_arg, default=4, help="sequences per rank per step")
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine",
                         help="every run's schedule (train.py): 'cosine' decays to a tenth of the lr at the last "
                              "step, so the curves have flattened by then")
     parser.add_argument("--warmup", type=non_negative_int_arg, default=10, help="warm-up steps of the cosine schedule")
-    parser.add_argument("--seq-len", type=positive_int_arg, default=64)
+    parser.add_argument("--seq-len", type=positive_int_arg, default=64, help="tokens per sequence")
     parser.add_argument("--micro-batches", type=positive_int_arg, default=1, help="train.py's: micro-batches per step")
     parser.add_argument("--engine", choices=("distributed", "emulated"), default="distributed",
                         help="train.py's: gloo ranks, or the emulated engine's in-process ranks (docs/emulated.md)")
     parser.add_argument("--activation-checkpointing", action="store_true", help="train.py's: recompute activations")
-    parser.add_argument("--eval-every", type=positive_int_arg, default=20)
+    parser.add_argument("--eval-every", type=positive_int_arg, default=20, help="steps between validation losses")
     parser.add_argument("--eval-batches", type=positive_int_arg, default=4,
                         help="validation batches per rank per evaluation (the frontier protocol's 16: DESIGN.md §10.3)")
     parser.add_argument("--seed", type=int, default=0, help="one seed (ignored when --seeds is given)")
@@ -167,13 +172,18 @@ def parse_args(argv=None):
                         help="LRMoE's balance slack: backward cap (1 + eps) x the mean forward load (cap mode)")
     parser.add_argument("--aux-coef", type=float, default=0.1,
                         help="load-balancing loss weight (lower: more routing skew, more for LRMoE to trim)")
-    parser.add_argument("--ckpt-every", type=non_negative_int_arg, default=20)
+    parser.add_argument("--ckpt-every", type=non_negative_int_arg, default=20,
+                        help="steps between each run's checkpoints (0: none; a killed sweep resumes from them)")
     parser.add_argument("--quick", action="store_true", help="one seed, 40 steps, batch 2, the quick grid")
     parser.add_argument("--quiet", action="store_true", help="no progress bars from the runs")
     parser.add_argument("--slim", action="store_true",
                         help="leave the per-layer load statistics (load/*, three quarters of a record) out of the "
                              "aggregate results file; the per-run files keep them")
-    add_tracking_args(parser, "outputs/convergence.jsonl")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_tracking_args(parser, args, "convergence")
     if args.quick:
@@ -190,6 +200,9 @@ def protocol_claims(curves: pd.DataFrame) -> pd.DataFrame | None:
     """The claim table of DESIGN.md §10.4 over these runs (each run's endpoint: the mean validation loss over its
     last three evaluations; the reference: the mean of static EP and SYMI-dropless, seed by seed; whole seeds
     only), or None without both references. Claims whose arms did not run are listed as "not run"."""
+    from lrmoe.analysis.claims import claim_table, gap_table
+    from lrmoe.analysis.protocol import REFERENCES, endpoint
+
     val = curves.dropna(subset=["val_loss"]).sort_values("step")
     last = int(curves.step.max())
     rows = [{"seed": int(seed), "arm": policy, "endpoint": endpoint(run.step, run.val_loss, last_step=last)}
@@ -201,6 +214,12 @@ def protocol_claims(curves: pd.DataFrame) -> pd.DataFrame | None:
 
 def plot(curves: pd.DataFrame, args):
     """Validation loss (mean over seeds, band: spread) at equal steps and at equal modelled time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
     sns.set_theme(style="whitegrid", context="paper")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     val = curves.dropna(subset=["val_loss"])
@@ -217,6 +236,11 @@ def plot(curves: pd.DataFrame, args):
 
 def main(argv=None) -> pd.DataFrame:
     args = parse_args(argv)
+    import pandas as pd
+
+    from lrmoe.analysis.runs import last_per_step, per_run, summarise, time_to_reach
+    from lrmoe.integrations.tracking import Tracker
+
     out = Path(args.out)
     work = Path(args.out_work)
     runs = {(policy, seed): train_argv(args, policy, seed, run_path(work, policy, seed, args.seeds))

@@ -31,26 +31,26 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
+# The parser needs only these light modules; the analysis (pandas, SciPy, torch) loads where runs are compared and
+# reported.
 from lrmoe.analysis import protocol
-from lrmoe.analysis.claims import claim_table, early_family, family_gaps, seed_plan
-from lrmoe.analysis.skew import runs_imbalance
-from lrmoe.analysis.runs import config_differences
-from lrmoe.results import append_record, read_headers, read_records, read_results
 from lrmoe.checks import positive_int_arg
-from lrmoe.systems import system_arg
+from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
+from lrmoe.results import append_record, read_headers, read_records, read_results
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=("pilot", "sweep"), required=True)
-    parser.add_argument("--regimes", nargs="+", default=list(protocol.REGIMES), choices=list(protocol.REGIMES))
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (light modules only: tests/test_cli.py)."""
+    parser = script_parser(__doc__)
+    parser.add_argument("--stage", choices=("pilot", "sweep"), required=True,
+                        help="the protocol's stage (DESIGN.md §10): the pilot's seeds and arms, or the sweep's")
+    parser.add_argument("--regimes", nargs="+", default=list(protocol.REGIMES), choices=list(protocol.REGIMES),
+                        help="the regimes to run (lrmoe.analysis.protocol.REGIMES)")
     parser.add_argument("--seeds-count", type=int, default=protocol.SWEEP_SEEDS,
                         help="the sweep's seeds: 1000 .. 1000 + count - 1 (default: the power calculation's number, "
                              f"{protocol.SWEEP_SEEDS})")
     parser.add_argument("--arms", nargs="+", type=system_arg, default=None,
-                        help="default: the protocol's (the pilot's or the sweep's)")
+                        help="systems trained; default: the protocol's (the pilot's or the sweep's); " + SYSTEMS_HELP)
     parser.add_argument("--work", default="outputs/frontier_protocol", help="per-run files, checkpoints, traces")
     parser.add_argument("--out", default=None,
                         help="results file the finished runs are appended to (default "
@@ -60,6 +60,11 @@ def parse_args(argv=None):
     parser.add_argument("--report", default=None, help="write the report to this Markdown file (must not exist)")
     parser.add_argument("--jobs", type=positive_int_arg, default=1,
                         help="regimes run side by side, each in its own process (default 1: one after the other)")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.stage == "pilot":
         args.seeds = list(protocol.PILOT_SEEDS)
@@ -104,6 +109,8 @@ NOT_IDENTITY = ("--out", "--quiet", "--no-wandb", "--resume", "--slim", "--ckpt-
 def run_differences(out: Path, regime: str, seed: int, arm: str) -> list[str]:
     """How the per-run file of ``arm`` differs from the run the protocol asks for in this regime and seed (its
     stored configuration against the protocol's arguments; none where it has no run header)."""
+    from lrmoe.analysis.runs import config_differences
+
     headers = read_headers(run_file(out, arm))
     if not headers:
         return []
@@ -129,6 +136,9 @@ def check_identities(args) -> None:
 
 def report(args) -> str:
     """What the finished runs can say, per regime (Markdown)."""
+    from lrmoe.analysis.claims import claim_table, early_family, family_gaps, seed_plan
+    from lrmoe.analysis.skew import runs_imbalance
+
     rows = read_records(args.out)
     lines = [f"# Frontier protocol ({args.stage}): {len(rows)} finished runs in {args.out.name}", ""]
     for regime in args.regimes:
@@ -215,6 +225,8 @@ def run_side_by_side(args, command=None) -> None:
 
 def train_and_collect(args) -> None:
     """Train what is missing, seed-major, and collect every finished run once."""
+    from tqdm import tqdm
+
     plan = units(args)
     done = protocol.collected_keys(args.out)
     total = len(plan) * len(args.arms)

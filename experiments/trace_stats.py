@@ -8,39 +8,53 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import pandas as pd
-import seaborn as sns
-import torch
-from tqdm import tqdm
-
-from lrmoe.config import model_preset, model_presets
+# The parser needs only these light modules; torch, pandas and matplotlib load when the traces are made.
 from lrmoe.checks import positive_int_arg
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
-from lrmoe.traces.synthetic import generate_trace
-from lrmoe.traces.trace import load_trace
+from lrmoe.cli import script_parser
+from lrmoe.config import model_preset, model_presets
+from lrmoe.integrations.tracking import check_tracking_args
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 SKEWS = [("zipf", 0.2), ("zipf", 0.4), ("zipf", 0.6), ("zipf", 0.8), ("dirichlet", 4.0), ("dirichlet", 1.0),
          ("dirichlet", 0.5)]
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (light modules only: tests/test_cli.py)."""
+    parser = script_parser(__doc__, "outputs/trace_stats.jsonl")
+    parser.add_argument("--model", default="qwen3-30b-a3b", choices=model_presets(),
+                        help="model preset whose experts and top-k the traces have")
+    parser.add_argument("--ranks", type=positive_int_arg, default=8, help="expert-parallel ranks of the traces")
+    parser.add_argument("--steps", type=positive_int_arg, default=20, help="iterations per trace")
+    parser.add_argument("--layers", type=positive_int_arg, default=4, help="MoE layers per trace")
+    parser.add_argument("--tokens-per-rank", type=positive_int_arg, default=4096,
+                        help="tokens per rank per iteration")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces")
+    parser.add_argument("--recorded", nargs="*", default=[], help="recorded trace files (.npz) to summarise too")
+    return parser
+
+
 def main(argv=None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-30b-a3b", choices=model_presets())
-    parser.add_argument("--ranks", type=positive_int_arg, default=8)
-    parser.add_argument("--steps", type=positive_int_arg, default=20)
-    parser.add_argument("--layers", type=positive_int_arg, default=4)
-    parser.add_argument("--tokens-per-rank", type=positive_int_arg, default=4096)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--recorded", nargs="*", default=[], help="recorded trace files to summarise too")
-    add_tracking_args(parser, "outputs/trace_stats.jsonl")
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_tracking_args(parser, args, "trace_stats")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+    import torch
+    from tqdm import tqdm
+
+    from lrmoe.integrations.tracking import Tracker
+    from lrmoe.traces.synthetic import generate_trace
+    from lrmoe.traces.trace import load_trace
+
     recorded = []
     for path in args.recorded:  # read before anything is written: a bad one leaves no half-written results
         try:
