@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from _scripts import load_experiment
 
+from lrmoe.config import full_scale_preset, model_preset
 from lrmoe.integrations.checkpoint import step_folder
 from lrmoe.integrations.checkpoint_state import read_full_state
 from lrmoe.traces.trace import load_trace
@@ -176,10 +177,10 @@ def assert_same_run(a, b, rel=1e-5):
 
 
 @pytest.mark.script
-@pytest.mark.parametrize("policy", ["lrmoe-rho0.75-random-unbiased", "lrmoe-rho0.75-early-unbiased"])
-def test_emulated_training_equals_the_distributed_runtime_over_a_few_steps(tmp_path, policy):
-    """The fast check of the slow one below: one arm that samples with 1/p (random stream, replicas, quotas) and
-    early selection, 3 steps at 4 ranks: the same losses and weights."""
+def test_emulated_training_equals_the_distributed_runtime_over_a_few_steps(tmp_path):
+    """The fast check of the slow one below: early selection (a random stream, replicas, quotas, the keep bits'
+    exchange), 3 steps at 4 ranks: the same losses and weights."""
+    policy = "lrmoe-rho0.75-early-unbiased"
     assert_same_run(_run(tmp_path, "emulated", policy, 3), _run(tmp_path, "distributed", policy, 3))
 
 
@@ -226,3 +227,24 @@ def test_the_convergence_sweep_passes_the_engine_to_every_run(tmp_path):
     argv = convergence.train_argv(args, "static-ep", 0, tmp_path / "r.jsonl")
     assert argv[argv.index("--engine") + 1] == "emulated"
     assert train.parse_args(argv).engine == "emulated"
+
+
+@pytest.mark.script
+def test_a_distributed_run_stopped_and_resumed_on_the_emulated_engine_equals_an_unbroken_emulated_run(tmp_path):
+    """The checkpoints are the engines' common format: a run interrupted under gloo continues in-process exactly."""
+    common = ["--policy", "lrmoe-rho0.75-unbiased", "--ranks", "2", "--batch", "2", "--seq-len", "32", "--steps", "4",
+              "--ckpt-every", "2", "--eval-every", "100", "--eval-batches", "1", "--lr-schedule", "cosine",
+              "--warmup", "1", "--max-bytes", "300000", "--no-wandb", "--quiet", "--timeout", "120"]
+    full = train.main([*common, "--engine", "emulated", "--out", str(tmp_path / "a.jsonl")])
+    stopped = train.main([*common, "--engine", "distributed", "--stop-after", "3", "--out", str(tmp_path / "b.jsonl")])
+    assert [h["step"] for h in stopped] == [1, 2, 3]
+    resumed = train.main([*common, "--engine", "emulated", "--resume", "--out", str(tmp_path / "b.jsonl")])
+    assert resumed[:2] == stopped[:2]  # steps 1-2 from the checkpoint (their wall-clock throughput included)
+    assert [h["loss"] for h in resumed] == [h["loss"] for h in full]
+
+
+def test_the_routing_shape_preset_is_qwen3s_routing_priced_as_qwen3():
+    cfg = model_preset("qwen3-30b-a3b-routing-debug")
+    assert (cfg.num_experts, cfg.top_k, cfg.router) == (128, 8, "softmax_topk")
+    cfg.check_divisible(16)
+    assert full_scale_preset(cfg.name).name == "qwen3-30b-a3b"
