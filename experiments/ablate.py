@@ -75,8 +75,6 @@ QUICK_SYSTEMS = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "symi
                  "lrmoe-host-groups", "lrmoe-no-memplace", "lrmoe-no-bwd-routing", "lrmoe-no-quotas", "lrmoe-padded",
                  "lrmoe-random", "online"]
 CATS = ["forward", "backward", "communication", "sync", "overhead"]
-PLOTTED = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless-lrmoe-slots", "lrmoe", "lrmoe-host-groups",
-           "lrmoe-no-memplace", "lrmoe-no-quotas", "lrmoe-padded"]
 # The headline's systems, priced again at every corner of the uncertain constants (the sensitivity band).
 BANDED = ["lrmoe", "symi-dropless", "symi-cf1", "symi-dropless-lrmoe-slots", "online", "online-rho0.75",
           "online-greedy", "lrmoe-rho0.75", "lrmoe-rho0.75-early", "symi-dropless-rho0.75",
@@ -502,47 +500,25 @@ def assumptions(args) -> str:
             f"micro-batches {MICRO_BATCH_BAND[0]}-{MICRO_BATCH_BAND[1]}. Ratio < 1: LRMoE faster.")
 
 
-def plot(table: pd.DataFrame, run, args) -> list:
-    """Time relative to SYMI-dropless vs skew per system (one panel per model and rank count), and the
-    split of LRMoE's and SYMI's time into forward, backward, communication and sync."""
+def plot(run) -> list:
+    """Time relative to SYMI-dropless vs skew per system (one panel per model and rank count), and the split of
+    LRMoE's and SYMI's time into categories, drawn from the results file (lrmoe.paper_figures.sim_figures)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import seaborn as sns
+
+    from lrmoe.paper_figures import sim_figures
+    from lrmoe.paper_figures.reading import CannotDraw
 
     figs = []
-    ok = table[table["vs_symi_dropless"].notna()] if "vs_symi_dropless" in table else table.iloc[0:0]
-    ok = ok[(ok.mem_gb == args.headline_mem_gb) & ok.system.isin(PLOTTED)]
-    if len(ok):
-        sns.set_theme(style="whitegrid", context="paper")
-        grid = sns.relplot(ok, x="skew_label", y="vs_symi_dropless", hue="system", style="system", col="model",
-                           row="ranks", kind="line", markers=True, dashes=True, height=2.6, aspect=1.3,
-                           facet_kws={"sharey": False})
-        grid.set_axis_labels("routing skew (generator parameter)", "time / SYMI-dropless")
-        for ax in grid.axes.flat:
-            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-            if not ax.lines[:-1]:
-                ax.text(0.5, 0.5, "does not fit", ha="center", va="center", transform=ax.transAxes)
-        grid.figure.suptitle("MoE-layer time per iteration relative to SYMI-dropless (simulated)", y=1.02)
-        figs += run.log_figure("ratio_vs_symi", grid.figure)
-        plt.close(grid.figure)
-        top = ok.sort_values("trace_gini")["skew_label"].iloc[-1]  # the most skewed cell, as measured
-        split = table[(table.mem_gb == args.headline_mem_gb) & (table["skew_label"] == top) & table["iter_s"].notna()
-                      & table.system.isin(["static-ep", "symi-cf1", "symi-dropless", "lrmoe", "lrmoe-host-groups"])]
-        long = split.melt(id_vars=["model", "ranks", "system"], value_vars=[f"{c}_ms_per_layer" for c in CATS],
-                          var_name="part", value_name="ms")
-        long["part"] = long["part"].str.replace("_ms_per_layer", "")
-        grid = sns.catplot(long, x="system", y="ms", hue="part", col="model", row="ranks", kind="bar",
-                           height=2.6, aspect=1.5, sharey=False)
-        grid.set_axis_labels("", "ms per MoE layer-iteration")
-        for ax in grid.axes.flat:
-            ax.tick_params(axis="x", rotation=30)
-            if not ax.patches:
-                ax.text(0.5, 0.5, "does not fit", ha="center", va="center", transform=ax.transAxes)
-        grid.figure.suptitle(f"Where the time goes ({top})", y=1.02)
-        figs += run.log_figure("time_split", grid.figure)
-        plt.close(grid.figure)
+    for name, draw in (("ratio_vs_symi", sim_figures.ratio_vs_symi), ("time_split", sim_figures.time_split)):
+        try:
+            fig, _ = draw(run.results)
+        except CannotDraw:  # no plotted system has a ratio at the headline budget: nothing to draw
+            return figs
+        figs += run.log_figure(name, fig)
+        plt.close(fig)
     return figs
 
 
@@ -567,7 +543,7 @@ def main(argv=None) -> pd.DataFrame:
         head = headline(table, args)
         print(head)
         print("\n" + assumptions(args))
-        figs = plot(table, run, args)
+        figs = plot(run)
         summary = {"headline": head, "assumptions": assumptions(args)}
         lr = table[(table.system == "lrmoe") & table.get("vs_symi_dropless", pd.Series(dtype=float)).notna()] \
             if "vs_symi_dropless" in table else table.iloc[0:0]

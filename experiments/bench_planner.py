@@ -187,30 +187,6 @@ def run_benchmark(args, log=lambda record: None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def plot(frame: pd.DataFrame):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
-    styles = dict(zip(sorted(frame["E"].unique()), ["-", "--", ":", "-."]))
-    colors = {name: f"C{i}" for i, name in enumerate(frame["policy"].unique())}
-    for ax, (column, title) in zip(axes, [("old_ms", "old plan, per layer"),
-                                          ("critical_path_ms", "critical path, batched, per layer")]):
-        for (name, E), group in frame.groupby(["policy", "E"], sort=False):
-            group = group.sort_values("NE")
-            ax.plot(group["NE"], group[column], marker="o", ms=4, color=colors[name], ls=styles.get(E, "-"),
-                    label=f"{name}, E={E}")
-        ax.axhline(TARGET_MS, color="k", ls="--", lw=1, label=f"target ({TARGET_MS} ms)")
-        ax.set(xscale="log", yscale="log", xlabel="N · E (ranks × experts)", title=title)
-    axes[0].set_ylabel("ms per layer and micro-batch (median)")
-    axes[1].legend(fontsize=5, ncol=2)
-    fig.suptitle("Planner time, one CPU thread")
-    fig.tight_layout()
-    return fig
-
-
 def check_args(args, parser: argparse.ArgumentParser) -> None:
     """One clear error for arguments that would fail mid-run: sizes, skew, and every system on every (E, N)."""
     from lrmoe.systems import check_systems
@@ -285,8 +261,17 @@ def main(argv=None) -> pd.DataFrame:
         for _, row in target.iterrows():
             summary[f"{row.policy}/E256_N256_critical_path_ms"] = float(row.critical_path_ms)
             summary[f"{row.policy}/meets_target"] = bool(row.critical_path_ms <= TARGET_MS)
-        run.log_summary(summary)
-        figure = run.log_figure("planner_time", plot(frame))
+        run.log_summary({**summary, "target_ms": TARGET_MS})
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        from lrmoe.paper_figures.run_figures import planner_time
+
+        fig, _ = planner_time(run.results)
+        figure = run.log_figure("planner_time", fig)
+        plt.close(fig)
         cols = ["policy", "E", "N", "slots_per_rank", "vectorised", "old_ms", "overlapped_ms", "critical_path_layer_ms",
                 "critical_path_ms", "speedup_vs_old"]
         print(frame[cols].to_markdown(index=False, floatfmt=".3f"))

@@ -139,9 +139,9 @@ def main(argv=None) -> pd.DataFrame:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import pandas as pd
-    import seaborn as sns
 
     from lrmoe.integrations.tracking import Tracker
+    from lrmoe.paper_figures.run_figures import select_time
 
     with Tracker("bench_scoring", vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
@@ -152,14 +152,9 @@ def main(argv=None) -> pd.DataFrame:
         worst = float(table["select_ms"].max())
         run.log_summary({"worst_select_ms": worst, "worst_score_ms": float(table["score_ms"].max()),
                          "target_ms": 10.0, "meets_target": worst <= 10.0})
-        sns.set_theme(style="whitegrid", context="paper")
-        fig, ax = plt.subplots(figsize=(6, 3))
-        sns.barplot(table, x="metric", y="select_ms", hue="mode", ax=ax)
-        ax.axhline(10.0, color="k", ls="--", lw=0.8, label="target")
-        ax.set(ylabel="scoring + selection (ms)", title=f"{table['pairs'][0]:,} pairs × D={args.width}, "
-               f"{table['groups'][0]:,} groups, {args.device}, {args.threads} CPU thread(s)")
-        fig.tight_layout()
+        fig, _ = select_time(run.results)
         figs = run.log_figure("select_time", fig)
+        plt.close(fig)
         cols = ["metric", "mode", "pairs", "groups", "score_ms", "select_ms", "select_p90_ms"]
         print(table[cols].to_markdown(index=False, floatfmt=".2f"))
         print(f"worst scoring + selection: {worst:.2f} ms (target ≤ 10 ms), grad_o rows of width D={args.width} "

@@ -212,26 +212,20 @@ def protocol_claims(curves: pd.DataFrame) -> pd.DataFrame | None:
     return claim_table(gap_table(rows))
 
 
-def plot(curves: pd.DataFrame, args):
-    """Validation loss (mean over seeds, band: spread) at equal steps and at equal modelled time."""
+def plot(run):
+    """Validation loss at equal steps and at equal modelled time, drawn from the results file
+    (lrmoe.paper_figures.run_figures.curves)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import seaborn as sns
 
-    sns.set_theme(style="whitegrid", context="paper")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    val = curves.dropna(subset=["val_loss"])
-    sns.lineplot(val, x="step", y="val_loss", hue="policy", errorbar=("pi", 100), ax=axes[0])
-    sns.lineplot(val.assign(time_ms=1e3 * val.time_s), x="time_ms", y="val_loss", hue="policy", errorbar=None,
-                 ax=axes[1], legend=False)
-    axes[0].set(title="validation loss at equal steps (band: seed min-max)", ylabel="validation loss (nats/byte)")
-    axes[1].set(title="at equal modelled time (seed mean)", xlabel="modelled MoE-layer time (ms)")
-    axes[0].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"{args.preset}, {args.ranks} ranks, seeds {args.seeds} (text: Python stdlib source)")
-    fig.tight_layout()
-    return fig
+    from lrmoe.paper_figures.run_figures import curves
+
+    fig, _ = curves(run.results)
+    paths = run.log_figure("curves", fig)
+    plt.close(fig)
+    return paths
 
 
 def main(argv=None) -> pd.DataFrame:
@@ -266,7 +260,7 @@ def main(argv=None) -> pd.DataFrame:
         run.log_summary({"table": table.to_dict("records"), "per_run": per_run(curves).to_dict("records"),
                          "time_to_reach": reach.to_dict("records"),
                          "claims": None if claims is None else claims.to_dict("records")})
-        figure = run.log_figure("curves", plot(curves, args))
+        figure = plot(run)
         print("Equal quality: the step and modelled time at which each system first reaches static EP's "
               "validation loss at step T (mean over the seeds that reach it)\n")
         print(reach.to_markdown(index=False, floatfmt=".3f"))

@@ -20,7 +20,6 @@ a claim).
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 import matplotlib
@@ -32,7 +31,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from lrmoe.analysis import protocol
-from lrmoe.analysis.claims import MARGIN, arm_gaps, decide_regime, time_claim, time_ratios
+from lrmoe.analysis.claims import arm_gaps, decide_regime, time_claim, time_ratios
 from lrmoe.analysis.skew import Scale, check_matched, match_zipf, runs_imbalance, side_by_side
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.analysis.runs import BASELINE, last_per_step, per_run, summarise, time_to_reach
@@ -40,6 +39,8 @@ from lrmoe.sim.cells import TOKENS, Cell, CellRules, build_systems, cost_kwargs
 from lrmoe.sim.simulator import simulate
 from lrmoe.sim.systems import plan_twins
 from lrmoe.systems import get_system
+from lrmoe.paper_figures import frontier_figures
+from lrmoe.paper_figures.frontier_figures import describe
 from lrmoe.checks import fraction_arg, non_negative_float_arg, positive_float_arg, positive_int_arg
 from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args, write_report
 from lrmoe.results import read_records, read_results
@@ -48,22 +49,6 @@ from lrmoe.traces.synthetic import generate_trace
 REFERENCE = "symi-dropless"  # the x axis' unit
 CF1 = "symi-cf1"
 MAX_GAP_PCT = 1.0  # the headline's quality bar: mean loss gap to dropless static EP over the seeds
-
-
-def describe(policy: str) -> dict:
-    """What a system name says about the budget: rho (NaN: none), the selection ("m2 top-k", "m2 unbiased",
-    "random", or "none"), and whether it is an LRMoE variant that uses its metric."""
-    spec = get_system(policy)
-    m = re.search(r"rho([0-9.]+)", policy)
-    rho = float(m.group(1)) if m else np.nan
-    if spec.family != "lrmoe":
-        selection = "random" if m else "none"
-    elif spec.backward.metric == "random":
-        selection = "random"
-    else:
-        selection = f"{spec.backward.metric} {'unbiased' if spec.backward.mode == 'unbiased' else 'top-k'}"
-    return {"family": spec.family, "rho": rho, "selection": selection,
-            "uses_metric": spec.family == "lrmoe" and selection != "random", "label": spec.label}
 
 
 def curves_from(paths: list[str | Path]) -> pd.DataFrame:
@@ -237,65 +222,6 @@ def modelled_times(policies: list[str], args, known: list[dict] = ()) -> tuple[d
     return times, rows
 
 
-def point_color(row) -> tuple | str:
-    """References in their registry colour; budgeted systems shaded by rho (darker: deeper cut), LRMoE with its
-    metric in reds, LRMoE with random selection in oranges, SYMI-dropless trimmed at random in blues."""
-    if row.rho != row.rho:
-        return get_system(row.policy).color
-    cmap = plt.cm.Blues if row.family == "symi" else plt.cm.Reds if row.uses_metric else plt.cm.Oranges
-    return cmap(float(np.clip(0.4 + (1.0 - row.rho), 0.4, 0.95)))
-
-
-MARKERS = {"none": "s", "m2 top-k": "o", "m2 unbiased": "^", "random": "x", "m1 top-k": "o", "m1 unbiased": "^"}
-
-
-def plot(table: pd.DataFrame, h: dict, args, scale: dict):
-    """Left: the frontier (x time ÷ SYMI-dropless, y gap, error bars seed min-max). Right: equal quality."""
-    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.8), gridspec_kw={"width_ratios": [1.6, 1]})
-    ax = axes[0]
-    shown = table.dropna(subset=["time_vs_dropless"])
-    # systems far slower than the rest (static EP) are listed in a note rather than stretching the axis
-    far = shown[shown.time_vs_dropless > 1.5]
-    shown = shown[shown.time_vs_dropless <= 1.5]
-    nudge = {"m2 top-k": -0.006, "m1 top-k": -0.006, "random": 0.006}  # same time: spread the variants apart
-    for _, r in shown.iterrows():
-        x = r.time_vs_dropless + (nudge.get(r.selection, 0.0) if r.rho == r.rho and r.family == "lrmoe" else 0.0)
-        err = [[max(r.gap_pct - r.gap_pct_min, 0)], [max(r.gap_pct_max - r.gap_pct, 0)]]
-        ax.errorbar(x, r.gap_pct, yerr=err, fmt=MARKERS.get(r.selection, "D"), color=point_color(r), ms=6,
-                    capsize=2, lw=0.8)
-        ax.annotate(r.policy.replace("lrmoe-", "").replace("symi-dropless-", "symi-dl-"), (x, r.gap_pct),
-                    fontsize=5.5, xytext=(4, -2), textcoords="offset points")
-    if len(far):
-        ax.text(0.99, 0.98, "off axis: " + ", ".join(f"{r.policy} at {r.time_vs_dropless:.2f}, gap {r.gap_pct:+.2f} %"
-                                                  for _, r in far.iterrows()),
-                transform=ax.transAxes, ha="right", va="top", fontsize=6)
-    ax.axhline(0, color="0.5", lw=0.6)
-    ax.axhline(h["max_gap_pct"], color="0.3", lw=0.6, ls="--")
-    ax.axvline(1, color="0.7", lw=0.6, ls=":")
-    ax.set(xlabel=f"modelled MoE time per iteration ÷ SYMI-dropless\n(simulator: {scale['model']}, "
-                  f"{scale['nodes']} × 8 {scale['cluster'].split('-x')[0]}, Zipf {scale['skew']:g})",
-           ylabel="validation-loss gap to dropless static EP (%)\n"
-                  "(CPU training of the debug model; bars: seed min-max)",
-           title="frontier (o m2 top-k, ^ m2 unbiased, x random trim, s reference;\n"
-                 "LRMoE labels without 'lrmoe-'; symi-dl: SYMI-dropless, random trim)")
-    ax.tick_params(labelsize=7)
-    ax = axes[1]
-    eq = table.dropna(subset=["time_to_reach_vs_dropless"]).sort_values("time_to_reach_vs_dropless")
-    ax.barh(eq.policy, eq.time_to_reach_vs_dropless, color=[point_color(r) for _, r in eq.iterrows()])
-    missing = table[table.time_to_reach_vs_dropless.isna()].policy.tolist()
-    ax.axvline(1, color="0.3", lw=0.6, ls=":")
-    ax.set(xlabel="modelled time to reach static EP's loss at step T ÷ SYMI-dropless's",
-           title=f"equal quality (T = {args.target_step or 'last step'})")
-    ax.tick_params(labelsize=6.5)
-    if missing:
-        ax.text(0.02, -0.16, "not reached on every seed: " + ", ".join(missing), transform=ax.transAxes,
-                fontsize=5.5, wrap=True, va="top")
-    fig.suptitle("Time against quality from two scales: time = paper-scale simulator, loss = CPU training of the "
-                 "debug model (joined by system name only)", fontsize=9)
-    fig.tight_layout()
-    return fig
-
-
 def markdown_report(table: pd.DataFrame, h: dict, scale: dict, curves: pd.DataFrame, figure: str) -> str:
     """The table, the headline and both scales' conditions, as Markdown (written beside the results file)."""
     seeds = sorted(int(s) for s in curves.seed.unique())
@@ -342,52 +268,12 @@ def regime_times(arms: list[str], regime, zipf_s: float, args) -> tuple[pd.DataF
     return pd.DataFrame.from_dict(times, orient="index")[list(arms)], sims
 
 
-def label_offsets(x, y, width: float = 0.2, height: float = 0.035, step: float = 8.0) -> list[float]:
-    """Vertical offsets (points) for the points' labels, so that no two labels overlap: in axes-fraction units a
-    label spans ``width`` to the right of its point and ``height`` in y; a label that would overlap one placed
-    before moves down by ``step`` points until it is clear (about 290 points of axes height to the fraction)."""
-    def span(v):
-        v = np.asarray(v, dtype=float)
-        return (v - np.nanmin(v)) / max(np.nanmax(v) - np.nanmin(v), 1e-12)
-
-    nx, ny, placed, out = span(x), span(y), [], []
-    for px, py in zip(nx, ny):
-        dy = -2.0
-        while any(abs(px - qx) < width and abs(py + dy / 290 - qy) < height for qx, qy in placed):
-            dy -= step
-        placed.append((px, py + dy / 290))
-        out.append(dy)
-    return out
-
-
-def protocol_plot(points: pd.DataFrame, regime, zipf_s: float, seeds: int):
-    """The regime's frontier: x modelled time ÷ SYMI-dropless, y loss gap to the reference, both with 95 %
-    intervals (x over trace seeds, y over training seeds)."""
-    fig, ax = plt.subplots(figsize=(8, 5))
-    offsets = label_offsets(points.time_mean.to_numpy(float), points.gap_mean.to_numpy(float))
-    for (_, r), dy in zip(points.iterrows(), offsets):
-        d = describe(r.arm)
-        color = point_color(pd.Series({**d, "policy": r.arm}))
-        xerr = [[max(r.time_mean - r.time_ci_low, 0)], [max(r.time_ci_high - r.time_mean, 0)]] \
-            if r.time_ci_low == r.time_ci_low else None
-        yerr = [[max(r.gap_mean - r.gap_ci_low, 0)], [max(r.gap_ci_high - r.gap_mean, 0)]] \
-            if r.gap_ci_low == r.gap_ci_low else None
-        ax.errorbar(r.time_mean, r.gap_mean, xerr=xerr, yerr=yerr, fmt=MARKERS.get(d["selection"], "D"),
-                    color=color, ms=6, capsize=2, lw=0.8)
-        label = "lrmoe cap mode" if r.arm == "lrmoe" else r.arm.replace("lrmoe-", "").replace("symi-dropless-",
-                                                                                               "symi-dl-")
-        ax.annotate(label, (r.time_mean, r.gap_mean),
-                    fontsize=6, xytext=(4, dy), textcoords="offset points")
-    ax.axhline(0, color="0.5", lw=0.6)
-    ax.axhline(MARGIN, color="0.3", lw=0.6, ls="--")
-    ax.axvline(1, color="0.7", lw=0.6, ls=":")
-    ax.set(xlabel=f"modelled MoE time per iteration ÷ SYMI-dropless (95 % interval over trace seeds; Zipf "
-                  f"{zipf_s:.3f}, matched)",
-           ylabel=f"validation-loss gap to the reference (%)\n(95 % interval over {seeds} seeds)",
-           title=f"regime {regime.name}: {regime.description}")
-    ax.title.set_fontsize(8)
-    fig.tight_layout()
-    return fig
+def log_frontier(run: Tracker) -> list[Path]:
+    """The frontier figure, drawn from the results file written so far (lrmoe.paper_figures.frontier_figures)."""
+    fig, _ = frontier_figures.frontier(run.results)
+    paths = run.log_figure("frontier", fig)
+    plt.close(fig)
+    return paths
 
 
 def protocol_report(regime, claims: pd.DataFrame, c5: list[dict], points: pd.DataFrame, imbalance: list[dict],
@@ -484,7 +370,7 @@ def protocol_main(args) -> pd.DataFrame:
             run.log_table("early_claims", early_claims.to_dict("records"))
         run.log_table("gaps", gaps.reset_index().to_dict("records"))
         run.log_summary({**summary, "time_claim": c5, "seeds": int(len(gaps)), "planned_seeds": args.planned_seeds})
-        figure = run.log_figure("frontier", protocol_plot(points, regime, match.zipf_s, len(gaps)))
+        figure = log_frontier(run)
         text = protocol_report(regime, claims, c5, points, imbalance, match.zipf_s, len(gaps), args.planned_seeds,
                                figure[0].name, early_claims)
         print(text)
@@ -571,7 +457,7 @@ def main(argv=None) -> pd.DataFrame:
         run.log_summary({"headline": h, "headline_text": headline_text(h),
                          "scales": "time: paper-scale simulator; loss: CPU training of the debug model",
                          "simulated": sim_rows[0] if sim_rows else {}})
-        figure = run.log_figure("frontier", plot(table, h, args, sim_rows[0]))
+        figure = log_frontier(run)
         cols = ["policy", "rho", "selection", "seeds", "val_loss", "val_loss_std", "gap_pct", "gap_pct_min",
                 "gap_pct_max", "last20_drop_pct", "hot_rank_bwd_cut_pct", "dropped_pct", "iter_ms", "time_vs_dropless",
                 "time_vs_cf1", "seeds_reached", "step_to_reach", "time_to_reach_vs_dropless"]

@@ -463,7 +463,6 @@ def report(args: argparse.Namespace, records: list[dict], world_size: int) -> pd
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import seaborn as sns
 
     raw = pd.DataFrame(records)
     counted = [c for c in raw if c.endswith("_bytes") or c.startswith("pairs_")]
@@ -476,7 +475,7 @@ def report(args: argparse.Namespace, records: list[dict], world_size: int) -> pd
     phases, totals = summarise(raw)
     on = target_trace(labels, args.skew_param, args.skew)
     goals = targets(totals, on)
-    config = {**vars(args), "world_size": world_size, "traces": labels}
+    config = {**vars(args), "world_size": world_size, "traces": labels, "target_trace": on}
     with Tracker("layer_bench", config, results=args.out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
         run.log_table("per_rank_step", records)
@@ -484,29 +483,13 @@ def report(args: argparse.Namespace, records: list[dict], world_size: int) -> pd
         run.log_table("policy", totals)
         run.log_table("target", goals)
         run.log_summary({f"target/{r['policy']}/{r['measured_as']}": r["measured"] for r in goals.to_dict("records")})
-        sns.set_theme(style="whitegrid", context="paper")
-        fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
-        for ax, (col, ylabel) in zip(axes, [("slowest_cpu_ms", "slowest rank layer CPU ms (median)"),
-                                           ("bwd_a2a_KiB", "backward all-to-all KiB (all ranks)"),
-                                           ("bwd_max_over_fwd_mean", "slowest rank bwd pairs / mean fwd"),
-                                           ("grad_rel_err", "expert-gradient error vs full")]):
-            if col in totals:
-                sns.barplot(totals, x="policy", y=col, hue="trace", ax=ax, legend=ax is axes[0])
-                ax.set(ylabel=ylabel, xlabel="")
-                ax.tick_params(axis="x", rotation=60)
-        sns.move_legend(axes[0], "lower left", frameon=True)
-        fig.suptitle(f"EP layer, {world_size} ranks, {args.model} D={args.hidden} F={args.ffn}, "
-                     f"{args.tokens_per_rank} tokens/rank, {args.spare_slots} spare slot(s)/rank")
-        fig.tight_layout()
-        figs = run.log_figure("policies", fig)
-        plt.close(fig)
-        fig, ax = plt.subplots(figsize=(11, 3.4))
-        sns.barplot(phases[phases["trace"] == on], x="phase", y="wall_ms_max", hue="policy", ax=ax)
-        ax.set(ylabel="slowest rank, ms (mean over steps)", xlabel="", title=on)
-        ax.tick_params(axis="x", rotation=60)
-        fig.tight_layout()
-        run.log_figure("phases", fig)
-        plt.close(fig)
+        from lrmoe.paper_figures import run_figures
+
+        figs = []
+        for name in ("policies", "phases"):
+            fig, _ = getattr(run_figures, name)(run.results)
+            figs += run.log_figure(name, fig)
+            plt.close(fig)
     shown = phases[phases["trace"] == on]
     shown = shown.astype(object).where(shown.notna(), None)  # no "nan" for phases that move no bytes
     print(f"Per phase on {on} (all traces in the results file):")

@@ -47,7 +47,6 @@ from lrmoe.config import cluster_preset, cluster_presets, model_preset, model_pr
 from lrmoe.integrations.tracking import (Tracker, add_tracking_args, check_tracking_args, foreign_results,
                                          output_problem, write_report)
 from lrmoe.results import read_records, read_results
-from lrmoe.paper_figures.style import legend_outside, palette
 from lrmoe.sim.cells import TOKENS
 from lrmoe.sim.memory_sweep import (DEMAND_SIDE, EARLY, PLACEMENTS, binding_range, budget_grid, early_selection_gain,
                                     fit_gb, headline, placement_table)
@@ -199,48 +198,16 @@ def simulate_group(args, model: str, skew: str, out: Path) -> list[dict]:
     return [r for r in read_results(out) if "system" in r]
 
 
-BANDED = ("symi-dropless", "online", "lrmoe-rho0.75-early-unbiased")  # the figure's bands: the two references, early
+def plot(run: Tracker) -> list:
+    """Time per iteration and slots per rank against the budget, drawn from the results file
+    (lrmoe.paper_figures.sim_figures.time_vs_memory); none where no system fits."""
+    from lrmoe.paper_figures import sim_figures
+    from lrmoe.paper_figures.reading import CannotDraw
 
-
-def line_style(name: str) -> str:
-    """Solid: the full backward; dashed: late selection at rho; dotted: early selection at rho."""
-    return ":" if "early" in name else "--" if "rho" in name else "-"
-
-
-def plot(table: pd.DataFrame, run: Tracker) -> list:
-    """Time per iteration against the budget per system (a system is drawn only where it fits; the sensitivity
-    band where the corners were priced, for :data:`BANDED` alone, so that the lines stay legible), and slots per rank
-    against the budget, one column per model and skew, each up to a little past where memory stops binding (the
-    tables carry every budget: nothing changes beyond)."""
-    ok = table[table["fits"].astype(bool) & table["iter_s"].notna()] if "iter_s" in table else table.iloc[0:0]
-    panels = sorted(ok.groupby(["model", "skew_label"]).groups) if len(ok) else []
-    if not panels:
+    try:
+        fig, _ = sim_figures.time_vs_memory(run.results)
+    except CannotDraw:
         return []
-    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 6.4), squeeze=False)
-    colors = palette(list(dict.fromkeys(table["system"])))
-    bind = {(r["model"], r["skew"]): r for r in binding_range(table.to_dict("records"))}
-    for col, (model, skew) in enumerate(panels):
-        cell = ok[(ok.model == model) & (ok.skew_label == skew)]
-        for name, df in cell.groupby("system", sort=False):
-            df = df.sort_values("mem_gb")
-            style = {"color": colors[name], "linestyle": line_style(name), "label": name}
-            axes[0, col].plot(df.mem_gb, df.iter_s, marker=".", **style)
-            if name in BANDED and "iter_s_corners" in df and df["iter_s_corners"].notna().all():
-                mb = [{k: v for k, v in c.items() if k.endswith(f"|mb={m}")} for c, m in  # this run's micro-batches
-                      zip(df.iter_s_corners, df.micro_batches)]
-                lo, hi = [min(c.values()) for c in mb], [max(c.values()) for c in mb]
-                axes[0, col].fill_between(df.mem_gb, lo, hi, color=colors[name], alpha=0.10, lw=0)
-            axes[1, col].step(df.mem_gb, df.slots_per_rank, where="post", **style)
-        lo, hi = cell.mem_gb.min(), bind[(model, skew)]["binds_to_gb"] or cell.mem_gb.max()
-        right = min(cell.mem_gb.max(), hi + 0.5 * (hi - lo) + 1.0)  # flat beyond: the tables go on to the top
-        title = f"{model}, {skew}\n(flat from {right:.0f} to {cell.mem_gb.max():.0f} GB)"
-        axes[0, col].set(title=title, ylabel="s per iteration (MoE layers)", xlim=(lo - 0.5, right))
-        axes[1, col].set(xlabel="per-rank MoE budget (GB)", ylabel="filled slots per rank", xlim=(lo - 0.5, right))
-    legend_outside(axes[0, -1], title="system")
-    fig.suptitle("Memory pressure (simulated): a system appears from the budget at which it fits; bands ("
-                 + ", ".join(BANDED) + "): GEMM efficiency, half-efficiency rows and link bandwidth at their corners",
-                 fontsize=9)
-    fig.tight_layout()
     paths = run.log_figure("time_vs_memory", fig)
     plt.close(fig)
     return paths
@@ -371,7 +338,7 @@ def main(argv=None) -> pd.DataFrame:
         text = report(records, run, args)
         print(text)
         write_report(run.results, text + "\n")
-        figs = plot(pd.DataFrame(records), run)
+        figs = plot(run)
         print(f"\nresults: {args.out}" + (f"; figure: {figs[0]}" if figs else ""))
     return pd.DataFrame(records)
 

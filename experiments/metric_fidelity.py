@@ -462,7 +462,6 @@ def main(argv=None) -> "pd.DataFrame":
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import pandas as pd
-    import seaborn as sns
     import torch
 
     from lrmoe.integrations.data import load_corpus
@@ -513,18 +512,11 @@ def main(argv=None) -> "pd.DataFrame":
             print(of_mean.reset_index().to_markdown(index=False, floatfmt=".3f"))
         run.log_summary({"ratio_to_random": headline.to_dict("records"), "training": training,
                          "seconds": time.perf_counter() - start})
-        sns.set_theme(style="whitegrid", context="paper")
-        trained = table["weights"].str.startswith("trained")
-        table["setting"] = (table["preset"].str.replace("-debug", "") + " / " + table["weights"] + " / "
-                            + table["data"] + table["layer"].map(lambda i: f" / L{i}").where(trained, ""))
-        grid = sns.relplot(table, x="rho", y="rel_w_mean", hue="metric", style="metric", col="mode", row="setting",
-                           kind="line", markers=True, height=2.2, aspect=1.9, facet_kws={"sharey": False})
-        grid.set_titles("{row_name} | {col_name}")
-        grid.set_axis_labels("retention ρ", "expert-gradient rel. error")
-        grid.figure.suptitle("Recalibrated vs full expert weight gradients (random-init layers on random data, "
-                             "trained layers on text)", y=1.02)
-        figs = run.log_figure("fidelity", grid.figure)
-        plt.close(grid.figure)
+        from lrmoe.paper_figures.run_figures import fidelity_grid
+
+        fig, _ = fidelity_grid(run.results)
+        figs = run.log_figure("fidelity", fig)
+        plt.close(fig)
         print(f"\n{len(rows)} configurations in {time.perf_counter() - start:.1f} s; results: {args.out}; "
               f"figure: {figs[0]}")
     return table

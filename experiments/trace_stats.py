@@ -47,7 +47,6 @@ def main(argv=None) -> pd.DataFrame:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import pandas as pd
-    import seaborn as sns
     import torch
     from tqdm import tqdm
 
@@ -80,17 +79,11 @@ def main(argv=None) -> pd.DataFrame:
             run.log(row)
             rows.append(row)
         table = pd.DataFrame(rows)
-        sns.set_theme(style="whitegrid", context="paper")
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-        sns.barplot(table, x="trace", y="gini_mean", ax=axes[0], color="C0")
-        sns.barplot(table, x="trace", y="max_over_mean_mean", ax=axes[1], color="C1")
-        axes[0].set(ylabel="Gini of per-expert pairs", xlabel="")
-        axes[1].set(ylabel="hottest expert / mean", xlabel="")
-        for ax in axes:
-            ax.tick_params(axis="x", rotation=45)
-        fig.suptitle(f"Routing skew of synthetic traces ({model.name}: E={model.num_experts}, top-{model.top_k})")
-        fig.tight_layout()
+        from lrmoe.paper_figures.run_figures import skew
+
+        fig, _ = skew(run.results)
         figs = run.log_figure("skew", fig)
+        plt.close(fig)
         cols = ["trace", "gini_mean", "max_over_mean_mean", "max_over_mean_max", "source"]
         print(table[cols].to_markdown(index=False, floatfmt=".3f"))
         print(f"results: {args.out}; figure: {figs[0]}; traces in {trace_dir}")

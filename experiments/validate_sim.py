@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -88,44 +87,6 @@ def regime_point(config: dict, raw: pd.DataFrame, calibration: Path, cal: dict) 
             "rhos": match["rhos"], "steps": int(config["steps"]), "rank_steps": len(raw),
             "covered_median_abs_error": float(cells["error"].abs().median())}
     return table.assign(regime=config["regime"]), groups, info
-
-
-def regime_plot(table: pd.DataFrame, infos: dict):
-    """Per regime: each arm's layer time ÷ SYMI-dropless's, measured (median, bar: quartiles over the steps)
-    beside modelled for the same plans."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lrmoe.paper_figures import style
-
-    style.apply()
-    layer = table[table["span"] == "layer"]
-    regimes = list(dict.fromkeys(layer["regime"]))
-    fig, axes = plt.subplots(1, len(regimes), figsize=(6.0 * len(regimes) + 2.0, 4.4), sharey=True, squeeze=False)
-    for ax, regime in zip(axes[0], regimes):
-        df = layer[layer["regime"] == regime].reset_index(drop=True)
-        y = range(len(df))
-        # the quartiles are the per-step ratios', the point the ratio of the medians: it may lie outside them
-        ax.hlines(list(y), df["measured_ratio_q25"], df["measured_ratio_q75"], color="0.4", lw=1.2,
-                  label="measured, quartiles of the per-step ratio")
-        ax.scatter(df["measured_ratio"], y, marker="o", s=26, color="black", zorder=3,
-                   label="measured (CPU, medians)")
-        ax.scatter(df["modelled_ratio"], y, marker="D", s=28, color="#d62728", zorder=3,
-                   label="modelled (cost model, same plans)")
-        ax.axvline(1, color="0.6", lw=0.8, ls=":")
-        ax.set_yticks(list(y), df["policy"])
-        info = infos[regime]
-        ax.set(xlabel="÷ SYMI-dropless's",
-               title=f"regime {regime}: Zipf s {info['zipf_s']:.3f}\nstatic EP slowest rank ÷ mean "
-                     f"{info['trace']['rank_max_over_mean']:.3f} (runs {info['runs']['rank_max_over_mean']:.3f})")
-        ax.title.set_fontsize(9)
-    axes[0][0].invert_yaxis()  # the axes share y: inverting one inverts all
-    style.legend_outside(axes[0][-1])
-    fig.supxlabel("slowest-rank layer CPU time (forward + backward) ÷ SYMI-dropless's, median over steps", fontsize=9)
-    fig.tight_layout()
-    return fig
 
 
 def regime_report(table: pd.DataFrame, groups: pd.DataFrame, infos: dict, cal_path: Path, config: dict,
@@ -207,7 +168,9 @@ def regimes_main(args) -> pd.DataFrame:
                             for r in table.to_dict("records") for side in ("measured", "modelled")}})
         import matplotlib.pyplot as plt
 
-        fig = regime_plot(table, infos)
+        from lrmoe.paper_figures.sim_figures import ratios
+
+        fig, _ = ratios(run.results)
         figs = run.log_figure("ratios", fig)
         plt.close(fig)
     text = regime_report(table, groups, infos, cal_path, first, figs[0].name)
@@ -324,41 +287,6 @@ def calibration_file(args, config: dict, out_dir: Path) -> tuple[Path, dict]:
     return path, data
 
 
-def plot(cells: pd.DataFrame, table: pd.DataFrame, clock: str, title: str):
-    """Left: predicted vs measured ms of every (trace, policy, phase) cell by ``clock``; right: the error per phase,
-    both clocks."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    sns.set_theme(style="whitegrid", context="paper")
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.1, 1]})
-    mine = cells[cells["clock"] == clock]
-    sns.scatterplot(mine, x="measured_ms", y="predicted_ms", hue="phase", style="phase", ax=ax, s=40)
-    positive = pd.concat([mine["measured_ms"], mine["predicted_ms"]])
-    positive = positive[positive > 0]
-    xs = [float(positive.min()) * 0.7, float(positive.max()) * 1.4]
-    ax.plot(xs, xs, color="black", lw=1, label="predicted = measured")
-    for f in (1 + TARGET, 1 - TARGET):
-        ax.plot(xs, [x * f for x in xs], color="grey", lw=0.8, ls="--")
-    ax.set(xscale="log", yscale="log", xlim=xs, ylim=xs, xlabel=f"measured ms, {clock} clock (median over steps)",
-           ylabel="predicted ms (cost model)", title="each (trace, policy, phase); dashed: ±20 %")
-    ax.legend(fontsize=7, ncol=2, loc="upper left")
-    with warnings.catch_warnings():  # seaborn's boxplot uses an argument matplotlib deprecates
-        warnings.simplefilter("ignore", DeprecationWarning)
-        sns.boxplot(cells, x="phase", y="error", hue="clock", hue_order=list(CLOCKS), order=list(table["phase"]),
-                    ax=bx, fliersize=2)
-    bx.axhspan(-TARGET, TARGET, color="green", alpha=0.1)
-    bx.axhline(0, color="black", lw=0.8)
-    bx.set(ylabel="predicted / measured - 1", xlabel="", title="prediction error per phase")
-    bx.tick_params(axis="x", rotation=50)
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
-
-
 def fmt(df: pd.DataFrame, floatfmt: str = ".3f") -> str:
     return df.to_markdown(index=False, floatfmt=floatfmt)
 
@@ -425,13 +353,15 @@ def main(argv=None) -> pd.DataFrame:
                          "median_abs_error_by_clock": med, "median_abs_error_slowest_rank_by_clock": med_slowest,
                          "target": TARGET, "target_met": med[primary] <= TARGET,
                          "replay_mismatches": len(mismatches), "cells": len(mine), "bench": str(bench_path),
-                         "calibration": str(cal_path)})
-        fig = plot(cells, table, primary, f"cost model vs measured layer: {n} gloo ranks, {model.name} "
-                                          f"D={model.hidden} F={model.expert_ffn}, {config['tokens_per_rank']} "
-                                          f"tokens/rank")
-        figs = run.log_figure("predicted_vs_measured", fig)
+                         "calibration": str(cal_path),
+                         "bench_shape": {"ranks": n, "model": model.name, "hidden": model.hidden,
+                                         "ffn": model.expert_ffn, "tokens_per_rank": config["tokens_per_rank"]}})
         import matplotlib.pyplot as plt
 
+        from lrmoe.paper_figures.sim_figures import predicted_vs_measured
+
+        fig, _ = predicted_vs_measured(run.results)
+        figs = run.log_figure("predicted_vs_measured", fig)
         plt.close(fig)
 
     prov = cal.get("provenance", {})

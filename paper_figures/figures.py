@@ -1,7 +1,9 @@
 """The paper's figures, each a function of one results file (JSON lines, as the experiments write them).
 
 Every function returns ``(figure, data)``: ``data`` is the DataFrame exactly as plotted, so the tests can check
-that the plotted values are the file's. Nothing here holds a number of its own. Systems go by the names of
+that the plotted values are the file's. Nothing here holds a number of its own. The figures each experiment script
+draws of its own run (:mod:`run_figures`, :mod:`sim_figures`, :mod:`frontier_figures`) are registered in
+:data:`RUN_FIGURES`, so that ``make figures`` redraws every figure from results files alone. Systems go by the names of
 :mod:`lrmoe.systems`; records written under an older name of a system are read as that system.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import matplotlib
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
@@ -16,14 +19,15 @@ import seaborn as sns
 from lrmoe.systems import canonical
 from lrmoe.results import read_results
 
-from lrmoe.paper_figures import style
+from lrmoe.paper_figures import frontier_figures, run_figures, sim_figures, style
+from lrmoe.paper_figures.reading import CannotDraw, script
 
 
 def records(path: str | Path) -> pd.DataFrame:
     """The records of a results file, one row per record (a resumed run's repeated steps: the last wins)."""
     frame = pd.DataFrame(read_results(path))
     if frame.empty:
-        raise ValueError(f"{path} holds no records")
+        raise CannotDraw(f"{path} holds no records")
     for column in ("system", "policy"):  # older results files: the registry's name of each system
         if column in frame:
             frame[column] = frame[column].map(lambda n: canonical(n, strict=False) if isinstance(n, str) else n)
@@ -273,19 +277,62 @@ FIGURES = {
 }
 
 
-def draw_all(results: Path, out: Path, only: list[str] | None = None) -> dict[str, list[Path]]:
-    """Every figure of :data:`FIGURES` whose results file is in ``results`` (PNG + PDF into ``out``); a figure whose
-    file is missing is skipped with a note. {name: paths written}."""
-    style.apply()
+# "script.name" -> figure function: the figure each experiment script draws of its own run (``Tracker.log_figure``
+# names it <results stem>_<name>), redrawn from every results file that script wrote
+RUN_FIGURES = {
+    "ablate.ratio_vs_symi": sim_figures.ratio_vs_symi,
+    "ablate.time_split": sim_figures.time_split,
+    "memory_sweep.time_vs_memory": sim_figures.time_vs_memory,
+    "validate_sim.ratios": sim_figures.ratios,
+    "validate_sim.predicted_vs_measured": sim_figures.predicted_vs_measured,
+    "frontier.frontier": frontier_figures.frontier,
+    "convergence.curves": run_figures.curves,
+    "bench_planner.planner_time": run_figures.planner_time,
+    "bench_scoring.select_time": run_figures.select_time,
+    "layer_bench.policies": run_figures.policies,
+    "layer_bench.phases": run_figures.phases,
+    "metric_fidelity.fidelity": run_figures.fidelity_grid,
+    "trace_stats.skew": run_figures.skew,
+}
+
+
+def _draw(draw, source: Path, out: Path, name: str, made: dict, skipped: dict, **save) -> None:
+    try:
+        fig, _ = draw(source)
+    except CannotDraw as exc:  # the file predates the figure's records, or is another mode's
+        skipped[name] = str(exc)
+        print(f"skip {name}: {exc}")
+        return
+    made[name] = style.save(fig, out, name, **save)
+    print(f"{name}: {made[name][0]}")
+
+
+def draw_all(results: Path, out: Path, only: list[str] | None = None,
+             skipped: dict[str, str] | None = None) -> dict[str, list[Path]]:
+    """Every figure of :data:`FIGURES` whose results file is in ``results``, and every figure of
+    :data:`RUN_FIGURES` of each results file there that its script wrote (PNG + PDF into ``out``); a figure whose
+    file is missing, or lacks what it plots, is skipped with a note (into ``skipped``: {name: why}). {name: paths
+    written}."""
+    skipped = {} if skipped is None else skipped
     made: dict[str, list[Path]] = {}
     for name, (stem, draw) in FIGURES.items():
         if only and name not in only:
             continue
+        style.apply()
         source = results / f"{stem}.jsonl"
         if not source.exists():
+            skipped[name] = f"{source} not found"
             print(f"skip {name}: {source} not found")
             continue
-        fig, _ = draw(source)
-        made[name] = style.save(fig, out, name)
-        print(f"{name}: {made[name][0]}")
+        _draw(draw, source, out, name, made, skipped)
+    sources = {}
+    for source in sorted(results.glob("*.jsonl")):
+        sources.setdefault(script(source), []).append(source)
+    for key, draw in RUN_FIGURES.items():
+        if only and key not in only:
+            continue
+        writer, suffix = key.split(".")
+        for source in sources.get(writer, []):
+            matplotlib.rcdefaults()  # as the script draws it: matplotlib's look unless the figure sets its own
+            _draw(draw, source, out, f"{source.stem}_{suffix}", made, skipped, dpi=150)
     return made

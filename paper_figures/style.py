@@ -58,10 +58,11 @@ def note(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True, transform=ax.transAxes, color="0.3")
 
 
-def save(fig, out_dir: Path, name: str) -> list[Path]:
+def save(fig, out_dir: Path, name: str, dpi: float | None = None) -> list[Path]:
+    """The figure as PNG and PDF (``dpi``: the scripts' own, else the theme's), tightly cropped."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.png", out_dir / f"{name}.pdf"]
     for path in paths:
-        fig.savefig(path)
+        fig.savefig(path, bbox_inches="tight", **({"dpi": dpi} if dpi else {}))
     plt.close(fig)
     return paths

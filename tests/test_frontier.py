@@ -275,7 +275,7 @@ def test_convergence_prints_the_protocol_claims_over_its_runs():
 def test_frontier_labels_of_nearby_points_never_overlap():
     """Two arms at nearly the same point (the weak regime's early and late selection) get labels stacked apart;
     a point far from every other keeps the default offset."""
-    from lrmoe.experiments.frontier import label_offsets
+    from lrmoe.paper_figures.frontier_figures import label_offsets
 
     x, y = [0.943, 0.955, 1.16, 1.017, 1.027], [0.84, 0.83, 0.0, 0.30, 0.30]
     dy = label_offsets(x, y)

@@ -163,9 +163,10 @@ def test_symi_dropless_keeps_no_more_spare_slots_than_its_own_plans_fit():
     assert uniform[1] > slots[1]  # the case the bound is for: the uniform reading alone grants one slot more
 
 
-def test_the_figures_legend_lies_beside_the_panels():
-    """The time-against-memory figure draws every system that fits, and its legend overlaps no panel."""
-    import pandas as pd
+def test_the_figures_legend_lies_beside_the_panels(tmp_path):
+    """The time-against-memory figure, drawn from the results file, shows every system that fits, and its legend
+    overlaps no panel."""
+    import json
 
     from lrmoe.experiments import memory_sweep
 
@@ -180,7 +181,12 @@ def test_the_figures_legend_lies_beside_the_panels():
             return [name]
 
     run = Run()
-    assert memory_sweep.plot(pd.DataFrame(RECORDS[:-1]), run) == ["time_vs_memory"]
+    run.results = tmp_path / "memory_sweep.jsonl"
+    with open(run.results, "w") as f:
+        f.write(json.dumps({"kind": "run", "run_id": "r", "name": "memory_sweep", "config": {}}) + "\n")
+        f.writelines(json.dumps({"kind": "record", "run_id": "r", "step": i, **r}) + "\n"
+                     for i, r in enumerate(RECORDS[:-1]))
+    assert memory_sweep.plot(run) == ["time_vs_memory"]
     assert run.labels == {"symi-dropless", "lrmoe", "lrmoe-rho0.75", "online"}
 
 

@@ -138,14 +138,14 @@ def names_after_flags(argv, flags=("--policies", "--systems", "--policy")) -> li
 
 
 def test_names_used_by_scripts_figures_and_notebooks_are_registry_names():
-    from lrmoe.paper_figures import figures, style
+    from lrmoe.paper_figures import figures, sim_figures, style
 
     train, bench, planner = load_experiment("train"), load_experiment("layer_bench"), load_experiment("bench_planner")
     ablate, convergence, reproduce = (load_experiment("ablate"), load_experiment("convergence"),
                                       load_experiment("reproduce"))
     used = {train.parse_args([]).policy, *bench.DEFAULT_POLICIES, *planner.POLICY_NAMES, *ablate.SYSTEMS,
-            *ablate.PLOTTED, *convergence.POLICIES, BASELINE, *figures.MAIN_SYSTEMS,
-            *figures.COMPONENTS}
+            *sim_figures.ABLATE_PLOTTED, *sim_figures.SPLIT, *sim_figures.BANDED, *convergence.POLICIES, BASELINE,
+            *figures.MAIN_SYSTEMS, *figures.COMPONENTS}
     for stage in reproduce.STAGES:
         used.update(names_after_flags([*stage.quick, *stage.full]))
     for path in (ROOT / "notebooks").glob("*.py"):
