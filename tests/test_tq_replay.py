@@ -25,7 +25,8 @@ def recorded_trace(steps=4, layers=2, tokens=64, seed=0) -> Trace:
         for i in range(steps):
             for r in range(n):
                 counts[i, layer, r] = rng.multinomial(tokens * k, p_E)
-    return Trace(counts, {"source": "recorded", "top_k": k, "micro_batches": 1, "tokens_per_rank": tokens})
+    # the metadata experiments/train.py writes (no top_k: each row's pairs over its tokens say it)
+    return Trace(counts, {"source": "recorded", "micro_batches": 1, "tokens_per_rank": tokens})
 
 
 def test_dense_flops_by_hand():
@@ -53,7 +54,7 @@ def test_dense_part_the_same_and_moe_time_the_simulators():
         times[system] = t
         assert t.layer_weights == [24, 24]
         assert t.steps_priced == 1
-        paper = to_paper_scale(trace, num_layers=48, tokens_per_rank=tokens, micro_batches=mb,
+        paper = to_paper_scale(trace, num_layers=48, tokens_per_rank=tokens, micro_batches=mb, top_k=8,
                                num_experts=128, num_ranks=16)
         one_mb_ILNE, _ = micro_batch_counts(paper)
         cell = Cell(MODEL, CLUSTER, ("recorded", 0.0), CLUSTER.mem_budget_bytes / 1e9, tokens)
@@ -82,3 +83,8 @@ def test_band_corners_and_bad_input():
     small = Trace(trace.counts_array()[:, :, :, :64], {"top_k": 8})
     with pytest.raises(ValueError, match="experts"):
         price_run(small, "static-ep", MODEL, CLUSTER, 2048, 8, 2, 0.1, 0.1, warmup_steps=2)
+    top4 = Trace(trace.counts_array(), {"tokens_per_rank": 128, "micro_batches": 1})  # 512 pairs of 128 tokens
+    with pytest.raises(ValueError, match="4 experts per token"):
+        price_run(top4, "static-ep", MODEL, CLUSTER, 2048, 8, 2, 0.1, 0.1, warmup_steps=2)
+    with pytest.raises(ValueError, match="pairs per token are unknown"):
+        price_run(Trace(trace.counts_array()), "static-ep", MODEL, CLUSTER, 2048, 8, 2, 0.1, 0.1, warmup_steps=2)

@@ -109,6 +109,21 @@ def weighted_seconds(res: SimResult, weights_L: np.ndarray, variant: str | None 
     return float(((per_layer_LH * w_L[:, None]).sum(0) * res.weights_H(micro_batches)).sum())
 
 
+def check_top_k(trace: Trace, top_k: int) -> None:
+    """A recorded trace routes the paper's top-k: its metadata's ``top_k``, or (train.py's traces) every row's pairs
+    over its ``tokens_per_rank`` x ``micro_batches`` tokens, must be ``top_k``; ValueError otherwise."""
+    k = trace.meta.get("top_k")
+    tokens = trace.meta.get("tokens_per_rank")
+    if k is None and tokens:
+        per_row = trace.counts_array().sum(-1) / (tokens * (trace.meta.get("micro_batches") or 1))
+        k = float(per_row.flat[0]) if np.all(per_row == per_row.flat[0]) else None
+    if k is None:
+        raise ValueError("the trace says neither its top_k nor its tokens per rank: its pairs per token are unknown")
+    if k != top_k:
+        raise ValueError(f"the trace routes {k:g} experts per token, the paper's model {top_k}: a recorded trace is "
+                         f"replayed at its own routing shape (DESIGN.md §11.1)")
+
+
 def price_run(trace: Trace, system: str, model: MoEConfig, cluster: ClusterConfig, tokens_per_rank: int,
               micro_batches: int, spare_slots: int, eps: float, gamma: float, warmup_steps: int,
               band: bool = True, dense_efficiency: float = DENSE_EFFICIENCY) -> RunTime:
@@ -122,10 +137,11 @@ def price_run(trace: Trace, system: str, model: MoEConfig, cluster: ClusterConfi
         raise ValueError(f"warmup_steps must be in [2, {trace.num_steps}) for a trace of {trace.num_steps} steps, "
                          f"got {warmup_steps}")
     recorded_layers = trace.num_layers
+    check_top_k(trace, model.top_k)
     weights_L = np.bincount(layer_map(recorded_layers, model.num_moe_layers), minlength=recorded_layers)
     paper = to_paper_scale(trace, num_layers=recorded_layers, tokens_per_rank=tokens_per_rank,
-                           micro_batches=micro_batches, num_experts=model.num_experts, num_ranks=cluster.num_ranks,
-                           steps=slice(warmup_steps - 2, None))
+                           micro_batches=micro_batches, top_k=model.top_k, num_experts=model.num_experts,
+                           num_ranks=cluster.num_ranks, steps=slice(warmup_steps - 2, None))
     one_mb_ILNE, _ = micro_batch_counts(paper)
     cell = Cell(model, cluster, ("recorded", 0.0), cluster.mem_budget_bytes / 1e9, tokens_per_rank)
     rules = CellRules(eps=eps, gamma=gamma, max_extra=spare_slots)
