@@ -88,3 +88,15 @@ def test_band_corners_and_bad_input():
         price_run(top4, "static-ep", MODEL, CLUSTER, 2048, 8, 2, 0.1, 0.1, warmup_steps=2)
     with pytest.raises(ValueError, match="pairs per token are unknown"):
         price_run(Trace(trace.counts_array()), "static-ep", MODEL, CLUSTER, 2048, 8, 2, 0.1, 0.1, warmup_steps=2)
+
+
+def test_a_slot_left_empty_at_a_step_is_not_a_missing_slot():
+    """Under heavy skew LRMoE's plans leave a replica slot empty at some steps (mean slots per rank below 10): the
+    regime still gives it 10 slots, so it is priced (it was refused as "different systems")."""
+    from lrmoe.traces.synthetic import generate_trace
+
+    trace = generate_trace(6, 8, 16, 128, 8, 2048, skew="zipf", skew_param=1.207, seed=0)
+    trace.meta |= {"top_k": 8, "tokens_per_rank": 2048, "micro_batches": 1}
+    t = price_run(trace, "lrmoe-rho0.75-early-unbiased", MODEL, CLUSTER, 2048, 8, spare_slots=2, eps=0.1, gamma=0.1,
+                  warmup_steps=2, band=False)
+    assert t.summary["slots_per_rank"] < 10 and t.moe_s > 0

@@ -193,6 +193,7 @@ def zipf_matched(rows: list[dict], regime: str, trace_seeds: int = 5, steps: int
     for seed in range(trace_seeds):
         trace = generate_trace(steps + 2, layers, scale.num_ranks, scale.num_experts, scale.top_k,
                                scale.tokens_per_rank, skew="zipf", skew_param=match.zipf_s, seed=seed)
+        trace.meta |= {"top_k": scale.top_k, "tokens_per_rank": scale.tokens_per_rank, "micro_batches": 1}
         shapes.append(P.shape_stats(trace, warmup=2))
         at = {}
         for arm in arms:
@@ -220,8 +221,8 @@ def time_axis_text(rows: list[dict], regime: str, **zipf_kw) -> str:
     shape = pd.DataFrame([{"statistic": k, "runs' own traces": runs[k], "Zipf-matched": matched[k],
                            "matched": k == "rank_max_over_mean"} for k in ("rank_max_over_mean", "gini",
                                                                             "expert_max_over_mean")])
-    own = own_ratios(rows, regime)
-    both = own.merge(zipf, on="arm", how="outer", suffixes=(" own", " zipf"))
+    own = own_ratios(rows, regime).rename(columns=lambda c: c if c == "arm" else f"own {c}")
+    both = own.merge(zipf.rename(columns=lambda c: c if c == "arm" else f"zipf {c}"), on="arm", how="outer")
     return "\n".join([
         f"Routing shape (static EP, paper scale; {runs['runs']} runs' own traces after the warm-up, against Zipf s "
         f"{matched['zipf_s']:.3f} matched on slowest rank ÷ mean):", "", shape.to_markdown(index=False, floatfmt=".3f"),
