@@ -57,7 +57,6 @@ reproducible.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 import time
@@ -71,17 +70,16 @@ import torch.nn.functional as F
 from lrmoe.config import MoEConfig, cluster_preset, full_scale_preset, model_preset
 from lrmoe.harness.rss import peak_bytes, reset_peak
 from lrmoe.integrations.data import get_batch, load_corpus
-from lrmoe.runtime.clip import clip_grad_norm_
 from lrmoe.runtime.distributed.mesh import Mesh, build_mesh, ep_problem, ep_ranks_per_node, resolve_ep_size
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups
 from lrmoe.runtime.distributed.torchrun import record, torchrun_env
-from lrmoe.runtime.layer import EPMoELayer, grad_flags, initial_placement, raise_on_grad_flags
+from lrmoe.runtime.layer import EPMoELayer, initial_placement
 from lrmoe.integrations.load_stats import flat_log, load_stats
 from lrmoe.integrations.model import MoETransformer
 from lrmoe.planner.plan import LayerPlan
 from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.runtime.distributed.launch import LaunchError, launch
-from lrmoe.runtime.routing import update_expert_bias
+from lrmoe.runtime.optim import ExpertParallelOptimizer
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
 from lrmoe.checks import (available_memory_bytes, fraction_arg, non_negative_float_arg, non_negative_int_arg,
@@ -157,37 +155,21 @@ def lr_at(step: int, args) -> float:
     return floor + 0.5 * (args.lr - floor) * (1 + math.cos(math.pi * frac))
 
 
-def set_lr(optimizer: torch.optim.Optimizer, layers: list[EPMoELayer], lr: float) -> None:
-    """The dense optimizer's and every layer's expert Adam's learning rate."""
+def lr_scheduler(optimizer: torch.optim.Optimizer, args, start: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """torch's LambdaLR driving every group of the step core (the dense ones and the experts') along
+    :func:`lr_at`, from ``start`` (a resumed run's first step). The groups' base rate is 1, so the rates are
+    lr_at's values themselves, bit for bit (a base of --lr times lr_at / --lr would round differently)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
-    for layer in layers:
-        layer.store.adam = dataclasses.replace(layer.store.adam, lr=lr)
-
-
-def all_reduce_mean_(tensors: list[torch.Tensor], world: int, layers: list[EPMoELayer],
-                     micro_batches: int = 1) -> None:
-    """Average gradients over the data-parallel ranks and the step's micro-batches in one flat all-reduce, which
-    carries the layers' gradient check: a NaN or inf on any rank raises on every rank, before any weight is
-    updated."""
-    finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
-    flags = grad_flags(layers, dist.get_rank(), world, finite).to(tensors[0])
-    flat = torch.cat([*(t.reshape(-1) for t in tensors), flags])
-    if world > 1:
-        dist.all_reduce(flat)
-    raise_on_grad_flags(flat[-world:], layers, dist.get_rank())
-    flat = flat[:-world] / (world * micro_batches)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset: offset + t.numel()].view_as(t))
-        offset += t.numel()
+        group["initial_lr"] = 1.0
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, args), last_epoch=start - 1)
 
 
 # -- the two architectures behind one interface ----------------------------------------------------------------------
 # Each builds its model and optimizers on every rank and offers: train_step(x, y) -> (this rank's loss, the MoE
 # layers' plans of every micro-batch [micro-batch][layer], routed counts [L, N, E] summed over the micro-batches);
-# eval_loss(x, y) (no planning state advanced); .model, .opt (the dense optimizer) and the MoE layers, which the
-# checkpoint saves and loads (lrmoe.integrations.checkpoint).
+# eval_loss(x, y) (no planning state advanced); .core (the step core, lrmoe.runtime.optim); .model, .opt (the
+# step core's dense optimizer) and the MoE layers, which the checkpoint saves and loads
+# (lrmoe.integrations.checkpoint).
 class NativeModel:
     """lrmoe's own transformer (lrmoe.integrations.model.MoETransformer) with an EPMoELayer per MoE layer."""
 
@@ -218,14 +200,16 @@ class NativeModel:
         self.model.activation_checkpointing = args.activation_checkpointing
         expert_params = {id(layer.store.slots_SW) for layer in self.layers}
         self.dense = [p for p in self.model.parameters() if id(p) not in expert_params]
-        self.opt = torch.optim.AdamW(self.dense, lr=args.lr, weight_decay=0.0)
+        # dense sync, clipping, AdamW, the experts' Adam + redistribution, GLM's bias (lrmoe.runtime.optim)
+        biases = [layer.bias_E if cfg.router == "sigmoid_bias" else None for layer in self.layers]
+        self.core = ExpertParallelOptimizer(torch.optim.AdamW(self.dense, lr=args.lr, weight_decay=0.0), self.layers,
+                                            max_grad_norm=args.clip_grad, biases=biases, bias_rate=args.bias_rate)
+        self.opt = self.core.dense  # what the checkpoint saves beside the layers' expert state
         self.grad_norm: torch.Tensor | None = None  # the last step's global norm before clipping (--clip-grad)
 
     def train_step(self, x, y) -> tuple[torch.Tensor, list[list[LayerPlan]], torch.Tensor]:
         k = self.args.micro_batches
-        self.opt.zero_grad(set_to_none=False)
-        for layer in self.layers:
-            layer.store.slots_SW.grad = None
+        self.core.zero_grad(set_to_none=False)
         losses, plans, counts = [], [], 0
         for x_m, y_m in zip(x.chunk(k), y.chunk(k)):  # micro-batches: gradients accumulate, one step
             _, infos, loss, total = self.model(x_m, y_m, aux_coef=self.args.aux_coef)
@@ -233,18 +217,8 @@ class NativeModel:
             losses.append(loss.detach())
             plans.append([info.dispatch.plan for info in infos])
             counts = counts + torch.stack([info.dispatch.counts_NE for info in infos])
-        # the gradient of the mean loss over ranks and micro-batches (the layers' default scale for the experts)
-        all_reduce_mean_([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense], self.world,
-                         self.layers, k)
-        clip = self.args.clip_grad
-        # the experts' replica-gradient sum and collection run here when clipping (lrmoe.runtime.clip)
-        self.grad_norm = clip_grad_norm_(self.dense, self.layers, clip) if clip else None
-        self.opt.step()
-        for layer in self.layers:
-            layer.expert_step(collected=bool(clip))
-            if self.cfg.router == "sigmoid_bias":  # GLM-4.5: aux-loss-free balancing from the step's counts
-                layer.bias_E.copy_(update_expert_bias(layer.bias_E, layer.global_counts_E.to(self.device),
-                                                      self.args.bias_rate))
+        self.core.step()  # the gradient of the mean loss over ranks and micro-batches
+        self.grad_norm = self.core.last_grad_norm
         return torch.stack(losses).mean(), plans, counts
 
     @torch.no_grad()
@@ -278,10 +252,12 @@ class HFModel:
         context = system_context(args, cfg, world)
         self.ep = swap_moe_blocks(self.model, args.policy, context=context, seed=args.seed,
                                   adam=AdamConfig(lr=args.lr, weight_decay=0.0), replica_grad=args.replica_grad)
-        self.opt = torch.optim.AdamW(self.ep.dense_parameters(), lr=args.lr, weight_decay=0.0)
+        # the same step core as NativeModel's (lrmoe.runtime.optim), with HF's gate biases
+        self.core = self.ep.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.0, bias_rate=args.bias_rate,
+                                      max_grad_norm=args.clip_grad)
+        self.opt = self.core.dense  # what the checkpoint saves beside the layers' expert state
         self.architecture = self.model.config.model_type
         self.aux_coef = 0.0 if self.ep.family.biased else args.aux_coef  # GLM: the selection bias balances
-        self.bias_rate, self.clip_grad = args.bias_rate, args.clip_grad
         self.grad_norm: torch.Tensor | None = None  # the last step's global norm before clipping (--clip-grad)
 
     def train_step(self, x, y) -> tuple[torch.Tensor, list[list[LayerPlan]], torch.Tensor]:
@@ -293,8 +269,9 @@ class HFModel:
             total.backward()
             losses.append(loss.detach())
             plans.append(self.ep.plans())
-        # dense sync, clipping, AdamW, expert Adam + redistribution, bias: the mean loss over ranks and micro-batches
-        self.grad_norm = self.ep.step(self.opt, bias_rate=self.bias_rate, max_grad_norm=self.clip_grad)
+        self.core.step()  # the gradient of the mean loss over ranks and micro-batches
+        self.core.zero_grad()
+        self.grad_norm = self.core.last_grad_norm
         counts = sum(torch.stack([p.routed_NE for p in micro]) for micro in plans)
         return torch.stack(losses).mean(), plans, counts
 
@@ -441,6 +418,7 @@ def worker(rank: int, args) -> list[dict]:
     start = args.start_step  # plan_resume's choice, made before the ranks started
     if start:
         history, counts = ckpt.load(start, run.model, run.opt, layers, {"data": gen}, run.architecture)
+    scheduler = lr_scheduler(run.core, args, start)  # after the checkpoint: it continues from the step
     tracker = None
     if rank == 0 and args.out:
         from lrmoe.integrations.tracking import Tracker
@@ -458,8 +436,8 @@ def worker(rank: int, args) -> list[dict]:
             base = reset_peak() if args.record_peak_rss else 0  # before the clock starts
             t0 = time.perf_counter()
             x, y = get_batch(corpus.train, args.batch, args.seq_len, gen)
-            set_lr(run.opt, layers, lr_at(step, args))
             loss, plans, counts_LNE = run.train_step(x.to(device), y.to(device))
+            scheduler.step()
             peak = torch.tensor([peak_bytes() - base if args.record_peak_rss else 0], dtype=torch.float64)
             elapsed = time.perf_counter() - t0
             loss_sum = loss.double().reshape(1)

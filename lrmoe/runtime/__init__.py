@@ -7,6 +7,10 @@
 * :mod:`~lrmoe.runtime.expert_compute`: the SwiGLU experts on grouped GEMMs, forward and backward by hand;
 * :mod:`~lrmoe.runtime.routing`: the routers (softmax top-k, GLM's sigmoid with bias);
 * :mod:`~lrmoe.runtime.clip`: gradient clipping by the global norm over the dense parameters and the experts;
+* :mod:`~lrmoe.runtime.optim`: the step core, one ``torch.optim.Optimizer`` over the dense parameters and the
+  experts (dense sync, clip, dense step, expert step, GLM's bias update);
+* :mod:`~lrmoe.runtime.dense_sync`: the dense gradients' all-reduce with the non-finite check, and the check
+  that every rank starts from the same weights;
 * :mod:`~lrmoe.runtime.reference`: the dense single-process reference every test compares against;
 * :mod:`~lrmoe.runtime.distributed`: all-to-all and point-to-point, the launcher, the replica substrate, the
   accountant;

@@ -53,8 +53,8 @@ The per-pair expert outputs come home as one tensor ``o_MD`` before the weighted
 
 Non-finite values fail loudly, on every rank, before any weight moves: each rank's "my input holds a NaN or inf"
 rides as one extra entry in the counts all-gather the plan needs anyway, and each rank's "a gradient into my layer
-(or my dense gradients) holds one" as one entry per rank in the dense-gradient all-reduce (:func:`grad_flags`,
-:func:`raise_on_grad_flags`). Either raises :class:`NonFiniteError` naming the layer and the rank.
+(or my dense gradients) holds one" as one entry per rank in the dense-gradient all-reduce
+(:mod:`lrmoe.runtime.dense_sync`). Either raises :class:`NonFiniteError` naming the layer and the rank.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ from torch import nn
 from lrmoe.recal.backward_config import BackwardConfig
 from lrmoe.runtime.backward import BackwardRecord, ExpertExchange, expert_exchange
 from lrmoe.config import ROUTER_FAMILIES
+from lrmoe.runtime.dense_sync import NonFiniteError, grad_flags, raise_on_grad_flags, sync_dense_grads_
 from lrmoe.runtime.dispatch import Comm, Dispatch, TokenDispatcher, assign_pairs, make_dispatch, source_to_slot_major
 from lrmoe.runtime.distributed.accounting import Accountant
 from lrmoe.runtime.expert_compute import SwiGLUExperts
@@ -84,35 +85,6 @@ __all__ = ["Decision", "EPMoELayer", "EPMoEInfo", "RecalibratedPlanError", "NonF
            "recomputing", "source_to_slot_major"]
 
 PLAIN_BACKWARD = BackwardConfig()  # what a layer built with backward=None runs: plans that select are refused
-
-
-class NonFiniteError(FloatingPointError):
-    """A NaN or inf in a layer's input or in a gradient, raised on every rank (the message names the layer and the
-    ranks where it arose)."""
-
-
-def grad_flags(layers, rank: int, num_ranks: int, dense_finite: torch.Tensor) -> torch.Tensor:
-    """This rank's entries of the gradient check, to ride in the dense-gradient all-reduce: [num_ranks] zeros but
-    at ``rank``: 1 + the index of the first of ``layers`` whose output gradient held a NaN or inf, else
-    len(layers) + 1 when only this rank's dense gradients did (``dense_finite`` False), else 0. No host sync."""
-    device = dense_finite.device
-    codes = [torch.where(layer.grad_finite, 0.0, float(i + 1)).to(device) for i, layer in enumerate(layers)
-             if layer.grad_finite is not None]
-    codes.append(torch.where(dense_finite, 0.0, float(len(layers) + 1)))
-    codes_C = torch.stack(codes)
-    code = codes_C[(codes_C > 0).float().argmax()]  # the first non-zero (0 when none)
-    return torch.zeros(num_ranks, device=device).index_put_((torch.tensor([rank], device=device),), code.view(1))
-
-
-def raise_on_grad_flags(flags_N: torch.Tensor, layers, rank: int) -> None:
-    """After the all-reduce: raise :class:`NonFiniteError` (on every rank alike) when any rank flagged a gradient."""
-    flags = flags_N.cpu().round().long()
-    if not bool(flags.any()):
-        return
-    where = [f"rank {r} (gradient into {layers[c - 1].name if c <= len(layers) else 'the dense parameters'})"
-             for r, c in enumerate(flags.tolist()) if c]
-    raise NonFiniteError(f"non-finite gradient (NaN or inf) on {', '.join(where)}; stopped on every rank before any "
-                         f"weight was updated (this is rank {rank})")
 
 
 class RecalibratedPlanError(ValueError):
@@ -219,6 +191,7 @@ class EPMoELayer(nn.Module):
         self.decisions: list[Decision] = []  # this iteration's, for recomputation (module doc)
         self.name = "EPMoELayer"  # how errors name this layer (a model sets e.g. "layer 3")
         self.grad_finite: torch.Tensor | None = None  # whether this iteration's output gradients are finite
+        self.dense_synced = False  # the dense gradients were all-reduced since this layer's last backward
         self.last_plan: LayerPlan | None = None
         self.last_dispatch: Dispatch | None = None
         self._iteration_policy = None
@@ -396,6 +369,7 @@ class EPMoELayer(nn.Module):
     def _note_grad(self, grad_TD: torch.Tensor) -> None:
         finite = torch.isfinite(grad_TD).all()  # over the iteration's micro-batches: all of them finite
         self.grad_finite = finite if self.grad_finite is None else self.grad_finite & finite
+        self.dense_synced = False  # a backward accumulated new, unreduced dense gradients
 
     # -- after the backward --------------------------------------------------------------------------------------
     def mean_grad_scale(self) -> float:
@@ -407,23 +381,8 @@ class EPMoELayer(nn.Module):
     def sync_dense_grads(self, grad_scale: float | None = None) -> None:
         """All-reduce (sum) the router's and shared expert's gradients over all ranks of the world, times ``grad_scale``
         (default :meth:`mean_grad_scale`: the gradient of the mean loss over ranks and micro-batches), in one flat
-        all-reduce that carries the gradient check (NonFiniteError on every rank)."""
-        scale = self.mean_grad_scale() if grad_scale is None else grad_scale
-        params = self.dense_parameters()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        world, rank = dist.get_world_size(), dist.get_rank()
-        flags = grad_flags([self], rank, world, torch.isfinite(flat).all()).to(flat)
-        flat = torch.cat([flat, flags])
-        if world > 1:
-            dist.all_reduce(flat)
-        raise_on_grad_flags(flat[-world:], [self], rank)
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad)).mul_(scale)
-            offset += p.numel()
+        all-reduce that carries the gradient check (NonFiniteError on every rank; :mod:`lrmoe.runtime.dense_sync`)."""
+        sync_dense_grads_(self.dense_parameters(), [self], self.mean_grad_scale() if grad_scale is None else grad_scale)
 
     def next_placement(self) -> torch.Tensor:
         """The placement for the next iteration: one micro-batch's plan carries it; after several, the iteration's
@@ -467,4 +426,5 @@ class EPMoELayer(nn.Module):
                 dist.all_reduce(counts_E, group=self.store.dp_group)
                 self.global_counts_E = counts_E.cpu()
         self.iteration_counts_NE, self.micro_batches, self.decisions = None, 0, []
+        self.dense_synced = False
         return self.placement_NS

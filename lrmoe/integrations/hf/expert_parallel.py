@@ -4,20 +4,28 @@
 from __future__ import annotations
 
 import weakref
-from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lrmoe.integrations.hf.families import DEFAULT_BIAS_RATE, Family, reference_to_hf
-from lrmoe.integrations.hf.foreign_optimizer import GRAD_SAMPLE, GRADIENT_EDIT, GradientEditError, _ForeignStepGuard
+from lrmoe.integrations.hf.foreign_optimizer import (GRAD_SAMPLE, GRADIENT_EDIT, ForeignOptimizerError,
+                                                     GradientEditError, _ForeignStepGuard)
 from lrmoe.integrations.load_stats import load_stats
 from lrmoe.planner.plan import LayerPlan
 from lrmoe.runtime.clip import clip_grad_norm_
+from lrmoe.runtime.dense_sync import sync_dense_grads_
 from lrmoe.runtime.distributed.replica import unflatten_experts
-from lrmoe.runtime.layer import EPMoELayer, grad_flags, raise_on_grad_flags
-from lrmoe.runtime.routing import update_expert_bias
+from lrmoe.runtime.layer import EPMoELayer
+from lrmoe.runtime.optim import ExpertParallelOptimizer, adam_hyperparameters, update_expert_biases_
+
+UNSYNCED_DENSE_STEP = (
+    "ep.expert_step(): the swapped model's dense parameters were stepped in this iteration before their gradients "
+    "were reduced (ep.sync_dense_grads(): the all-reduce over the ranks, the mean over ranks and micro-batches, the "
+    "non-finite check). Each rank stepped its own gradient, so on more than one rank their dense weights now differ. "
+    "Step with the swapped model's optimizer, opt = ep.optimizer(torch.optim.AdamW, lr=...), which runs the "
+    "reduction, the dense step and the experts' step in that order; or call ep.sync_dense_grads() before your "
+    "optimizer's step, or ep.step(optimizer) in place of it (README, 'Use it with transformers').")
 
 
 class HFExpertParallel:
@@ -30,7 +38,7 @@ class HFExpertParallel:
       the placement the policy planned for the next iteration);
     * :meth:`update_expert_bias`: GLM's aux-loss-free update of ``e_score_correction_bias`` from the step's global
       counts (identical on every rank);
-    * :meth:`step`: all four in order;
+    * :meth:`step`: all four in order (the step core's order, :mod:`lrmoe.runtime.optim`);
     * :meth:`optimizer`: the same as one ``torch.optim.Optimizer`` (:class:`EPOptimizer`), for loops written for
       plain PyTorch and for LR schedulers.
 
@@ -75,33 +83,13 @@ class HFExpertParallel:
         return self.mean_grad_scale() if grad_scale is None else grad_scale
 
     def sync_dense_grads(self, grad_scale: float | None = None) -> None:
-        """Sum every dense gradient over the ranks (one flat all-reduce per dtype), times ``grad_scale`` (default:
-        the gradient of the mean loss over ranks and micro-batches). A missing gradient counts as zeros, so every
-        rank reduces the same tensors."""
-        scale = self._scale(grad_scale)
-        params, averaged = self.dense_parameters(), self.dense_reduced_by_ddp
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        by_dtype: dict[tuple, list[nn.Parameter]] = {}
-        for p in params:
-            by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-        N, layers = self.num_ranks, self.layers
-        for group in by_dtype.values():
-            finite = torch.stack([torch.isfinite(p.grad).all() for p in group]).all()
-            flags = grad_flags(layers, self.rank, N, finite).to(group[0].grad)  # the gradient check (runtime.layer)
-            flat = flags if averaged else torch.cat([*(p.grad.reshape(-1) for p in group), flags])
-            if N > 1:
-                dist.all_reduce(flat)
-            raise_on_grad_flags(flat[-N:], layers, self.rank)
-            if averaged:  # DDP's mean over the ranks, to the sum times scale
-                torch._foreach_mul_([p.grad for p in group], scale * N)
-                continue
-            flat = flat[:-N].mul_(scale)
-            offset = 0
-            for p in group:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+        """Sum every dense gradient over the ranks (one flat all-reduce per dtype, carrying the non-finite check),
+        times ``grad_scale`` (default: the gradient of the mean loss over ranks and micro-batches). A missing
+        gradient counts as zeros, so every rank reduces the same tensors (:mod:`lrmoe.runtime.dense_sync`). When a
+        DistributedDataParallel averaged them in the backward (:attr:`dense_reduced_by_ddp`) only the check is
+        all-reduced, and the average is rescaled to the same convention."""
+        sync_dense_grads_(self.dense_parameters(), self.layers, self._scale(grad_scale),
+                          averaged=self.dense_reduced_by_ddp)
 
     def clip_grad_norm_(self, max_norm: float, grad_scale: float | None = None) -> torch.Tensor:
         """Clip every gradient, dense and expert, to a global L2 norm of ``max_norm`` as
@@ -116,49 +104,54 @@ class HFExpertParallel:
     def expert_step(self, grad_scale: float | None = None, collected: bool = False) -> None:
         """Every swapped layer's expert optimizer step, into the next placement its plans chose, with the
         gradient times ``grad_scale`` (default: the gradient of the mean loss over ranks and micro-batches);
-        ``collected``: with the gradient :meth:`clip_grad_norm_` collected and clipped."""
+        ``collected``: with the gradient :meth:`clip_grad_norm_` collected and clipped.
+
+        Refused (:class:`ForeignOptimizerError`, :data:`UNSYNCED_DENSE_STEP`) before any expert moves when the dense
+        parameters were stepped in this iteration without :meth:`sync_dense_grads` after its last backward (and
+        without a DistributedDataParallel that reduced them in it)."""
+        guard = self._guard
+        stepped = guard.stepped_outside or (guard.versions is not None and guard.dense_versions() != guard.versions)
+        if stepped and not (self.layers[0].dense_synced or self.dense_reduced_by_ddp):
+            raise ForeignOptimizerError(UNSYNCED_DENSE_STEP)
         scale = self._scale(grad_scale)
         for layer in self.layers:
             layer.expert_step(grad_scale=scale, collected=collected)
 
-    @torch.no_grad()
+    def biases(self) -> list[torch.Tensor | None]:
+        """Each swapped block's selection bias (GLM's ``e_score_correction_bias``; None for Qwen3-MoE)."""
+        return [b.gate.e_score_correction_bias if self.family.biased else None for b in self.blocks]
+
     def update_expert_bias(self, rate: float = DEFAULT_BIAS_RATE) -> None:
         """GLM: nudge each gate's ``e_score_correction_bias`` by ``rate`` towards balance, from the global counts of
         the iteration (its micro-batches summed; after :meth:`expert_step`, of the iteration it ended). No
         collective: the counts are already global. A no-op for Qwen3-MoE."""
-        if not self.family.biased or not rate:
-            return
-        for block, layer in zip(self.blocks, self.layers):
-            counts = layer.iteration_counts_NE.sum(0) if layer.iteration_counts_NE is not None else layer.prev_counts_E
-            if counts is None:
-                raise ValueError("update_expert_bias needs a training forward first")
-            bias = block.gate.e_score_correction_bias
-            bias.copy_(update_expert_bias(bias, counts.to(bias.device), rate))
+        update_expert_biases_(self.layers, self.biases(), rate)
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: float | None = None,
              bias_rate: float = DEFAULT_BIAS_RATE, max_grad_norm: float = 0.0) -> torch.Tensor | None:
-        """One optimizer step after the backward(s): dense gradients all-reduced, every gradient clipped to a
+        """One optimizer step after the backward(s), the step core's (:class:`~lrmoe.runtime.optim.
+        ExpertParallelOptimizer` around ``optimizer``): dense gradients all-reduced, every gradient clipped to a
         global norm of ``max_grad_norm`` when it is positive (:meth:`clip_grad_norm_`), ``optimizer`` stepped, the
-        experts stepped and redistributed, GLM's bias updated; then every gradient cleared. ``grad_scale``
-        defaults to the gradient of the mean loss over ranks and micro-batches. Returns the norm before clipping
-        (None when not clipping)."""
-        scale = self._scale(grad_scale)
-        self.sync_dense_grads(scale)
-        norm = self.clip_grad_norm_(max_grad_norm, scale) if max_grad_norm > 0 else None
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.expert_step(scale, collected=norm is not None)
-        self.update_expert_bias(bias_rate)
-        return norm
+        experts stepped (with the Adam configuration the swap gave them) and redistributed, GLM's bias updated;
+        then every gradient cleared. ``grad_scale`` defaults to the gradient of the mean loss over ranks and
+        micro-batches. Returns the norm before clipping (None when not clipping)."""
+        core = ExpertParallelOptimizer(optimizer, self.layers, grad_scale=grad_scale, max_grad_norm=max_grad_norm,
+                                       expert_hparams=adam_hyperparameters(self.layers[0].store.adam),
+                                       biases=self.biases(), bias_rate=bias_rate,
+                                       dense_averaged=lambda: self.dense_reduced_by_ddp)
+        core.step()
+        core.zero_grad(set_to_none=True)
+        return core.last_grad_norm
 
     def optimizer(self, dense_optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
                   grad_scale: float | None = None, bias_rate: float = DEFAULT_BIAS_RATE,
                   max_grad_norm: float = 0.0, allow_grad_edits: bool = False, **kwargs) -> "EPOptimizer":
         """One ``torch.optim.Optimizer`` for the whole swapped model (:class:`EPOptimizer`): ``dense_optimizer(
         self.dense_parameters(), **kwargs)`` for the dense part, the replica store's sharded Adam for the experts
-        (its ``lr``, ``betas`` and ``eps`` those of ``kwargs`` when given); ``max_grad_norm`` > 0 clips the global
-        norm over both at every step; a dense gradient changed in place between the backward and the step raises
-        :class:`GradientEditError` there unless ``allow_grad_edits``. No collective."""
+        with the dense optimizer's ``lr``, ``betas``, ``eps`` and ``weight_decay`` (decoupled as AdamW's, L2 as
+        Adam's; :mod:`lrmoe.runtime.optim`); ``max_grad_norm`` > 0 clips the global norm over both at every step;
+        a dense gradient changed in place between the backward and the step raises :class:`GradientEditError`
+        there unless ``allow_grad_edits``. No collective."""
         return EPOptimizer(self, dense_optimizer, grad_scale=grad_scale, bias_rate=bias_rate,
                            max_grad_norm=max_grad_norm, allow_grad_edits=allow_grad_edits, **kwargs)
 
@@ -226,10 +219,13 @@ class HFExpertParallel:
                 layer.bwd_generator.set_state(state["bwd_generator"])
 
 
-class EPOptimizer(torch.optim.Optimizer):
+class EPOptimizer(ExpertParallelOptimizer):
     """A swapped model's optimizer as one ``torch.optim.Optimizer``, so that a loop written for plain PyTorch
     (``loss.backward(); opt.step(); opt.zero_grad()``, any number of micro-batches in between) and torch's LR
-    schedulers work unchanged.
+    schedulers work unchanged: the step core (:class:`~lrmoe.runtime.optim.ExpertParallelOptimizer`) over
+    ``dense_optimizer(ep.dense_parameters(), **kwargs)`` and the swapped layers, with HF's gate biases (GLM) as the
+    bias update's, and two additions: a check that the dense gradients were not edited since the backward (a step
+    pre-hook) and this rank's expert state in :meth:`state_dict`.
 
     ``max_grad_norm`` > 0 clips at every step, after the dense all-reduce and before both steps, the global L2 norm
     of the dense and the expert gradients (each expert once, after its replicas' gradients are summed) exactly as
@@ -239,12 +235,13 @@ class EPOptimizer(torch.optim.Optimizer):
     gradient their experts' Adam applies.
 
     ``param_groups`` are the dense optimizer's groups (the same dicts) followed by one group of the experts' slots,
-    whose ``lr``, ``betas`` and ``eps`` the experts' sharded Adam reads at every step (so a scheduler moves both
-    learning rates). :meth:`step` (collective) runs :meth:`HFExpertParallel.step`'s order: dense all-reduce, the
-    dense step, the expert step and redistribution, GLM's bias update; gradients scaled by ``grad_scale`` (default:
-    the mean loss over ranks and micro-batches, module doc). :meth:`zero_grad` clears both parts;
-    :meth:`state_dict` holds the dense optimizer's state and this rank's expert state (per rank, like the
-    experts' optimizer shards: save one per rank).
+    whose ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``decoupled_weight_decay`` the experts' sharded Adam
+    reads at every step (so a scheduler moves both learning rates); they start as the dense optimizer's, so AdamW
+    decays the experts as it decays the dense weights. :meth:`step` (collective) runs the step core's order: dense
+    all-reduce, clipping, the dense step, the expert step and redistribution, GLM's bias update; gradients scaled
+    by ``grad_scale`` (default: the mean loss over ranks and micro-batches, module doc). :meth:`zero_grad` clears
+    both parts; :meth:`state_dict` holds the dense optimizer's state and this rank's expert state (per rank, like
+    the experts' optimizer shards: save one per rank).
 
     ``transformers.Trainer`` (and Accelerate) on one process: pass ``Trainer(..., optimizers=(ep.optimizer(
     torch.optim.AdamW, lr=..., grad_scale=1.0, max_grad_norm=1.0), scheduler))`` with Trainer's own
@@ -269,29 +266,30 @@ class EPOptimizer(torch.optim.Optimizer):
                              f"{dense_optimizer!r}")
         if not max_grad_norm >= 0:
             raise ValueError(f"max_grad_norm must be >= 0 (0: no clipping), got {max_grad_norm}")
-        self.ep, self.grad_scale, self.bias_rate, self.max_grad_norm = ep, grad_scale, bias_rate, max_grad_norm
-        self.last_grad_norm: torch.Tensor | None = None  # the global norm before clipping, of the last step
-        self.dense = dense_optimizer(ep.dense_parameters(), **kwargs)
-        adam = ep.layers[0].store.adam
-        betas = kwargs.get("betas", (adam.beta1, adam.beta2))
-        experts = {"params": [layer.store.slots_SW for layer in ep.layers], "lr": kwargs.get("lr", adam.lr),
-                   "betas": tuple(betas), "eps": kwargs.get("eps", adam.eps), "weight_decay": adam.weight_decay,
-                   "experts": True}
-        super().__init__([*self.dense.param_groups, experts], self.dense.defaults)
-        self.param_groups = [*self.dense.param_groups, self.param_groups[-1]]  # the dense groups themselves
-        self.state = self.dense.state
+        self.ep = ep
+        super().__init__(dense_optimizer(ep.dense_parameters(), **kwargs), ep.layers, grad_scale=grad_scale,
+                         max_grad_norm=max_grad_norm, biases=ep.biases(), bias_rate=bias_rate,
+                         dense_averaged=lambda: ep.dense_reduced_by_ddp)
+        self._bias_rate = bias_rate  # a Qwen3-MoE model has no bias update to hold it
         # each dense gradient's version counter and first few values after the backward last accumulated into it:
         # another version with other values at the step means it was changed in place in between (GradientEditError)
         self._grad_versions: dict[int, tuple[int, torch.Tensor]] = {}
         self._grad_hooks = [] if allow_grad_edits else [
             p.register_post_accumulate_grad_hook(self._noter()) for p in ep.dense_parameters() + self._slots()]
+        self.register_step_pre_hook(_check_grad_edits_hook)
 
     def _slots(self) -> list[torch.Tensor]:
         return [layer.store.slots_SW for layer in self.ep.layers]
 
     @property
-    def expert_group(self) -> dict:
-        return self.param_groups[-1]
+    def bias_rate(self) -> float:
+        return self._bias_rate
+
+    @bias_rate.setter
+    def bias_rate(self, rate: float) -> None:
+        self._bias_rate = rate
+        if self.bias_update is not None:
+            self.bias_update.rate = rate
 
     def _noter(self):
         ref = weakref.ref(self)  # the parameters' hooks must not keep the optimizer alive
@@ -330,43 +328,17 @@ class EPOptimizer(torch.optim.Optimizer):
         for hook in getattr(self, "_grad_hooks", ()):
             hook.remove()
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_grad_edits()
-        ep, group = self.ep, self.expert_group
-        scale = ep._scale(self.grad_scale)
-        ep.sync_dense_grads(scale)
-        clip = self.max_grad_norm > 0
-        self.last_grad_norm = ep.clip_grad_norm_(self.max_grad_norm, scale) if clip else None
-        self.dense.step()
-        beta1, beta2 = group["betas"]
-        for layer in ep.layers:
-            layer.store.adam = replace(layer.store.adam, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                                       eps=group["eps"])
-        ep.expert_step(scale, collected=clip)
-        ep.update_expert_bias(self.bias_rate)
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.dense.zero_grad(set_to_none=set_to_none)
-        for layer in self.ep.layers:
-            layer.store.slots_SW.grad = None
-
     def state_dict(self) -> dict:
-        group = {k: v for k, v in self.expert_group.items() if k != "params"}
-        return {"dense": self.dense.state_dict(), "expert_group": group, "experts": self.ep.expert_state_dict()}
+        return {**super().state_dict(), "experts": self.ep.expert_state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if set(state_dict) != {"dense", "expert_group", "experts"}:
             raise ValueError(f"not an EPOptimizer state dict: keys {sorted(state_dict)}, expected dense, "
                              f"expert_group and experts")
-        expert_group = self.expert_group
-        self.dense.load_state_dict(state_dict["dense"])  # torch's load makes new group dicts: share them again
-        self.param_groups = [*self.dense.param_groups, expert_group]
-        self.state = self.dense.state
-        expert_group.update(state_dict["expert_group"])
+        super().load_state_dict(state_dict)
         self.ep.load_expert_state_dict(state_dict["experts"])
+
+
+def _check_grad_edits_hook(optimizer: EPOptimizer, args, kwargs) -> None:
+    """EPOptimizer's step pre-hook: refuse the step before anything moves when a dense gradient was edited."""
+    optimizer._check_grad_edits()

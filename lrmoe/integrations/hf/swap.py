@@ -15,6 +15,7 @@ from lrmoe.integrations.traces import RouterRecorder
 from lrmoe.traces.trace import Trace, join_ranks
 from lrmoe.planner.plan import Policy
 from lrmoe.planner.policies import initial_placement
+from lrmoe.runtime.dense_sync import check_same_weights
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups
 from lrmoe.runtime.layer import EPMoELayer
 from lrmoe.systems import SystemContext, SystemSpec, get_system
@@ -38,7 +39,9 @@ def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: System
                     groups: RangeGroups | None = None, device: torch.device | str | None = None) -> "HFExpertParallel":
     """Replace the experts of every sparse MoE block of ``model`` (Qwen3-MoE or GLM-4.5) by the expert-parallel
     layer, in place, and return the training-loop helper. Collective: call it on every rank of the default process
-    group, with the same model (same weights) on every rank, after moving the model to its device.
+    group, with the same model (same weights) on every rank, after moving the model to its device; ranks whose
+    weights differ are refused on every rank (:class:`~lrmoe.runtime.dense_sync.WeightsDifferError`, one all-gather
+    of a checksum per parameter).
 
     ``system``: a registry name (:func:`lrmoe.systems.get_system`), a :class:`~lrmoe.systems.SystemSpec`, or a
     policy object (then ``backward`` is the layer's backward config). Its policy is built per MoE layer from
@@ -67,6 +70,8 @@ def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: System
     elif (context.num_experts, context.num_ranks) != (E, N):
         raise ValueError(f"context is for {context.num_experts} experts on {context.num_ranks} ranks; the model has "
                          f"{E} experts on {N} ranks")
+    # the dense part is data parallel: it stays one model only if every rank starts from the same weights
+    check_same_weights(list(model.named_parameters()), "swap_moe_blocks")
     if replica_grad == "range" and groups is None:
         groups = RangeGroups()
     top_k = model.config.num_experts_per_tok

@@ -73,13 +73,15 @@ __all__ = ["AdamConfig", "RangeGroups", "ReplicaStore", "SyncPlan", "adam_update
 # -- Adam ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AdamConfig:
-    """Hyper-parameters of ``torch.optim.Adam`` (L2 ``weight_decay`` added to the gradient, as torch does)."""
+    """Hyper-parameters of ``torch.optim.Adam`` (``weight_decay`` added to the gradient, L2, as torch's Adam does)
+    or, with ``decoupled``, of ``torch.optim.AdamW`` (the weights shrunk by lr · weight_decay before the update)."""
 
     lr: float = 1e-3
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+    decoupled: bool = False  # AdamW's decoupled weight decay instead of Adam's L2 term
 
     def __post_init__(self) -> None:
         if not self.lr >= 0:  # 0 as torch's Adam allows it: a warm-up schedule's first step
@@ -95,9 +97,11 @@ class AdamConfig:
 
 def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  step: int, cfg: AdamConfig) -> None:
-    """One in-place Adam update at ``step`` (1-based), the arithmetic of torch's single-tensor Adam. Elementwise,
-    so applying it shard by shard gives exactly the update of the full tensor."""
-    if cfg.weight_decay:
+    """One in-place Adam (or AdamW, ``cfg.decoupled``) update at ``step`` (1-based), the arithmetic of torch's
+    single-tensor Adam. Elementwise, so applying it shard by shard gives exactly the update of the full tensor."""
+    if cfg.weight_decay and cfg.decoupled:
+        param.mul_(1 - cfg.lr * cfg.weight_decay)
+    elif cfg.weight_decay:
         grad = grad.add(param, alpha=cfg.weight_decay)
     exp_avg.lerp_(grad, 1 - cfg.beta1)
     exp_avg_sq.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
