@@ -113,20 +113,31 @@ def weight_checksums(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.stack(out)
 
 
+def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
+    """[ranks, *t.shape] on the CPU: every rank's ``t`` (on the backend's device: NCCL's is the GPU)."""
+    if dist.get_backend(group) == "nccl":
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, t, group=group)
+    return torch.stack(gathered).cpu()
+
+
 def check_same_weights(named: Sequence[tuple[str, torch.Tensor]], what: str, group=None) -> None:
     """Raise :class:`WeightsDifferError` on every rank of ``group`` (default: the world) unless every rank holds
     bitwise the same ``named`` tensors, naming the ranks that differ from rank 0 and the first tensor where they do.
-    One all-gather of a checksum per tensor (:func:`weight_checksums`). Collective."""
+    Tensors on the meta device (no values yet: a checkpoint fills them later) are not compared. Two all-gathers:
+    the number of tensors, then a checksum per tensor (:func:`weight_checksums`). Collective."""
     num_ranks = dist.get_world_size(group)
     if num_ranks == 1:
         return
-    mine_P2 = weight_checksums([t for _, t in named])
-    backend = dist.get_backend(group)
-    device = mine_P2.device if backend != "nccl" else torch.device("cuda", torch.cuda.current_device())
-    mine_P2 = mine_P2.to(device)
-    gathered = [torch.empty_like(mine_P2) for _ in range(num_ranks)]
-    dist.all_gather(gathered, mine_P2, group=group)
-    all_NP2 = torch.stack(gathered).cpu()
+    named = [(n, t) for n, t in named if not t.is_meta]
+    here = f"(this is rank {dist.get_rank(group)})"
+    counts_N = _all_gather(torch.tensor([len(named)], dtype=torch.int64), group).flatten()
+    if (counts_N != counts_N[0]).any():
+        ranks = (counts_N != counts_N[0]).nonzero().flatten().tolist()
+        raise WeightsDifferError(f"{what}: ranks {ranks} hold another number of tensors with values than rank 0 "
+                                 f"({counts_N.tolist()}); build the same model on every rank {here}")
+    all_NP2 = _all_gather(weight_checksums([t for _, t in named]).reshape(len(named), 2), group)
     differs_NP = (all_NP2 != all_NP2[:1]).any(dim=2)
     ranks = differs_NP.any(dim=1).nonzero().flatten().tolist()
     if ranks:
@@ -134,4 +145,4 @@ def check_same_weights(named: Sequence[tuple[str, torch.Tensor]], what: str, gro
         raise WeightsDifferError(
             f"{what}: ranks {ranks} hold other initial weights than rank 0 (the first that differs: {first!r}); "
             f"build the model from the same seed (torch.manual_seed before constructing it) or the same checkpoint "
-            f"on every rank (this is rank {dist.get_rank(group)})")
+            f"on every rank {here}")
