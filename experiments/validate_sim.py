@@ -39,20 +39,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
-from tqdm import tqdm
-
+# The parser needs only these light modules; the validation harness, the simulator (torch) and pandas load in the
+# functions that calibrate, compare and report.
 from lrmoe.analysis.protocol import REGIMES
-from lrmoe.bytemodel.layout import PHASES as LAYER_PHASES
 from lrmoe.checks import positive_int_arg
-from lrmoe.harness.calibrate_cpu import CLOCKS, calibrate, spec_for_bench, write_calibration
-from lrmoe.harness.sim_validation import (COVERED, EXCLUDED, PHASE_GROUPS, REFERENCE, SPANS, bench_shapes,
-                                         check_replay, compare, in_order, measured_phase_ms, phase_group_ms,
-                                         phase_table, plan_facts, predict, ratio_table, read_bench,
-                                         relative_error, replay_plans)
-from lrmoe.sim.cost import PHASES as MODEL_PHASES
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args, write_report
+from lrmoe.cli import script_parser
+from lrmoe.integrations.tracking import check_tracking_args
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 TARGET = 0.20  # median |error|: target 4 of DESIGN.md §5.8
 QUICK_BENCH = ["--quick", "--no-grad-error"]
@@ -68,6 +65,12 @@ def regime_point(config: dict, raw: pd.DataFrame, calibration: Path, cal: dict) 
     """One regime's measured point: the replayed plans (checked against what the bench counted), the cost model's
     prediction of every phase for them on the CPU calibration, the ratio table with the plans' facts, and the
     per-phase error of the covered phases (CPU clock). SystemExit when the replay is not the run."""
+    from lrmoe.bytemodel.layout import PHASES as LAYER_PHASES
+    from lrmoe.harness.sim_validation import (COVERED, PHASE_GROUPS, SPANS, check_replay, compare, in_order,
+                                              measured_phase_ms, phase_group_ms, plan_facts, predict, ratio_table,
+                                              replay_plans)
+    from lrmoe.sim.cost import PHASES as MODEL_PHASES
+
     replay = replay_plans(config)
     mismatches = check_replay(raw, replay, config)
     if len(mismatches):
@@ -91,6 +94,8 @@ def regime_point(config: dict, raw: pd.DataFrame, calibration: Path, cal: dict) 
 
 def regime_report(table: pd.DataFrame, groups: pd.DataFrame, infos: dict, cal_path: Path, config: dict,
                   figure: str) -> str:
+    from lrmoe.harness.sim_validation import PHASE_GROUPS, bench_shapes
+
     model, n, base, _ = bench_shapes(config)
     lines = [f"# Measured points of the frontier protocol: the real layer on {n} gloo ranks (CPU)", "",
              f"![measured vs modelled]({figure})", "",
@@ -139,6 +144,12 @@ def regime_report(table: pd.DataFrame, groups: pd.DataFrame, infos: dict, cal_pa
 
 def regimes_main(args) -> pd.DataFrame:
     """--regimes: run layer_bench at each regime's settings, calibrate once, price the same plans, report."""
+    import pandas as pd
+    from tqdm import tqdm
+
+    from lrmoe.harness.sim_validation import REFERENCE, read_bench
+    from lrmoe.integrations.tracking import Tracker, write_report
+
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     benches = {r: read_bench(bench_path(args, r) if args.reuse_benches else run_bench(args, out.parent, r))
@@ -186,13 +197,14 @@ def regimes_main(args) -> pd.DataFrame:
 
 
 # -- the script --------------------------------------------------------------------------------------------------
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (light modules only: tests/test_cli.py)."""
+    p = script_parser(__doc__, "outputs/validate_sim.jsonl")
     p.add_argument("--bench", default=None, help="a layer_bench results file (default: run a small one first)")
     p.add_argument("--calibration", default=None,
                    help="reuse this CPU calibration file (default: measure, and write <out>_cpu_calibration.json)")
     p.add_argument("--quick", action="store_true", help="small benchmark and calibration, about a minute")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the benchmark and the calibration")
     p.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=None,
                    help="measured points of the frontier protocol: layer_bench --regime R for each (its arms at its "
                         "settings), one calibration, and per regime every arm's slowest-rank CPU time ÷ "
@@ -205,7 +217,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--regimes: price the benchmarks an earlier run wrote beside its results file RESULTS "
                         "(default --out; <results>_layer_bench_<regime>.jsonl) instead of measuring again, e.g. "
                         "to re-price a committed measured point after a change to the cost model")
-    add_tracking_args(p, "outputs/validate_sim.jsonl")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     outputs = {}
     if args.regimes:
@@ -221,6 +237,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not args.calibration:
             outputs["the calibration"] = calibration_path(args)
     check_tracking_args(p, args, "validate_sim", outputs=outputs, report=bool(args.regimes))
+    from lrmoe.harness.sim_validation import read_bench
+
     try:  # the inputs, read before anything is calibrated or measured
         if args.bench:
             read_bench(args.bench)
@@ -268,6 +286,9 @@ def run_bench(args, out_dir: Path, regime: str | None = None) -> Path:
 
 
 def calibration_file(args, config: dict, out_dir: Path) -> tuple[Path, dict]:
+    from lrmoe.harness.calibrate_cpu import calibrate, spec_for_bench, write_calibration
+    from lrmoe.harness.sim_validation import bench_shapes
+
     if args.calibration:
         path = Path(args.calibration)
         if not path.is_file():
@@ -293,6 +314,10 @@ def fmt(df: pd.DataFrame, floatfmt: str = ".3f") -> str:
 
 def constants_table(cal: dict) -> pd.DataFrame:
     """The calibrated constants of each clock, in readable units, with the fits' median relative errors."""
+    import pandas as pd
+
+    from lrmoe.harness.calibrate_cpu import CLOCKS
+
     rows = []
     for clock in CLOCKS:
         c = cal.get("clocks", {}).get(clock, cal if clock == cal.get("clock", "cpu") else None)
@@ -315,6 +340,13 @@ def constants_table(cal: dict) -> pd.DataFrame:
 
 def main(argv=None) -> pd.DataFrame:
     args = parse_args(argv)
+    import pandas as pd
+
+    from lrmoe.harness.calibrate_cpu import CLOCKS
+    from lrmoe.harness.sim_validation import (EXCLUDED, bench_shapes, check_replay, compare, measured_phase_ms,
+                                              phase_table, predict, read_bench, relative_error, replay_plans)
+    from lrmoe.integrations.tracking import Tracker
+
     if args.regimes:
         return regimes_main(args)
     out = Path(args.out)
