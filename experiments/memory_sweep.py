@@ -31,26 +31,21 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import pandas as pd
-from tqdm import tqdm
-
+# The parser needs only these light modules; the simulator (torch), the analysis (pandas, SciPy) and matplotlib load
+# in the functions that sweep, judge and draw.
 from lrmoe.analysis import protocol
-from lrmoe.analysis.claims import arm_quality, quality_text
-from lrmoe.analysis.skew import regime_zipf
 from lrmoe.checks import non_negative_int_arg, positive_float_arg, positive_int_arg
+from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
 from lrmoe.config import cluster_preset, cluster_presets, model_preset, model_presets
-from lrmoe.integrations.tracking import (Tracker, add_tracking_args, check_tracking_args, foreign_results,
-                                         output_problem, write_report)
+from lrmoe.integrations.tracking import check_tracking_args, foreign_results, output_problem
 from lrmoe.results import read_records, read_results
-from lrmoe.sim.cells import TOKENS
-from lrmoe.sim.memory_sweep import (DEMAND_SIDE, EARLY, PLACEMENTS, binding_range, budget_grid, early_selection_gain,
-                                    fit_gb, headline, placement_table)
-from lrmoe.systems import system_arg, system_names_help
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from lrmoe.integrations.tracking import Tracker
 
 SYSTEMS = ["static-ep", "symi-cf1", "symi-dropless", "symi-dropless-rho0.75", "lrmoe", "lrmoe-rho0.75",
            "lrmoe-rho0.75-unbiased", "lrmoe-rho0.75-early", "lrmoe-rho0.75-early-unbiased", "online", "online-rho0.75",
@@ -64,14 +59,15 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICK_SPARE = (1, 3, 6)  # quick mode: the budgets that hold the home slots and this many spare slots at the mean load
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (light modules only: tests/test_cli.py)."""
+    p = script_parser(__doc__, "outputs/memory_sweep.jsonl")
     p.add_argument("--quick", action="store_true",
                    help="a small sweep for the main job (Qwen3 at the weak regime's matched skew, 3 budgets)")
-    p.add_argument("--models", nargs="+", default=MODELS, choices=model_presets())
+    p.add_argument("--models", nargs="+", default=MODELS, choices=model_presets(), help="model presets to sweep")
     p.add_argument("--cluster", default="a100-40gb-x8", choices=cluster_presets(),
                    help="cluster preset (its node is replicated)")
-    p.add_argument("--nodes", type=positive_int_arg, default=2)
+    p.add_argument("--nodes", type=positive_int_arg, default=2, help="nodes of the cluster (ranks: nodes x its node's)")
     p.add_argument("--skews", nargs="+", default=None, type=skew_text,
                    help="routing skews, family:param as experiments/ablate.py takes them, instead of --regimes")
     p.add_argument("--regimes", nargs="+", choices=list(protocol.REGIMES), default=None,
@@ -86,17 +82,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the fine steps end where E/N spare slots fit beside buffers for this x the mean load (>= 1)")
     p.add_argument("--mem-gb", nargs="+", type=positive_float_arg, default=None,
                    help="these budgets instead of the grid")
-    p.add_argument("--systems", nargs="+", type=system_arg, default=SYSTEMS, help=system_names_help())
+    p.add_argument("--systems", nargs="+", type=system_arg, default=SYSTEMS, help=f"systems to price; {SYSTEMS_HELP}")
     p.add_argument("--layers", type=positive_int_arg, default=4,
                    help="simulated MoE layers per cell (their mean stands for all)")
     p.add_argument("--steps", type=positive_int_arg, default=3, help="iterations per cell (the first is warm-up)")
-    p.add_argument("--micro-batches", type=positive_int_arg, default=8)
+    p.add_argument("--micro-batches", type=positive_int_arg, default=8, help="micro-batches per iteration")
     p.add_argument("--no-band", action="store_true", help="skip the sensitivity corners")
-    p.add_argument("--seed", type=non_negative_int_arg, default=0)
+    p.add_argument("--seed", type=non_negative_int_arg, default=0, help="seed of the synthetic traces")
     p.add_argument("--work-dir", default="outputs/memory_sweep",
                    help="experiments/ablate.py's results file of each (model, skew) goes here")
-    add_tracking_args(p, "outputs/memory_sweep.jsonl")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
+    from lrmoe.analysis.claims import arm_quality
+    from lrmoe.analysis.skew import regime_zipf
+
     check_tracking_args(p, args, "memory_sweep", report=True)  # never over a results file or a user's notes
     if args.regimes and args.skews:
         p.error("--regimes and --skews are exclusive")
@@ -159,6 +162,9 @@ def group_path(args, model: str, skew: str) -> Path:
 
 def budgets(args, model_name: str) -> list[float]:
     """The budgets of one model: ``--mem-gb``, quick mode's three, or the grid."""
+    from lrmoe.sim.cells import TOKENS
+    from lrmoe.sim.memory_sweep import budget_grid, fit_gb
+
     model, cluster = model_preset(model_name), cluster_preset(args.cluster).with_nodes(args.nodes)
     tokens = TOKENS.get(model_name, 2048)
     if args.mem_gb:
@@ -201,6 +207,11 @@ def simulate_group(args, model: str, skew: str, out: Path) -> list[dict]:
 def plot(run: Tracker) -> list:
     """Time per iteration and slots per rank against the budget, drawn from the results file
     (lrmoe.paper_figures.sim_figures.time_vs_memory); none where no system fits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     from lrmoe.paper_figures import sim_figures
     from lrmoe.paper_figures.reading import CannotDraw
 
@@ -214,6 +225,8 @@ def plot(run: Tracker) -> list:
 
 
 def fmt(value) -> str:
+    import pandas as pd
+
     return "—" if value is None or (isinstance(value, float) and pd.isna(value)) else (
         f"{value:.3g}" if isinstance(value, float) else str(value))
 
@@ -236,6 +249,8 @@ def quality(system: str | None, claims: dict[str, dict] | None) -> str:
     """The system's quality under the frontier protocol (DESIGN.md §10) in the skew's regime: its gap claim's word
     and estimate, final once the sweep's planned seeds are in (``claims``: lrmoe.analysis.claims.arm_quality; None
     for a model the protocol does not train)."""
+    from lrmoe.analysis.claims import quality_text
+
     if system is None:
         return "—"
     if system not in protocol.SWEEP_ARMS:
@@ -248,6 +263,9 @@ def quality(system: str | None, claims: dict[str, dict] | None) -> str:
 def early_table(args, extra_gb: dict[str, set[float]] | None = None) -> list[str]:
     """Markdown: what early selection at rho = 0.75 frees per layer and the spare slots it buys (uncapped), at the
     ablation's headline budget, at each model's smallest budget and at ``extra_gb`` (per model: the headline cells')."""
+    from lrmoe.sim.cells import TOKENS
+    from lrmoe.sim.memory_sweep import early_selection_gain
+
     lines = ["## Early selection (ρ = 0.75, buffers planned for 1.1 x the mean load)\n",
              "| model | GB | freed MB per layer | freed GB, all layers | one slot, GB | spare slots without / with |",
              "|---|---|---|---|---|---|"]
@@ -263,6 +281,8 @@ def early_table(args, extra_gb: dict[str, set[float]] | None = None) -> list[str
 def report(records: list[dict], run: Tracker, args) -> str:
     """The Markdown tables: where memory binds (and each system's out-of-memory line), each placement with and
     without rho as time / SYMI-dropless per budget, fastest named, and what early selection frees."""
+    from lrmoe.sim.memory_sweep import DEMAND_SIDE, EARLY, PLACEMENTS, binding_range, headline, placement_table
+
     bind = binding_range(records)
     lines = ["## Where memory binds\n", "| model | ranks | skew | budgets | binds from GB | to GB | "
              "fits from GB (per system) |", "|---|---|---|---|---|---|---|"]
@@ -320,6 +340,11 @@ def report(records: list[dict], run: Tracker, args) -> str:
 
 def main(argv=None) -> pd.DataFrame:
     args = parse_args(argv)
+    import pandas as pd
+    from tqdm import tqdm
+
+    from lrmoe.integrations.tracking import Tracker, write_report
+
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     groups = [(m, skew) for m in args.models for skew in args.skews]

@@ -100,10 +100,12 @@ def test_placement_table_has_both_early_selection_systems_and_names_the_fastest(
 def test_regimes_replace_the_skews_with_each_regimes_matched_zipf(monkeypatch):
     """--regimes: one skew per regime, the Zipf s lrmoe.analysis.skew.regime_zipf matches to the regime's runs,
     labelled with the regime's name; exclusive with --skews."""
+    from lrmoe.analysis import skew
     from lrmoe.analysis.skew import Match
     from lrmoe.experiments import memory_sweep
 
-    monkeypatch.setattr(memory_sweep, "regime_zipf",
+    # the script imports regime_zipf when it parses (so --help loads no analysis): patched where it lives
+    monkeypatch.setattr(skew, "regime_zipf",
                         lambda rows, name: Match({"production": 0.140625, "weak": 0.3955}[name], 1.0, {}))
     args = memory_sweep.parse_args(["--regimes", "production", "weak"])
     assert args.skews == ["zipf:0.140625", "zipf:0.3955"]
