@@ -125,9 +125,9 @@ def stage_outputs(out: Path, name: str, names: list[str]) -> list[Path]:
 
 def figure_outputs(out: Path) -> list[Path]:
     """The figures the job draws (its 'figures' part)."""
-    from lrmoe.paper_figures.figures import FIGURES
+    from lrmoe.paper_figures.figures import names
 
-    return [out / "figures" / f"{name}.{ext}" for name in FIGURES for ext in ("png", "pdf")]
+    return [out / "figures" / f"{name}.{ext}" for name in names(out) for ext in ("png", "pdf")]
 
 
 def outputs_of(out: Path, part: str, names: list[str]) -> list[Path]:

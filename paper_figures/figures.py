@@ -296,6 +296,16 @@ RUN_FIGURES = {
 }
 
 
+def names(results: Path) -> list[str]:
+    """The names of every figure :func:`draw_all` may draw from ``results`` (a paper figure whether or not its file
+    is there; a script's own for each results file that script wrote), so that a job can claim them before drawing."""
+    found = list(FIGURES)
+    for source in sorted(results.glob("*.jsonl")):
+        writer = script(source)
+        found += [f"{source.stem}_{key.split('.')[1]}" for key in RUN_FIGURES if key.split(".")[0] == writer]
+    return found
+
+
 def _draw(draw, source: Path, out: Path, name: str, made: dict, skipped: dict, **save) -> None:
     try:
         fig, _ = draw(source)

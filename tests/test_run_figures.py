@@ -119,5 +119,6 @@ def test_draw_all_redraws_each_scripts_figure_from_every_file_it_wrote(tmp_path)
     made = figures.draw_all(results, tmp_path / "figs", only=["trace_stats.skew"], skipped=skipped)
     assert set(made) == {"trace_stats_skew", "trace_stats_again_skew"}
     assert set(skipped) == {"trace_stats_old_skew"}
+    assert set(made) | set(skipped) <= set(figures.names(results))  # what a job claims before it draws
     for paths in made.values():
         assert {p.suffix for p in paths} == {".png", ".pdf"} and all(p.stat().st_size > 1000 for p in paths)
