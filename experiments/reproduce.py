@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lrmoe.cli import script_parser
 from lrmoe.results import Manifest, atomic_write_text, read_headers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -263,16 +264,23 @@ def stage_complete(out: Path, stage: Stage) -> bool:
     return (out / f"{stage.name}.done").is_file() and (out / f"{stage.name}.jsonl").is_file()
 
 
-def main(argv=None, stages: list[Stage] | None = None) -> int:
-    """Run the main job (``stages``: default :data:`STAGES`); returns the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["quick", "full"], default="quick")
-    parser.add_argument("--out-dir", default=None, help="default: outputs/<mode>")
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (light modules only: tests/test_cli.py)."""
+    parser = script_parser(__doc__)
+    parser.add_argument("--mode", choices=["quick", "full"], default="quick",
+                        help="quick: every stage at a small size (minutes); full: the paper's sizes")
+    parser.add_argument("--out-dir", default=None, help="folder of the job's results (default: outputs/<mode>)")
     parser.add_argument("--overwrite", action="store_true",
                         help="remove what an earlier run of the job wrote in the output folder first (nothing else)")
     parser.add_argument("--resume", action="store_true",
                         help="skip the stages that completed; redo the others, superseding what they left")
     parser.add_argument("--only", nargs="+", help="run only these stages ('figures': the figures)")
+    return parser
+
+
+def main(argv=None, stages: list[Stage] | None = None) -> int:
+    """Run the main job (``stages``: default :data:`STAGES`); returns the exit status."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     stages = STAGES if stages is None else stages
     names = [stage.name for stage in stages] + ["figures"]
