@@ -21,30 +21,23 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
-import pandas as pd
-from tqdm import tqdm
 
+# The parser needs only these light modules; the simulator (torch), the analysis (pandas, SciPy) and matplotlib load
+# in the functions that simulate, decide and draw.
 from lrmoe.analysis import protocol
-from lrmoe.analysis.claims import arm_gaps, decide_regime, time_claim, time_ratios
-from lrmoe.analysis.skew import Scale, check_matched, match_zipf, runs_imbalance, side_by_side
-from lrmoe.config import cluster_preset, model_preset
-from lrmoe.analysis.runs import BASELINE, last_per_step, per_run, summarise, time_to_reach
-from lrmoe.sim.cells import TOKENS, Cell, CellRules, build_systems, cost_kwargs
-from lrmoe.sim.simulator import simulate
-from lrmoe.sim.systems import plan_twins
-from lrmoe.systems import get_system
-from lrmoe.paper_figures import frontier_figures
-from lrmoe.paper_figures.frontier_figures import describe
 from lrmoe.checks import fraction_arg, non_negative_float_arg, positive_float_arg, positive_int_arg
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args, write_report
+from lrmoe.cli import script_parser
+from lrmoe.config import cluster_preset, model_preset
+from lrmoe.integrations.tracking import check_tracking_args
 from lrmoe.results import read_records, read_results
-from lrmoe.traces.synthetic import generate_trace
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from lrmoe.integrations.tracking import Tracker
 
 REFERENCE = "symi-dropless"  # the x axis' unit
 CF1 = "symi-cf1"
@@ -54,6 +47,10 @@ MAX_GAP_PCT = 1.0  # the headline's quality bar: mean loss gap to dropless stati
 def curves_from(paths: list[str | Path]) -> pd.DataFrame:
     """The convergence sweeps' per-step records (policy, seed, step, val_loss, time_s, ...), one per step (several
     files: e.g. seeds run apart; a (policy, seed) run in two files is read from the last)."""
+    import pandas as pd
+
+    from lrmoe.analysis.runs import last_per_step
+
     records = [r for path in paths for r in read_results(path)]
     frames = []
     for (policy, seed), recs in pd.DataFrame(records).groupby(["policy", "seed"], sort=False):
@@ -68,6 +65,10 @@ def frontier_table(losses: pd.DataFrame, reach: pd.DataFrame, times_ms: dict[str
     """Join the loss summary (convergence.summarise) and the equal-quality table (convergence.time_to_reach) with
     the modelled paper-scale time per iteration of each system: time ÷ ``reference`` and ÷ ``cf1``, and the
     equal-quality time (steps to reach the target × time per iteration) ÷ the reference's."""
+    import pandas as pd
+
+    from lrmoe.paper_figures.frontier_figures import describe
+
     table = losses.merge(reach[["policy", "seeds_reached", "step_to_reach"]], on="policy", how="left")
     table["iter_ms"] = table.policy.map(times_ms)
     table["time_vs_dropless"] = table.iter_ms / times_ms.get(reference, np.nan)
@@ -170,6 +171,13 @@ def modelled_times(policies: list[str], args, known: list[dict] = ()) -> tuple[d
     accounting, memory-sized slots, and the planned-headroom rule: each dropless system's buffers sized for its own
     planned peak on the trace's first iteration, which is not timed). ``known``: rows of an earlier run's
     "simulated" table; those at the same scale are reused instead of simulated again."""
+    from tqdm import tqdm
+
+    from lrmoe.sim.cells import Cell, CellRules, build_systems, cost_kwargs
+    from lrmoe.sim.simulator import simulate
+    from lrmoe.sim.systems import plan_twins
+    from lrmoe.traces.synthetic import generate_trace
+
     m, c = model_preset(args.model), cluster_preset(args.cluster, args.nodes)
     layers = min(args.layers or m.num_moe_layers, m.num_moe_layers)
     mem_gb = args.mem_gb if args.mem_gb else c.mem_budget_bytes / 1e9
@@ -250,6 +258,10 @@ def regime_times(arms: list[str], regime, zipf_s: float, args) -> tuple[pd.DataF
     settings (its slots per home slot, eps, gamma) and the matched Zipf s, on ``args.sim_seeds`` trace seeds. Every
     replicating system must get the regime's slots: one the memory model leaves with fewer is an error (the two axes
     would describe different systems)."""
+    import pandas as pd
+
+    from lrmoe.systems import get_system
+
     m, c = model_preset(args.model), cluster_preset(args.cluster, args.nodes)
     spare = regime.spare_slots(m.num_experts, c.num_ranks)
     slots = m.num_experts // c.num_ranks + spare
@@ -270,6 +282,13 @@ def regime_times(arms: list[str], regime, zipf_s: float, args) -> tuple[pd.DataF
 
 def log_frontier(run: Tracker) -> list[Path]:
     """The frontier figure, drawn from the results file written so far (lrmoe.paper_figures.frontier_figures)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lrmoe.paper_figures import frontier_figures
+
     fig, _ = frontier_figures.frontier(run.results)
     paths = run.log_figure("frontier", fig)
     plt.close(fig)
@@ -279,6 +298,8 @@ def log_frontier(run: Tracker) -> list[Path]:
 def protocol_report(regime, claims: pd.DataFrame, c5: list[dict], points: pd.DataFrame, imbalance: list[dict],
                     zipf_s: float, seeds: int, planned: int, figure: str,
                     early_claims: pd.DataFrame | None = None) -> str:
+    import pandas as pd
+
     label = "final" if seeds >= planned else f"interim: {seeds} of {planned} planned seeds"
     cols = ["claim", "text", "seeds", "estimate", "ci_low", "ci_high", "bound_high", "p", "p_holm", "word"]
     early = [] if early_claims is None else [
@@ -303,6 +324,8 @@ def matched_times(rows: list[dict], regime, arms: list[str], args):
     """The time axis of a regime: the Zipf s matched to the runs' static-EP slowest ÷ mean, the arms' times on
     ``args.sim_seeds`` traces at it, and both axes' imbalance side by side (SystemExit when the simulated traces
     miss the runs' by more than the tolerance)."""
+    from lrmoe.analysis.skew import Scale, check_matched, match_zipf, runs_imbalance, side_by_side
+
     m, c = model_preset(args.model), cluster_preset(args.cluster, args.nodes)
     runs_imb = runs_imbalance(rows)
     match = match_zipf(runs_imb["rank_max_over_mean"], Scale(c.num_ranks, m.num_experts, m.top_k,
@@ -319,6 +342,11 @@ def matched_times(rows: list[dict], regime, arms: list[str], args):
 
 
 def protocol_main(args) -> pd.DataFrame:
+    import pandas as pd
+
+    from lrmoe.analysis.claims import arm_gaps, decide_regime, time_claim, time_ratios
+    from lrmoe.integrations.tracking import Tracker
+
     regime = protocol.get_regime(args.regime)
     try:  # a bad line is named by file and line
         rows = [row for path in args.runs for row in read_records(path)]
@@ -380,16 +408,18 @@ def protocol_main(args) -> pd.DataFrame:
     return claims
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (light modules only: tests/test_cli.py)."""
+    parser = script_parser(__doc__, "outputs/frontier.jsonl")
     parser.add_argument("--convergence", nargs="+", default=["outputs/convergence.jsonl"],
                         help="the convergence results file(s)")
     parser.add_argument("--target-step", type=positive_int_arg, default=None,
                         help="equal-quality step T (default: the last)")
-    parser.add_argument("--max-gap-pct", type=positive_float_arg, default=MAX_GAP_PCT)
-    parser.add_argument("--model", default=protocol.SIM_MODEL)
-    parser.add_argument("--cluster", default=protocol.SIM_CLUSTER)
-    parser.add_argument("--nodes", type=positive_int_arg, default=protocol.SIM_NODES)
+    parser.add_argument("--max-gap-pct", type=positive_float_arg, default=MAX_GAP_PCT,
+                        help="the headline's quality bar: mean loss gap to dropless static EP over the seeds, %%")
+    parser.add_argument("--model", default=protocol.SIM_MODEL, help="model preset of the simulated time axis")
+    parser.add_argument("--cluster", default=protocol.SIM_CLUSTER, help="cluster preset of the simulated time axis")
+    parser.add_argument("--nodes", type=positive_int_arg, default=protocol.SIM_NODES, help="nodes of that cluster")
     parser.add_argument("--skew", type=non_negative_float_arg, default=0.8, help="Zipf s of the synthetic trace")
     parser.add_argument("--tokens-per-rank", type=positive_int_arg, default=None,
                         help="tokens per rank per micro-batch (default: the ablation's for the model)")
@@ -398,10 +428,13 @@ def parse_args(argv=None):
     parser.add_argument("--sim-steps", type=positive_int_arg, default=3,
                         help="simulated iterations (the first is warm-up)")
     parser.add_argument("--layers", type=positive_int_arg, default=None, help="simulated MoE layers (default all)")
-    parser.add_argument("--micro-batches", type=positive_int_arg, default=protocol.SIM_MICRO_BATCHES)
-    parser.add_argument("--eps", type=non_negative_float_arg, default=0.1)
-    parser.add_argument("--gamma", type=fraction_arg, default=0.1)
-    parser.add_argument("--sim-seed", type=int, default=0)
+    parser.add_argument("--micro-batches", type=positive_int_arg, default=protocol.SIM_MICRO_BATCHES,
+                        help="micro-batches per simulated iteration")
+    parser.add_argument("--eps", type=non_negative_float_arg, default=0.1,
+                        help="LRMoE balance slack (fraction of the mean load a rank may exceed)")
+    parser.add_argument("--gamma", type=fraction_arg, default=0.1,
+                        help="LRMoE per-expert floor (fraction of each expert's pairs always kept)")
+    parser.add_argument("--sim-seed", type=int, default=0, help="seed of the synthetic trace")
     parser.add_argument("--sim-from", default=None,
                         help="an earlier frontier results file: reuse its simulated times at the same scale")
     parser.add_argument("--max-extra", type=int, default=None, help="the most spare slots per rank (default E/N)")
@@ -418,8 +451,14 @@ def parse_args(argv=None):
                              "runs, the pilot's too), no claims")
     parser.add_argument("--planned-seeds", type=int, default=protocol.SWEEP_SEEDS,
                         help="--regime: the sweep's planned seeds (the table is interim below them)")
-    add_tracking_args(parser, "outputs/frontier.jsonl")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
+    from lrmoe.sim.cells import TOKENS
+
     check_tracking_args(parser, args, "frontier", report=True)  # its report beside it: never an unrelated file
     if args.quick:
         args.layers, args.sim_steps = args.layers or 4, 2
@@ -435,6 +474,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> pd.DataFrame:
     args = parse_args(argv)
+    from lrmoe.analysis.runs import BASELINE, per_run, summarise, time_to_reach
+    from lrmoe.integrations.tracking import Tracker, write_report
+
     if args.regime is not None:
         return protocol_main(args)
     curves = curves_from(args.convergence)
