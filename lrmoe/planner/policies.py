@@ -83,17 +83,27 @@ def initial_placement(policy: Policy, num_ranks: int, num_experts: int, pairs_pe
     return policy.plan(counts_E.expand(num_ranks, -1).contiguous(), None).placement_NS.clone()
 
 
-class StaticEP:
-    """Expert parallelism: expert e on rank e // (E/N), every pair computed, nothing trimmed."""
-
-    name = "static-ep"
-
-    def placement(self, popularity_E: Tensor, num_ranks: int, total_pairs: int) -> Tensor:
-        return static_placement(len(popularity_E), num_ranks)
+class _Placing:
+    """A policy split in two (the ``SplitPolicy`` of :mod:`lrmoe.planner.plan`): ``placement`` from the previous
+    iteration's counts, off the critical path, and ``plan_on`` that placement from this forward's counts. ``plan``
+    is the two in a row."""
 
     def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
         counts_NE = check_counts(counts_NE)
         return self.plan_on(counts_NE, *_placements(self, counts_NE, prev_counts_E))
+
+
+class _StaticHome(_Placing):
+    """Expert e stays on rank e // (E/N): the placement never depends on the counts."""
+
+    def placement(self, popularity_E: Tensor, num_ranks: int, total_pairs: int) -> Tensor:
+        return static_placement(len(popularity_E), num_ranks)
+
+
+class StaticEP(_StaticHome):
+    """Expert parallelism: expert e on rank e // (E/N), every pair computed, nothing trimmed."""
+
+    name = "static-ep"
 
     def plan_on(self, counts_NE: Tensor, placement_NS: Tensor, next_placement_NS: Tensor | None = None) -> LayerPlan:
         counts_NE = check_counts(counts_NE)
@@ -101,7 +111,7 @@ class StaticEP:
                                   policy=self.name, next_placement_NS=next_placement_NS)
 
 
-class Capacity:
+class Capacity(_StaticHome):
     """Static placement with a per-expert capacity ceil(cf · tokens · k / E); overflow dropped.
 
     ``drop_by``: "position" (the last pairs of a (source, expert) group) or "gate" (its lowest-gate pairs).
@@ -113,13 +123,6 @@ class Capacity:
         self.cf, self.drop_by = check_cf(cf), drop_by
         self.name = f"capacity-cf{self.cf:g}" + ("-gate" if drop_by == "gate" else "")
 
-    def placement(self, popularity_E: Tensor, num_ranks: int, total_pairs: int) -> Tensor:
-        return static_placement(len(popularity_E), num_ranks)
-
-    def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
-        counts_NE = check_counts(counts_NE)
-        return self.plan_on(counts_NE, *_placements(self, counts_NE, prev_counts_E))
-
     def plan_on(self, counts_NE: Tensor, placement_NS: Tensor, next_placement_NS: Tensor | None = None) -> LayerPlan:
         counts_NE = check_counts(counts_NE)
         dropped_NE = apply_capacity(counts_NE, gshard_capacity(counts_NE, self.cf))
@@ -128,7 +131,7 @@ class Capacity:
                                       next_placement_NS=next_placement_NS)
 
 
-class Symi:
+class Symi(_Placing):
     """SYMI: Algorithm 1 placement from the previous counts, each class split evenly over its replicas.
 
     ``cf`` None: SYMI-dropless; a number: per-expert capacity ceil(cf · tokens · k / (s·N)) · r_e, overflow
@@ -143,10 +146,6 @@ class Symi:
     def placement(self, popularity_E: Tensor, num_ranks: int, total_pairs: int) -> Tensor:
         return symi_placement(popularity_E, num_ranks, self.slots_per_rank)
 
-    def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
-        counts_NE = check_counts(counts_NE)
-        return self.plan_on(counts_NE, *_placements(self, counts_NE, prev_counts_E))
-
     def plan_on(self, counts_NE: Tensor, placement_NS: Tensor, next_placement_NS: Tensor | None = None) -> LayerPlan:
         counts_NE = check_counts(counts_NE)
         if self.cf is None:
@@ -158,7 +157,7 @@ class Symi:
                                       next_placement_NS=next_placement_NS)
 
 
-class LRMoE:
+class LRMoE(_Placing):
     """LRMoE as we reconstruct it (DESIGN.md §4); every knob is ours and documented here.
 
     quota_mode        how much of the backward each rank retains (:mod:`lrmoe.planner.quotas`):
@@ -274,10 +273,6 @@ class LRMoE:
                              f"num_ranks={num_ranks}")
         base = E // num_ranks
         return lrmoe_placement(popularity_E, num_ranks, base, self._extra_slots(total_pairs, num_ranks, base))
-
-    def plan(self, counts_NE: Tensor, prev_counts_E: Tensor | None = None) -> LayerPlan:
-        counts_NE = check_counts(counts_NE)
-        return self.plan_on(counts_NE, *_placements(self, counts_NE, prev_counts_E))
 
     def plan_on(self, counts_NE: Tensor, placement_NS: Tensor, next_placement_NS: Tensor | None = None) -> LayerPlan:
         counts_NE = check_counts(counts_NE)
