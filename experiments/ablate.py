@@ -35,7 +35,6 @@ beside the ratios. Traces are synthetic.
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import sys
 
@@ -47,6 +46,7 @@ from lrmoe.checks import (fraction_arg, non_negative_float_arg, non_negative_int
                           positive_int_arg)
 from lrmoe.cli import SYSTEMS_HELP, one_of, script_parser, system_arg
 from lrmoe.config import cluster_preset, model_preset
+from lrmoe.config import MICRO_BATCH_BAND, SENSITIVITY, sensitivity_corners as corners
 from lrmoe.integrations.tracking import check_tracking_args
 
 if TYPE_CHECKING:
@@ -81,8 +81,6 @@ BANDED = ["lrmoe", "symi-dropless", "symi-cf1", "symi-dropless-lrmoe-slots", "on
           "lrmoe-rho0.75-unbiased", "lrmoe-rho0.75-early-unbiased"]  # the frontier protocol's budgeted arms too
 # The uncertain constants and their ranges (DESIGN.md §5.4; issue 15): GEMM efficiency 0.5-0.9 of peak,
 # half-efficiency rows 32-512, links at 70-100 % of the datasheet, 1-32 micro-batches per iteration.
-SENSITIVITY = {"eff_max": (0.5, 0.9), "m_half": (32.0, 512.0), "bw_scale": (0.7, 1.0)}
-MICRO_BATCH_BAND = (1, 32)
 RG_TEXT = {"best": "each system in its faster mode of range and shard (column 'replica grads')",
            "range": "range (SYMI's) for every system", "shard": "shard for every system"}
 
@@ -129,12 +127,6 @@ def mode_variants(args, corners_: dict[str, dict]) -> dict[str, dict]:
     return {**corners_, "shard": {"replica_grad": "shard"},
             **{f"{k}|shard": {**v, "replica_grad": "shard"} for k, v in corners_.items()}}
 
-
-def corners() -> dict[str, dict]:
-    """{name: CostModel.variant keyword arguments} of every corner of :data:`SENSITIVITY`."""
-    keys = list(SENSITIVITY)
-    return {"|".join(f"{k}={v:g}" for k, v in zip(keys, values)): dict(zip(keys, values))
-            for values in itertools.product(*(SENSITIVITY[k] for k in keys))}
 
 
 def _overhead_names() -> tuple[str, ...]:

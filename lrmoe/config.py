@@ -284,3 +284,20 @@ def model_presets() -> list[str]:
 
 def cluster_presets() -> list[str]:
     return sorted(_CLUSTERS)
+
+
+# -- the cost model's uncertain constants (DESIGN.md §5.3) ---------------------------------------------------------
+# GEMM efficiency, half-efficiency rows and the links' share of their datasheet bandwidth, at the ends of their
+# plausible range, and the micro-batches per iteration: every band the package reports (the ablation's, a run's own
+# time in lrmoe.sim.replay) spans the corners of these.
+SENSITIVITY = {"eff_max": (0.5, 0.9), "m_half": (32.0, 512.0), "bw_scale": (0.7, 1.0)}
+MICRO_BATCH_BAND = (1, 32)
+
+
+def sensitivity_corners() -> dict[str, dict]:
+    """{name: :meth:`lrmoe.sim.cost.CostModel.variant` keyword arguments} of every corner of :data:`SENSITIVITY`."""
+    import itertools
+
+    keys = list(SENSITIVITY)
+    return {"|".join(f"{k}={v:g}" for k, v in zip(keys, values)): dict(zip(keys, values))
+            for values in itertools.product(*(SENSITIVITY[k] for k in keys))}

@@ -18,12 +18,12 @@ layers that replay it (the same seconds as simulating all L paper layers; tests/
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from lrmoe.config import ClusterConfig, MoEConfig
+from lrmoe.config import MICRO_BATCH_BAND, sensitivity_corners as corners
 from lrmoe.sim.cells import Cell, CellRules, build_systems, cost_kwargs
 from lrmoe.sim.simulator import SimResult, micro_batch_counts, simulate
 from lrmoe.systems import get_system
@@ -38,8 +38,6 @@ DENSE_EFFICIENCY = 0.5
 DENSE_EFFICIENCY_BAND = (0.35, 0.65)
 # The cost model's uncertain constants (DESIGN.md §5.3): GEMM efficiency, half-efficiency rows, link bandwidth as a
 # fraction of the datasheet's; and micro-batches per iteration. The same ranges as experiments/ablate.py's band.
-SENSITIVITY = {"eff_max": (0.5, 0.9), "m_half": (32.0, 512.0), "bw_scale": (0.7, 1.0)}
-MICRO_BATCH_BAND = (1, 32)
 
 
 def dense_flops_per_token(model: MoEConfig, seq_len: int) -> float:
@@ -74,12 +72,6 @@ def dense_seconds(model: MoEConfig, cluster: ClusterConfig, tokens_per_rank: int
     flops = 3.0 * dense_flops_per_token(model, seq) * tokens_per_rank * micro_batches
     return flops / (efficiency * cluster.peak_flops)
 
-
-def corners() -> dict[str, dict]:
-    """{name: :meth:`lrmoe.sim.cost.CostModel.variant` keyword arguments} of every corner of :data:`SENSITIVITY`."""
-    keys = list(SENSITIVITY)
-    return {"|".join(f"{k}={v:g}" for k, v in zip(keys, values)): dict(zip(keys, values))
-            for values in itertools.product(*(SENSITIVITY[k] for k in keys))}
 
 
 @dataclass
