@@ -69,10 +69,11 @@ from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.planner.replica_routing import route_forward
 from lrmoe.runtime.routing import RouterOutput
 from lrmoe.harness.layer_bench_setup import buffer_load, make_policy, make_traces, memory_model, system_context
-from lrmoe.systems import check_systems, get_system, system_arg, system_names_help
+from lrmoe.systems import check_systems, get_system, system_arg
 from lrmoe.checks import (fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg,
                           positive_int_arg)
-from lrmoe.integrations.tracking import Tracker, add_tracking_args, check_tracking_args
+from lrmoe.cli import SYSTEMS_HELP, script_parser
+from lrmoe.integrations.tracking import Tracker, check_tracking_args
 from lrmoe.results import read_records
 
 DEFAULT_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1", "lrmoe"]
@@ -86,22 +87,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 QUICK = {"tokens_per_rank": 128, "steps": 4, "warmup": 1, "hidden": 256, "ffn": 128}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (lrmoe.cli's formatter and shared flags; tests/test_cli.py)."""
+    p = script_parser(__doc__, "outputs/layer_bench.jsonl")
     p.add_argument("--ranks", type=positive_int_arg, default=4,
                    help="ranks of the fork launcher (not under torchrun)")
     p.add_argument("--torchrun", action="store_true",
                    help="accepted for older command lines: torchrun is found from its environment")
     p.add_argument("--policies", nargs="+", default=None, type=system_arg,
-                   help=f"default: {' '.join(DEFAULT_POLICIES)}; with --regime, the regime's arms. "
-                        f"{system_names_help()}")
+                   help=f"systems measured; default: {' '.join(DEFAULT_POLICIES)}; with --regime, the regime's "
+                        f"arms; {SYSTEMS_HELP}")
     p.add_argument("--model", default="qwen3-30b-a3b-debug", help="model preset giving E, k and the router")
     p.add_argument("--hidden", type=non_negative_int_arg, default=512, help="hidden width D (0: the preset's)")
     p.add_argument("--ffn", type=non_negative_int_arg, default=256, help="expert width F (0: the preset's)")
-    p.add_argument("--tokens-per-rank", type=positive_int_arg, default=256)
+    p.add_argument("--tokens-per-rank", type=positive_int_arg, default=256, help="tokens per rank per iteration")
     p.add_argument("--steps", type=positive_int_arg, default=8, help="measured iterations per policy and trace")
     p.add_argument("--warmup", type=non_negative_int_arg, default=2, help="unmeasured iterations before them")
-    p.add_argument("--skew", default="zipf", choices=["zipf", "dirichlet"])
+    p.add_argument("--skew", default="zipf", choices=["zipf", "dirichlet"],
+                   help="family of the synthetic traces' expert popularity")
     p.add_argument("--skew-param", type=non_negative_float_arg, nargs="+", default=None,
                    help="one synthetic trace per value: Zipf s (0.8: hottest ~15x the mean at E=128) or α "
                         f"(default {' '.join(map(str, FREE_DEFAULTS['skew_param']))}; with --regime, the matched s)")
@@ -132,14 +135,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the memory budget's token buffers hold this many times the mean load (default 1 + eps); "
                         "below that LRMoE's memory cap trims the backward, and may leave no room for a replica")
     p.add_argument("--no-grad-error", action="store_true", help="skip the full-gradient reference iterations")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the layer's weights and data")
+    p.add_argument("--seed", type=int, default=0, help="seed of the traces, weights and data")
     p.add_argument("--quick", action="store_true",
                    help="small run for the main job: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in
                                                                   QUICK.items()))
     p.add_argument("--timeout", type=positive_float_arg, default=900.0,
                    help="seconds before the fork launch is abandoned")
-    add_tracking_args(p, "outputs/layer_bench.jsonl")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():

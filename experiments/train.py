@@ -81,11 +81,12 @@ from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.runtime.distributed.launch import LaunchError, launch
 from lrmoe.runtime.optim import ExpertParallelOptimizer
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
-from lrmoe.systems import SystemContext, check_systems, get_system, system_arg, system_names_help
+from lrmoe.systems import SystemContext, check_systems, get_system, system_arg
 from lrmoe.checks import (available_memory_bytes, fraction_arg, non_negative_float_arg, non_negative_int_arg,
                           positive_float_arg, positive_int_arg)
 from lrmoe.integrations.checkpoint import CheckpointDir
-from lrmoe.integrations.tracking import add_tracking_args, check_tracking_args, output_problem
+from lrmoe.cli import SYSTEMS_HELP, script_parser
+from lrmoe.integrations.tracking import check_tracking_args, output_problem
 from lrmoe.traces.trace import Trace
 
 DEFAULT_PRESET = "qwen3-30b-a3b-debug"
@@ -482,14 +483,15 @@ def worker(rank: int, args) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The command line; its flags come from light modules alone (lrmoe.cli; tests/test_cli.py)."""
+    parser = script_parser(__doc__, "outputs/train.jsonl")  # --resume also continues from the latest checkpoint
     parser.add_argument("--preset", default=None, help=f"model preset (default {DEFAULT_PRESET})")
     parser.add_argument("--hf-config", default=None, metavar="FAMILY",
                         help="train Hugging Face transformers' architecture instead of lrmoe's: 'qwen3' (Qwen3-MoE "
                              f"of {HF_CONFIGS['qwen3']}), 'glm' (GLM-4.5, glm4_moe, of {HF_CONFIGS['glm']}) or any "
                              "model preset of either family; its MoE blocks run on the expert-parallel layer "
                              "(lrmoe.integrations.hf; needs the [hf] extra)")
-    parser.add_argument("--policy", default="lrmoe", type=system_arg, help=system_names_help())
+    parser.add_argument("--policy", default="lrmoe", type=system_arg, help=f"the system trained; {SYSTEMS_HELP}")
     parser.add_argument("--ranks", type=int, default=4, help="ranks of the fork launcher (not under torchrun)")
     parser.add_argument("--torchrun", action="store_true",
                         help="accepted for older command lines: torchrun is found from its environment")
@@ -500,9 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="'distributed': one process per rank (the fork launcher, gloo), the reference for "
                              "exactness and time; 'emulated': the --ranks ranks as threads of this process taking "
                              "turns, every exchange a local gather (lrmoe.runtime.inprocess), the same code")
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--micro-batches", type=int, default=1,
                         help="split each rank's --batch into this many micro-batches per optimizer step (gradient "
                              "accumulation; the placement holds for the step); must divide --batch")
@@ -511,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--record-peak-rss", action="store_true",
                         help="record each step's peak resident memory above its start (the largest rank's; Linux "
                              "only, CPU ranks; the heap is freed before every step, outside the timed part)")
-    parser.add_argument("--lr", type=positive_float_arg, default=3e-3)
+    parser.add_argument("--lr", type=positive_float_arg, default=3e-3, help="peak learning rate (AdamW)")
     parser.add_argument("--clip-grad", type=non_negative_float_arg, default=0.0, metavar="MAX_NORM",
                         help="clip each step's gradient to this global L2 norm over the dense parameters and the "
                              "experts (0: off; Megatron-Core's default is 1.0)")
@@ -528,26 +530,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--extra-slots", type=non_negative_int_arg, default=1,
                         help="replica slots per rank beside E/N home slots (bounded by the memory the ranks' slots "
                              "need: every slot holds an expert's weights and gradient in every MoE layer)")
-    parser.add_argument("--eps", type=non_negative_float_arg, default=0.1, help="LRMoE balance slack")
+    parser.add_argument("--eps", type=non_negative_float_arg, default=0.1,
+                        help="LRMoE balance slack (fraction of the mean load a rank may exceed)")
     parser.add_argument("--replica-grad", choices=REPLICA_GRAD_MODES, default="range",
                         help="replica gradients: 'range' (SYMI's range all-reduce, then collection) or 'shard' "
                              "(each host's sum straight to the optimizer-shard owners), for every system")
-    parser.add_argument("--gamma", type=fraction_arg, default=0.1, help="LRMoE per-expert floor")
+    parser.add_argument("--gamma", type=fraction_arg, default=0.1,
+                        help="LRMoE per-expert floor (fraction of each expert's pairs always kept)")
     # the CPU ranks' figure, as layer_bench.py's (lrmoe.sim.cost.CostModel.push_cost_rows on the CPU calibration)
     parser.add_argument("--push-cost-rows", type=non_negative_float_arg, default=32.0,
                         help="cost-aware online replication pushes a copy only when it relieves the busiest rank by "
                              "more than this many pairs (online-greedy: any relief)")
     parser.add_argument("--cost-model", default="h200x8",
                         help="cluster preset pricing each step's plans as full-size pairs ('' to skip)")
-    parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--eval-batches", type=int, default=4)
+    parser.add_argument("--eval-every", type=int, default=25, help="steps between validation losses")
+    parser.add_argument("--eval-batches", type=int, default=4, help="validation batches per rank per evaluation")
     parser.add_argument("--data", default=None, help="folder or glob of text files (default: Python's stdlib)")
     parser.add_argument("--max-bytes", type=positive_int_arg, default=4_000_000,
                         help="read at most this many bytes of text")
-    parser.add_argument("--seed", type=non_negative_int_arg, default=0)
+    parser.add_argument("--seed", type=non_negative_int_arg, default=0, help="seed of the model and the data order")
     parser.add_argument("--ckpt-dir", default=None,
                         help="checkpoints of this run (default: beside the results file, --out's name + .ckpt)")
-    parser.add_argument("--ckpt-every", type=non_negative_int_arg, default=50, help="0: no checkpoints")
+    parser.add_argument("--ckpt-every", type=non_negative_int_arg, default=50,
+                        help="steps between checkpoints (0: no checkpoints)")
     parser.add_argument("--ckpt-keep", type=non_negative_int_arg, default=2,
                         help="keep the newest this many checkpoints (0: all; 2 or more lets --resume fall back "
                              "past a corrupted one); each step's record is kept once, whatever this is")
@@ -559,8 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"the ranks that did not arrive and where they are (default {DEFAULT_TIMEOUT_S:g}; a "
                              "bound on inactivity, not on the run's length; --engine emulated: a bound on the whole "
                              f"run, default {EMULATED_TIMEOUT_S:g})")
-    parser.add_argument("--quiet", action="store_true")
-    add_tracking_args(parser, "outputs/train.jsonl")  # --resume also continues from the latest checkpoint
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no tracking notices")
     return parser
 
 

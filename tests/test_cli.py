@@ -16,11 +16,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ALL_SCRIPTS = sorted(f"experiments/{p.name}" for p in (ROOT / "experiments").glob("*.py") if p.name != "__init__.py")
 ALL_SCRIPTS.append("paper_figures/make_all.py")
-# Scripts not yet built this way (a parser of their own at import, heavy modules at the top): open work.
-NOT_YET = {f"experiments/{name}.py" for name in (
-    "layer_bench",
-    "tq_sweep", "train")}
-SCRIPTS = [s for s in ALL_SCRIPTS if s not in NOT_YET]
+# Scripts whose module still imports torch at the top, so their --help does too: train.py and layer_bench.py run the
+# distributed layer in every function (moving those imports is open work); tq_sweep.py's parser reads the
+# time-to-quality protocol, whose module imports torch, and has no build_parser yet.
+HEAVY_AT_IMPORT = {f"experiments/{name}.py" for name in ("layer_bench", "tq_sweep", "train")}
+NO_PARSER = {"experiments/tq_sweep.py"}
+SCRIPTS = [s for s in ALL_SCRIPTS if s not in HEAVY_AT_IMPORT]
 HEAVY = ("torch", "pandas", "matplotlib", "wandb", "scipy", "triton")
 
 
@@ -28,7 +29,7 @@ def _module(script: str) -> str:
     return "lrmoe." + script.removesuffix(".py").replace("/", ".")
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", [s for s in ALL_SCRIPTS if s not in NO_PARSER])
 def test_every_flag_has_help(script):
     """Each flag says what it does: a non-empty help on every action but -h."""
     parser = importlib.import_module(_module(script)).build_parser()
