@@ -100,8 +100,12 @@ test-core:
 reproduce: setup
 	$(PY) experiments/reproduce.py --mode $(MODE)
 
+# every figure from results files alone: the main job's (outputs/$(MODE)) once it has run, else the committed final
+# results (paper_figures/results); into outputs/figures, never over a committed figure
+FIGURES_FROM ?= $(if $(wildcard outputs/$(MODE)/SUMMARY.md),outputs/$(MODE),paper_figures/results)
+FIGURES_OUT ?= outputs/figures
 figures: setup
-	$(PY) paper_figures/make_all.py
+	$(PY) paper_figures/make_all.py --results $(FIGURES_FROM) --out $(FIGURES_OUT)
 
 clean-venv:
 	rm -rf $(VENV)
