@@ -82,7 +82,7 @@ def graph_report(root: str | None, config: Path) -> tuple[str, int]:
             if a != b and importer != ROOT:
                 edges[(a, b)] += 1
     contracts = read_contracts(config)
-    against = []
+    against, allowed = [], []
     layered = set()
     for c in contracts:
         if c.get("type") == "layers":
@@ -96,6 +96,7 @@ def graph_report(root: str | None, config: Path) -> tuple[str, int]:
             layered |= {m for m in modules if find_layer(m, index) is not None}
         elif c.get("type") == "independence":
             pats = c["modules"]
+            ignored = {tuple(s.strip() for s in rule.split("->")) for rule in c.get("ignore_imports", [])}
 
             def member(m: str) -> str | None:
                 for p in pats:
@@ -107,7 +108,8 @@ def graph_report(root: str | None, config: Path) -> tuple[str, int]:
             for importer, imported in module_edges:
                 a, b = member(importer), member(imported)
                 if a and b and a != b:
-                    against.append(f"{importer} -> {imported} ({c['name']})")
+                    (allowed if (importer, imported) in ignored else against).append(
+                        f"{importer} -> {imported} ({c['name']})")
     lines = [f"{ROOT} import graph (grimp {grimp.__version__}, from {root or 'the installed package'}; "
              f"contracts of {config}):",
              f"{len(modules)} modules in {len(by_pkg)} packages and top-level modules; {len(module_edges)} import "
@@ -121,6 +123,8 @@ def graph_report(root: str | None, config: Path) -> tuple[str, int]:
     unlayered = [m for m in modules if m != ROOT and m not in layered]
     lines += ["", "## against the contracts", ""]
     lines += against or ["none"]
+    if allowed:
+        lines += ["", "## allowed by name in the contracts (ignore_imports)", "", *allowed]
     if unlayered:
         lines += ["", f"## modules in no layer ({len(unlayered)})", "", ", ".join(unlayered)]
     return "\n".join(lines), len(against)
