@@ -42,8 +42,7 @@ from typing import TYPE_CHECKING
 
 # The parser needs only these light modules; the simulator, torch, pandas and matplotlib are imported by the
 # functions that run the sweep, so --help and argument errors come back at once.
-from lrmoe.checks import (fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg,
-                          positive_int_arg)
+from lrmoe.cli import fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg, positive_int_arg
 from lrmoe.cli import SYSTEMS_HELP, one_of, script_parser, system_arg
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.config import MICRO_BATCH_BAND, SENSITIVITY, sensitivity_corners as corners
@@ -61,7 +60,7 @@ SKEWS = ["zipf:0.2", "zipf:0.4", "zipf:0.6", "zipf:0.8"]  # Gini 0.10-0.50 of th
 # The default systems (lrmoe.systems). The metric and selection-mode variants (lrmoe-random, lrmoe-gate,
 # lrmoe-m2-unbiased) have LRMoE's plan by construction: they choose *which* pairs fill the quotas, never how many,
 # so they differ from LRMoE only in what their scoring and selection cost, and each is priced on its own (only
-# systems that run the same work share a simulation: lrmoe.sim.systems.plan_twins).
+# systems that run the same work share a simulation: lrmoe.sim.simulated_systems.plan_twins).
 SYSTEMS = ["static-ep", "capacity-cf1", "capacity-cf1.25", "symi-cf1", "symi-dropless",
            "symi-dropless-lrmoe-slots", "lrmoe",
            "lrmoe-host-groups", "lrmoe-no-memplace", "lrmoe-no-bwd-routing", "lrmoe-even-fwd",
@@ -310,7 +309,7 @@ def run_cells(args, run) -> pd.DataFrame:
 
     from lrmoe.sim.cells import TOKENS, Cell, build_systems, charged_overheads, cost_kwargs
     from lrmoe.sim.simulator import simulate
-    from lrmoe.sim.systems import plan_twins
+    from lrmoe.sim.simulated_systems import plan_twins
     from lrmoe.traces.synthetic import generate_trace
 
     base = cluster_preset(args.cluster)

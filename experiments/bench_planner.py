@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 # The parser needs only these light modules; the planner, torch, pandas and matplotlib load in the functions that
 # time and draw.
-from lrmoe.checks import fraction_arg, non_negative_float_arg, non_negative_int_arg
+from lrmoe.cli import fraction_arg, non_negative_float_arg, non_negative_int_arg
 from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
 from lrmoe.integrations.tracking import check_tracking_args
 

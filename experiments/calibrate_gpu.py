@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 # The parser needs only these light modules; torch loads in the functions that measure.
-from lrmoe.checks import positive_float_arg, positive_int_arg
+from lrmoe.cli import positive_float_arg, positive_int_arg
 from lrmoe.cli import script_parser
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.integrations.tracking import check_tracking_args

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lrmoe.checks import positive_int_arg
+from lrmoe.cli import positive_int_arg
 from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
 from lrmoe.integrations.tracking import Tracker
 from lrmoe.results import read_results

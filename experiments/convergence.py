@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 # The parser needs only these light modules; the registry (torch), the analysis (pandas, SciPy) and matplotlib
 # load in the functions that check, collect and draw.
-from lrmoe.checks import non_negative_float_arg, non_negative_int_arg, positive_int_arg
+from lrmoe.cli import non_negative_float_arg, non_negative_int_arg, positive_int_arg
 from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
 from lrmoe.config import model_preset
 from lrmoe.integrations.tracking import check_tracking_args

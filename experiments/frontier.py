@@ -28,7 +28,7 @@ import numpy as np
 # The parser needs only these light modules; the simulator (torch), the analysis (pandas, SciPy) and matplotlib load
 # in the functions that simulate, decide and draw.
 from lrmoe.analysis import protocol
-from lrmoe.checks import fraction_arg, non_negative_float_arg, positive_float_arg, positive_int_arg
+from lrmoe.cli import fraction_arg, non_negative_float_arg, positive_float_arg, positive_int_arg
 from lrmoe.cli import script_parser
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.integrations.tracking import check_tracking_args
@@ -175,7 +175,7 @@ def modelled_times(policies: list[str], args, known: list[dict] = ()) -> tuple[d
 
     from lrmoe.sim.cells import Cell, CellRules, build_systems, cost_kwargs
     from lrmoe.sim.simulator import simulate
-    from lrmoe.sim.systems import plan_twins
+    from lrmoe.sim.simulated_systems import plan_twins
     from lrmoe.traces.synthetic import generate_trace
 
     m, c = model_preset(args.model), cluster_preset(args.cluster, args.nodes)

@@ -34,7 +34,7 @@ from pathlib import Path
 # The parser needs only these light modules; the analysis (pandas, SciPy, torch) loads where runs are compared and
 # reported.
 from lrmoe.analysis import protocol
-from lrmoe.checks import positive_int_arg
+from lrmoe.cli import positive_int_arg
 from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
 from lrmoe.results import append_record, read_headers, read_records, read_results
 

@@ -20,7 +20,7 @@ lrmoe-no-placement), lrmoe-m3, lrmoe-m1-unbiased and capacity-cf1-gate.
 
 One iteration = forward, backward of a random linear loss, data-parallel sync of the router, the experts'
 optimizer step with redistribution into the next placement. Every policy runs the layer's recalibrated
-backward (``lrmoe.runtime.backward``); plans that keep every pair take its fast path, the autograd-equivalent one.
+backward (``lrmoe.runtime.exchange``); plans that keep every pair take its fast path, the autograd-equivalent one.
 Before each timed iteration an untimed one computes the *full* gradient at the same weights and inputs (every
 routed pair computed and kept, on the policy's placement): the reference for the gradient error. The counted
 bytes and pairs are checked against the formulas of ``lrmoe.runtime.distributed.accounting`` every iteration.
@@ -70,8 +70,7 @@ from lrmoe.planner.replica_routing import route_forward
 from lrmoe.runtime.routing import RouterOutput
 from lrmoe.harness.layer_bench_setup import buffer_load, make_policy, make_traces, memory_model, system_context
 from lrmoe.systems import check_systems, get_system, system_arg
-from lrmoe.checks import (fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg,
-                          positive_int_arg)
+from lrmoe.cli import fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg, positive_int_arg
 from lrmoe.cli import SYSTEMS_HELP, script_parser
 from lrmoe.integrations.tracking import Tracker, check_tracking_args
 from lrmoe.results import read_records

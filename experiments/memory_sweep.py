@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 # The parser needs only these light modules; the simulator (torch), the analysis (pandas, SciPy) and matplotlib load
 # in the functions that sweep, judge and draw.
 from lrmoe.analysis import protocol
-from lrmoe.checks import non_negative_int_arg, positive_float_arg, positive_int_arg
+from lrmoe.cli import non_negative_int_arg, positive_float_arg, positive_int_arg
 from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
 from lrmoe.config import cluster_preset, cluster_presets, model_preset, model_presets
 from lrmoe.integrations.tracking import check_tracking_args, foreign_results, output_problem

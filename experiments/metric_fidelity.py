@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 # The parser needs only these light modules; torch, the model, the metrics, pandas and matplotlib load in the
 # functions that measure and draw.
-from lrmoe.checks import fraction_arg, positive_float_arg, positive_int_arg
+from lrmoe.cli import fraction_arg, positive_float_arg, positive_int_arg
 from lrmoe.cli import one_of, script_parser
 from lrmoe.config import model_preset
 from lrmoe.integrations.tracking import check_tracking_args

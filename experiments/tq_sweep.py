@@ -29,7 +29,7 @@ from pathlib import Path
 
 from lrmoe.analysis import tq_protocol as P
 from lrmoe.analysis.runs import config_differences
-from lrmoe.checks import positive_int_arg
+from lrmoe.cli import positive_int_arg
 from lrmoe.results import append_record, read_headers, read_records, read_results
 
 

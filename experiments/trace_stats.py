@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 # The parser needs only these light modules; torch, pandas and matplotlib load when the traces are made.
-from lrmoe.checks import positive_int_arg
+from lrmoe.cli import positive_int_arg
 from lrmoe.cli import script_parser
 from lrmoe.config import model_preset, model_presets
 from lrmoe.integrations.tracking import check_tracking_args

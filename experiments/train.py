@@ -82,8 +82,8 @@ from lrmoe.runtime.distributed.launch import LaunchError, launch
 from lrmoe.runtime.optim import ExpertParallelOptimizer
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.systems import SystemContext, check_systems, get_system, system_arg
-from lrmoe.checks import (available_memory_bytes, fraction_arg, non_negative_float_arg, non_negative_int_arg,
-                          positive_float_arg, positive_int_arg)
+from lrmoe.checks import available_memory_bytes
+from lrmoe.cli import fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg, positive_int_arg
 from lrmoe.integrations.checkpoint import CheckpointDir
 from lrmoe.cli import SYSTEMS_HELP, script_parser
 from lrmoe.integrations.tracking import check_tracking_args, output_problem
@@ -297,9 +297,9 @@ def cost_model(args, cfg: MoEConfig, ep: int, ranks_per_node: int | None = None)
     model family (the paper-scale preset the debug one scales down, with this run's experts and top-k) on the EP
     group's ``ep`` ranks, ``ranks_per_node`` (default: all) to a node of the cluster preset, with the system's
     registry entry built as the simulator builds it (compaction, optimizer sharding and
-    lrmoe.sim.systems.cost_options), and this run's --replica-grad."""
+    lrmoe.sim.simulated_systems.cost_options), and this run's --replica-grad."""
     from lrmoe.sim.cost import CostModel
-    from lrmoe.sim.systems import simulator_system
+    from lrmoe.sim.simulated_systems import simulator_system
 
     full = full_scale_preset(args.preset).replace(num_experts=cfg.num_experts, top_k=cfg.top_k)
     ranks_per_node = ep if ranks_per_node is None else ranks_per_node

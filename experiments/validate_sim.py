@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 # The parser needs only these light modules; the validation harness, the simulator (torch) and pandas load in the
 # functions that calibrate, compare and report.
 from lrmoe.analysis.protocol import REGIMES
-from lrmoe.checks import positive_int_arg
+from lrmoe.cli import positive_int_arg
 from lrmoe.cli import script_parser
 from lrmoe.integrations.tracking import check_tracking_args
 

@@ -10,7 +10,6 @@ arithmetic runs in NumPy (on arrays of a few hundred entries torch's per-call ov
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 from typing import TYPE_CHECKING
@@ -115,30 +114,6 @@ def _cgroup_room() -> int | None:
         if limit is not None and usage is not None and limit < 2**60:  # v1 writes a huge number for no limit
             return max(limit - usage, 0)
     return None
-
-
-# --- command-line types (argparse ``type=``: a bad value is an argparse error naming the flag, never a traceback) ---
-
-def _arg(check, kind: type):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not {'an int' if kind is int else 'a number'}: {text!r}") from None
-        try:
-            return check("value", value)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).replace("value ", "", 1)) from None
-    return parse
-
-
-positive_int_arg = _arg(positive_int, int)
-non_negative_int_arg = _arg(non_negative_int, int)
-positive_float_arg = _arg(check_positive_number, float)
-
-
-non_negative_float_arg = _arg(lambda name, value: check_fraction(name, value, None), float)
-fraction_arg = _arg(lambda name, value: check_fraction(name, value, 1.0), float)  # a number in [0, 1]
 
 
 # --- apportionment ----------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterable
 
+from lrmoe.checks import check_fraction, check_positive_number, non_negative_int, positive_int
 from lrmoe.integrations.tracking import add_tracking_args
 
 
@@ -73,3 +74,28 @@ def one_of(names: Callable[[], Iterable[str]], what: str = "value") -> Callable[
             raise argparse.ArgumentTypeError(f"{what} {value!r} is not one of {', '.join(known)}")
         return value
     return parse
+
+
+# -- command-line number types (argparse ``type=``): a bad value is an argparse error naming the flag, never a
+# traceback; the checks themselves are lrmoe.checks'
+
+def _arg(check, kind: type):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an int' if kind is int else 'a number'}: {text!r}") from None
+        try:
+            return check("value", value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).replace("value ", "", 1)) from None
+    return parse
+
+
+positive_int_arg = _arg(positive_int, int)
+non_negative_int_arg = _arg(non_negative_int, int)
+positive_float_arg = _arg(check_positive_number, float)
+
+
+non_negative_float_arg = _arg(lambda name, value: check_fraction(name, value, None), float)
+fraction_arg = _arg(lambda name, value: check_fraction(name, value, 1.0), float)  # a number in [0, 1]

@@ -2,7 +2,7 @@
 
 A system is a placement policy (built by a factory from a :class:`SystemContext`, the facts a script knows:
 experts, ranks, spare slots, memory, LRMoE's knobs) + the backward the real layer runs
-(:class:`~lrmoe.runtime.backward.BackwardConfig`: metric, selection mode, compaction, seed) + how it executes (the
+(:class:`~lrmoe.runtime.exchange.BackwardConfig`: metric, selection mode, compaction, seed) + how it executes (the
 recalibrated backward or the plain one, sharded optimizer state, replica-sync groups) + how figures show it
 (label, colour). Adding a placement policy or a system is one entry in :data:`SYSTEMS`.
 
@@ -10,7 +10,7 @@ recalibrated backward or the plain one, sharded optimizer state, replica-sync gr
     spec = get_system("symi-dropless")
     policy = spec.make_policy(ctx)              # a Policy (lrmoe.planner.plan): plan(counts_NE, prev_counts_E)
     backward = spec.layer_backward(seed=0)      # None: the plain backward (keep every pair) suffices
-    system = simulator_system(spec, ctx)        # lrmoe.sim.systems: the simulator's System, priced as its entry says
+    system = simulator_system(spec, ctx)        # lrmoe.sim.simulated_systems: the simulator's System, as priced
 
 Names are canonical. :data:`ALIASES` maps the names that older scripts and results files used (``ep-dropless``,
 ``lrmoe-m2``, ...) onto them: scripts accept and record the canonical name, figures rename old records on reading.

@@ -7,7 +7,7 @@ import torch
 
 from lrmoe.recal.backward_config import BackwardConfig
 from lrmoe.recal.recalibrate import Recalibration, score_and_select
-from lrmoe.sim.systems import work_key
+from lrmoe.sim.simulated_systems import work_key
 from lrmoe.systems import RHOS, get_system
 
 

@@ -29,7 +29,7 @@ from lrmoe.integrations.hf import (EPExperts, gather_trace, hf_config, hf_to_ref
 from lrmoe.runtime.distributed.replica import unflatten_experts  # noqa: E402
 from lrmoe.runtime.reference import swiglu  # noqa: E402
 from lrmoe.sim.simulator import simulate  # noqa: E402
-from lrmoe.sim.systems import simulator_system  # noqa: E402
+from lrmoe.sim.simulated_systems import simulator_system  # noqa: E402
 from lrmoe.systems import SystemContext, get_system  # noqa: E402
 from lrmoe.integrations.traces import RouterRecorder  # noqa: E402
 

@@ -1,7 +1,7 @@
 """bf16 mixed precision of the transformers drop-in: ``torch.autocast("cpu", dtype=torch.bfloat16)`` around the
 forward of a swapped fp32 model (fp32 weights, fp32 master and optimizer state, bf16 compute), 2 gloo ranks.
 
-Under autocast the expert exchange computes in bf16, as autocast's matmuls do (lrmoe.runtime.backward._Exchange):
+Under autocast the expert exchange computes in bf16, as autocast's matmuls do (lrmoe.runtime.exchange._Exchange):
 the swapped experts module moves half the bytes of its fp32 run through both all-to-alls and gives what HF's own
 experts module gives on bf16 copies of its input and weights. Trained under autocast, the swapped model follows
 the unswapped HF model trained under the same autocast (Qwen3-MoE and GLM-4.5 shapes; static EP, SYMI-dropless,

@@ -1,6 +1,6 @@
 """LRMoE end to end in the expert-parallel layer (gloo, 2 and 4 forked ranks) against the reference layer.
 
-The recalibrated backward (lrmoe.runtime.backward) must give, for every plan: with unbounded quotas, exactly the
+The recalibrated backward (lrmoe.runtime.exchange) must give, for every plan: with unbounded quotas, exactly the
 reference's gradients; with quotas, exactly the reference's gradients on the retained pair set the layer
 reports (keep, scale); the router gradient and the shared expert untouched by the trimming; per-rank retained
 pairs within the cap apart from the reported floor excess; and backward all-to-all bytes of exactly the

@@ -7,7 +7,7 @@ import torch
 import lrmoe.sim.overheads as overheads
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.sim.simulator import simulate
-from lrmoe.sim.systems import simulator_system
+from lrmoe.sim.simulated_systems import simulator_system
 from lrmoe.systems import SystemContext, get_system
 from lrmoe.traces.synthetic import generate_trace
 

@@ -141,10 +141,11 @@ def test_simulation_is_deterministic_and_systems_differ_as_expected():
 
 
 def test_registry_systems_are_priced_by_their_entries_and_random_selection_is_cheaper_than_m2():
-    """A registry entry's planner, metric and mode price its simulation (lrmoe.sim.systems): at one budget, LRMoE's
-    top-k m2, unbiased m2 and random selection make the same plans but cost different times, random the least of
-    the three; SYMI's random trim is priced as its own planner + the quota stage, with random selection."""
-    from lrmoe.sim.systems import plan_twins, simulator_system
+    """A registry entry's planner, metric and mode price its simulation (lrmoe.sim.simulated_systems): at one
+    budget, LRMoE's top-k m2, unbiased m2 and random selection make the same plans but cost different times,
+    random the least of the three; SYMI's random trim is priced as its own planner + the quota stage, with random
+    selection."""
+    from lrmoe.sim.simulated_systems import plan_twins, simulator_system
     from lrmoe.systems import SystemContext, get_system
 
     counts = _trace(skew=1.0)

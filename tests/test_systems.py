@@ -17,7 +17,7 @@ from lrmoe.planner.placement import MemoryModel
 from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
 from lrmoe.analysis.runs import BASELINE
 from lrmoe.planner.plan import PlacingPolicy
-from lrmoe.sim.systems import cost_options, plan_twins, simulator_system
+from lrmoe.sim.simulated_systems import cost_options, plan_twins, simulator_system
 from lrmoe.systems import (ALIASES, SYSTEMS, SystemContext, canonical, check_systems, get_system,
                            system_arg)
 

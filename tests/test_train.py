@@ -234,7 +234,7 @@ def test_the_cost_model_prices_each_system_as_the_simulator_builds_it():
     """--cost-model priced lrmoe-padded as compacted (11.99 against the simulator's 11.48 ms per layer and
     iteration): it now takes compaction and optimizer sharding from the system's entry, as the simulator does, so
     the same plan is priced differently as lrmoe (compact backward) and as lrmoe-padded (padded packets)."""
-    from lrmoe.sim.systems import simulator_system
+    from lrmoe.sim.simulated_systems import simulator_system
     from lrmoe.systems import get_system
 
     counts_NE = torch.tensor([[60] * 4 + [4] * 12] * 4)  # rank 0's experts hot; no spare slot: LRMoE trims

@@ -1,7 +1,7 @@
 """The byte model of one plan: which rows every all-to-all of an MoE layer-iteration carries, from the plan alone.
 
 One set of rules, read by everything that counts or prices traffic: the runtime (:mod:`lrmoe.runtime.dispatch`,
-:mod:`lrmoe.runtime.backward`) lays its packets out by them, :mod:`lrmoe.runtime.distributed.accounting` turns them
+:mod:`lrmoe.runtime.exchange`) lays its packets out by them, :mod:`lrmoe.runtime.distributed.accounting` turns them
 into the bytes a
 rank must have counted, and the cost model (:mod:`lrmoe.sim.cost`) into seconds. Pure: no ``torch.distributed``.
 
@@ -42,7 +42,7 @@ A2A_PHASES = ("dispatch_a2a", "combine_a2a", "combine_a2a_bwd", "bwd_index_a2a",
 # (lrmoe.planner.online;
 # its bytes are lrmoe.bytemodel.sync_model.push_bytes)
 BYTE_PHASES = A2A_PHASES + ("weight_push", "replica_sync", "grad_collect", "redistribute", "early_keep_a2a")
-# early_keep_a2a: early selection's keep bit, one byte per pair sent (lrmoe.runtime.backward), in an all-to-all of
+# early_keep_a2a: early selection's keep bit, one byte per pair sent (lrmoe.runtime.exchange), in an all-to-all of
 # its own beside the dispatch: the cost model prices its bytes and, the part that counts, its latency
 COUNTERS = ("pairs_fwd", "pairs_bwd", "pairs_retained", "pairs_recomputed", "pairs_dropped", "token_buffer_bytes",
             "bwd_buffer_bytes")

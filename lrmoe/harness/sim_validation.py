@@ -50,7 +50,7 @@ from lrmoe.runtime.distributed.accounting import expected_layer, expected_step
 from lrmoe.sim.cost import PHASES as MODEL_PHASES
 from lrmoe.sim.cost import CostModel, cpu_gloo_preset
 from lrmoe.sim.simulator import iter_plans
-from lrmoe.sim.systems import cost_options
+from lrmoe.sim.simulated_systems import cost_options
 from lrmoe.systems import get_system
 
 LOCAL = ("expert_fwd", "expert_bwd", "adam")  # measured as the slowest rank
@@ -166,7 +166,8 @@ KEYS = ["clock", "trace", "policy", "phase"]
 
 def bench_cost_model(model, cluster, curve, rep: dict, config: dict, policy: str) -> CostModel:
     """The cost model of one system as the layer benchmark runs it: its registry entry's cost options
-    (:func:`lrmoe.sim.systems.cost_options`: planner, quota stage, metric and mode, sync groups, early selection)
+    (:func:`lrmoe.sim.simulated_systems.cost_options`: planner, quota stage, metric and mode, sync groups, early
+    selection)
     except fixed-size capacity buffers (the layer multiplies only the rows that arrive); every system's optimizer
     state sharded (the layer shards all); the backward's compaction, the bench's budget and replica-gradient mode."""
     options = {k: v for k, v in cost_options(get_system(policy)).items() if k != "capacity_cf"}

@@ -1,6 +1,6 @@
 """How the backward chooses and moves pairs: the recalibration settings a system fixes (DESIGN.md §4 steps 4–7).
 
-Plain data, read by the runtime's backward (:mod:`lrmoe.runtime.backward`), by the registry of systems and by the
+Plain data, read by the runtime's backward (:mod:`lrmoe.runtime.exchange`), by the registry of systems and by the
 simulator, which prices the metric and the mode it names.
 """
 

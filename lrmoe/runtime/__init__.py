@@ -3,7 +3,7 @@
 * :mod:`~lrmoe.runtime.layer`: :class:`~lrmoe.runtime.layer.EPMoELayer`: routing, planning once per iteration,
   the shared expert, orchestration;
 * :mod:`~lrmoe.runtime.dispatch`: the token dispatcher, the one forward data path;
-* :mod:`~lrmoe.runtime.backward`: the recalibrated expert exchange, one autograd op;
+* :mod:`~lrmoe.runtime.exchange`: the recalibrated expert exchange, one autograd op;
 * :mod:`~lrmoe.runtime.expert_compute`: the SwiGLU experts on grouped GEMMs, forward and backward by hand;
 * :mod:`~lrmoe.runtime.routing`: the routers (softmax top-k, GLM's sigmoid with bias);
 * :mod:`~lrmoe.runtime.clip`: gradient clipping by the global norm over the dense parameters and the experts;

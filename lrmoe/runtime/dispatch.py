@@ -6,7 +6,7 @@ per-pair expert outputs back home, and the communication object every exchange o
 
 :func:`make_dispatch` turns one rank's routing and the plan into integer bookkeeping (:class:`Dispatch`, no data
 moves, no gradients); :class:`TokenDispatcher` moves rows by it. Nothing here is differentiable: the expert exchange
-(:mod:`lrmoe.runtime.backward`) wraps the whole path in one autograd op with a hand-written backward, which moves its
+(:mod:`lrmoe.runtime.exchange`) wraps the whole path in one autograd op with a hand-written backward, which moves its
 packets through the same :class:`Comm`.
 
 Pair-level rule (shared with the planner and the simulator): the pairs of (source rank n, expert e), in token

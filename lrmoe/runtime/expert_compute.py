@@ -1,6 +1,6 @@
 """The raw expert computation of the EP layer, forward and backward by hand, on rows sorted by slot: SwiGLU
 experts as variable-size grouped GEMMs (``lrmoe.kernels.grouped_gemm``), no dispatch. :class:`SwiGLUExperts` is the
-seam the expert exchange (:mod:`lrmoe.runtime.backward`) computes through.
+seam the expert exchange (:mod:`lrmoe.runtime.exchange`) computes through.
 
 The forward keeps its activations (:class:`Activations`) so the backward of the rows that stay on their slot
 needs no recomputation; the backward runs on whichever rows it is given (only the retained ones), and rows whose

@@ -5,7 +5,7 @@ One forward, on every rank (DESIGN.md §4, the data flows one way):
 
     route (replicated router) → all-gather counts_NE → plan = policy.plan(counts_NE, prev_counts_E)
     → [weight push into empty slots, if the plan has one: ReplicaStore.push]
-    → expert exchange (lrmoe.runtime.backward: the dispatcher's pack → all-to-all → slot-major → grouped-GEMM SwiGLU →
+    → expert exchange (lrmoe.runtime.exchange: the dispatcher's pack → all-to-all → slot-major → grouped-GEMM SwiGLU →
       all-to-all back) → weighted un-permute (+ shared expert)
 
 Every rank runs the same policy on the same all-gathered counts, so all ranks hold the same plan without further
@@ -44,10 +44,10 @@ recomputed (they are differentiable), the routed experts must be the recorded on
 are those of the original plan, bit for bit.
 
 The layer keeps the routing, the shared expert and the orchestration. The data path is the dispatcher's
-(:mod:`lrmoe.runtime.dispatch`); the backward is the expert exchange's (:mod:`lrmoe.runtime.backward`), one code path
+(:mod:`lrmoe.runtime.dispatch`); the backward is the expert exchange's (:mod:`lrmoe.runtime.exchange`), one code path
 for every
 plan: with ``backward=None`` it is the plain backward (plans that trim or move backward pairs are refused), with a
-:class:`~lrmoe.runtime.backward.BackwardConfig` the recalibrated one (metric and selection at home, compacted packets).
+:class:`~lrmoe.runtime.exchange.BackwardConfig` the recalibrated one (metric and selection at home, compacted packets).
 The per-pair expert outputs come home as one tensor ``o_MD`` before the weighted un-permute
 ``y_t = Σ_j g_tj · o_tj``, so the router gradient (through g) is exact for every pair.
 
@@ -67,7 +67,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lrmoe.recal.backward_config import BackwardConfig
-from lrmoe.runtime.backward import BackwardRecord, ExpertExchange, expert_exchange
+from lrmoe.runtime.exchange import BackwardRecord, ExpertExchange, expert_exchange
 from lrmoe.config import ROUTER_FAMILIES
 from lrmoe.runtime.dense_sync import NonFiniteError, grad_flags, raise_on_grad_flags, sync_dense_grads_
 from lrmoe.runtime.dispatch import Comm, Dispatch, TokenDispatcher, assign_pairs, make_dispatch, source_to_slot_major

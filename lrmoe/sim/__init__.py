@@ -6,7 +6,8 @@ cluster preset.
   metric and mode, compaction, capacity buffers), each with the benchmark it comes from;
 * :mod:`~lrmoe.sim.simulator`: :func:`~lrmoe.sim.simulator.simulate`: every (iteration, layer) of a trace, fresh
   policies per layer, as the layer runs them;
-* :mod:`~lrmoe.sim.systems`: the registry's systems (:mod:`lrmoe.systems`) as the simulator runs and prices them;
+* :mod:`~lrmoe.sim.simulated_systems`: the registry's systems (:mod:`lrmoe.systems`) as the simulator runs and
+  prices them;
 * :mod:`~lrmoe.sim.cells`: a sweep's cells and the rules every system of a cell is built by (the ablation's and
   the frontier's).
 

@@ -1,6 +1,6 @@
 """The simulator's sweep cells: one point of a sweep (model, cluster, skew, budget, tokens), the rules every system
 of a cell is built by (DESIGN.md §5.4: one memory model, the headroom rule, the overheads charged), and the cell's
-systems built from the registry (:mod:`lrmoe.systems`) as the simulator runs them (:mod:`lrmoe.sim.systems`).
+systems built from the registry (:mod:`lrmoe.systems`) as the simulator runs them (:mod:`lrmoe.sim.simulated_systems`).
 
 Shared by every script that simulates registry systems at paper scale (experiments/ablate.py, experiments/frontier.py):
 a script builds a :class:`Cell` and a :class:`CellRules` (or passes its argparse namespace, which has the same
@@ -18,7 +18,7 @@ from lrmoe.config import ClusterConfig, MoEConfig
 from lrmoe.sim.cost import CostModel
 from lrmoe.sim.overheads import OVERHEADS
 from lrmoe.sim.simulator import System
-from lrmoe.sim.systems import cost_options, plan_twins, simulator_system
+from lrmoe.sim.simulated_systems import cost_options, plan_twins, simulator_system
 from lrmoe.systems import SystemContext, get_system
 
 # Tokens per rank per micro-batch (ours). Qwen3: one 4096-token sequence per GPU. GLM-4.5-Air: its expert
@@ -122,9 +122,9 @@ def system_context(cell: Cell, cm: CostModel, rules: CellRules,
 def build_systems(cell: Cell, names: list[str], rules: CellRules,
                   reference: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[dict[str, System], dict[str, str], dict[str, str], dict[str, float]]:
-    """The systems of one cell (each name's first plan twin only, :func:`lrmoe.sim.systems.plan_twins`), why those
-    that cannot run there cannot, notes on those that run (e.g. SYMI left without a spare slot), and the planned
-    headrooms."""
+    """The systems of one cell (each name's first plan twin only,
+    :func:`lrmoe.sim.simulated_systems.plan_twins`), why those that cannot run there cannot, notes on those that run
+    (e.g. SYMI left without a spare slot), and the planned headrooms."""
     m, c = cell.model, cell.cluster
     cm = CostModel(m, c, mem_budget_bytes=cell.layer_budget)
     base = m.num_experts // c.num_ranks
@@ -152,7 +152,7 @@ def charged_overheads(rules: CellRules) -> tuple[str, ...]:
 def cost_kwargs(name: str, cell: Cell, rules: CellRules) -> dict:
     """Keyword arguments of :class:`~lrmoe.sim.cost.CostModel` for system ``name`` in ``cell``: the cell's budget,
     the rules' overheads and replica-gradient mode, and what the system's registry entry sets
-    (:func:`lrmoe.sim.systems.cost_options`)."""
+    (:func:`lrmoe.sim.simulated_systems.cost_options`)."""
     mode = "range" if rules.replica_grad == "best" else rules.replica_grad  # best: range priced, shard a variant
     return {"mem_budget_bytes": cell.layer_budget, "overheads": charged_overheads(rules), "replica_grad": mode,
             **cost_options(get_system(name))}

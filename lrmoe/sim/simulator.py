@@ -53,7 +53,7 @@ class System:
     compaction: bool = True  # False: backward packets padded to forward sizes
     sharded_optimizer: bool = True  # False: static EP keeps optimizer state with each expert's one host
     description: str = ""
-    # keyword arguments of CostModel this system sets (lrmoe.sim.systems.cost_options: its planner benchmark,
+    # keyword arguments of CostModel this system sets (lrmoe.sim.simulated_systems.cost_options: its planner benchmark,
     # metric and selection mode, sync groups, capacity buffers); a caller's cost_kwargs come on top
     costs: dict = field(default_factory=dict, compare=False)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lrmoe.recal.backward_config import BackwardConfig
-from lrmoe.runtime.backward import flow_slots, rows_only
+from lrmoe.runtime.exchange import flow_slots, rows_only
 from lrmoe.kernels.compact import compact_plan, pack, unpack
 
 
