@@ -24,9 +24,9 @@ from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
 from lrmoe.config import MoEConfig, cluster_preset, model_preset  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
+from _hf_helpers import expert_grads_used  # noqa: E402
 from lrmoe.integrations.hf import (EPExperts, gather_trace, hf_config, hf_to_reference, moe_blocks, reference_to_hf,
                                    swap_moe_blocks)
-from lrmoe.runtime.distributed.replica import unflatten_experts  # noqa: E402
 from lrmoe.runtime.reference import swiglu  # noqa: E402
 from lrmoe.sim.simulator import simulate  # noqa: E402
 from lrmoe.sim.simulated_systems import simulator_system  # noqa: E402
@@ -263,16 +263,6 @@ def test_resuming_from_the_state_dicts_continues_exactly(family, system):
 MICRO = 2
 
 
-def _expert_grads_used(ep) -> dict[str, torch.Tensor]:
-    """The expert gradients the last expert step used (its collected shards), in HF's names."""
-    out = {}
-    for name, layer in zip(ep.names, ep.layers):
-        store = layer.store
-        gate_up, down = reference_to_hf(*unflatten_experts(store.gather_full(store.grad_shards_EW), 32, 16))
-        out[f"{name}.experts.gate_up_proj"], out[f"{name}.experts.down_proj"] = gate_up, down
-    return out
-
-
 def _plain_loop(rank: int, family: str, system: str, ckpt: bool):
     """Two steps of MICRO micro-batches through ``ep.optimizer`` and a LambdaLR, as a plain PyTorch loop. Returns
     every gradient each step used, the final logits, and (first step) the reference's mean-loss gradients."""
@@ -292,7 +282,7 @@ def _plain_loop(rank: int, family: str, system: str, ckpt: bool):
         # each forward's decision is kept for its recomputation, and taken by it when the model checkpoints
         assert all(len(layer.decisions) == (0 if ckpt else MICRO) for layer in ep.layers)
         opt.step()
-        used = {n: p.grad.clone() for n, p in dense_named(model)} | _expert_grads_used(ep)
+        used = {n: p.grad.clone() for n, p in dense_named(model)} | expert_grads_used(ep)
         steps.append(used)
         sched.step()
         opt.zero_grad()
@@ -341,7 +331,7 @@ def _defaults_agree(rank: int) -> dict:
     raw = {n: p.grad.clone() for n, p in dense_named(model)}
     ep.sync_dense_grads()
     ep.expert_step()
-    used = _expert_grads_used(ep)
+    used = expert_grads_used(ep)
     for name, p in dense_named(model):
         total = raw[name].clone()
         dist.all_reduce(total)

@@ -29,10 +29,10 @@ pytest.importorskip("transformers")
 from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
 from lrmoe.config import MoEConfig  # noqa: E402
-from lrmoe.integrations.hf import reference_to_hf, swap_moe_blocks  # noqa: E402
+from lrmoe.integrations.hf import swap_moe_blocks  # noqa: E402
 from lrmoe.runtime.distributed.accounting import Accountant  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
-from lrmoe.runtime.distributed.replica import unflatten_experts  # noqa: E402
+from _hf_helpers import expert_grads_used  # noqa: E402
 
 TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
                  num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
@@ -65,13 +65,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def grads_used(model, ep) -> dict[str, torch.Tensor]:
     """The gradients the last optimizer step applied, in HF's names: the dense ones (all-reduced, scaled to the
     mean loss over the ranks) and the experts' (their collected shards, gathered)."""
-    out = {n: p.grad.clone() for n, p in model.named_parameters() if not n.endswith("slots_SW")}
-    for name, layer in zip(ep.names, ep.layers):
-        store = layer.store
-        flat_EW = store.gather_full(store.grad_shards_EW)
-        gate_up, down = reference_to_hf(*unflatten_experts(flat_EW, store.hidden, store.ffn))
-        out[f"{name}.experts.gate_up_proj"], out[f"{name}.experts.down_proj"] = gate_up, down
-    return out
+    return {n: p.grad.clone() for n, p in model.named_parameters() if not n.endswith("slots_SW")} | \
+        expert_grads_used(ep)
 
 
 # -- the exchange computes in bf16 --------------------------------------------------------------------------------

@@ -26,10 +26,9 @@ pytest.importorskip("transformers")
 from transformers import Qwen3MoeForCausalLM  # noqa: E402
 
 from lrmoe.config import MoEConfig  # noqa: E402
-from lrmoe.integrations.hf import (FOREIGN_OPTIMIZER, ForeignOptimizerError, hf_config, reference_to_hf,  # noqa: E402
-                                   swap_moe_blocks)
+from lrmoe.integrations.hf import (FOREIGN_OPTIMIZER, ForeignOptimizerError, hf_config, swap_moe_blocks)
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
-from lrmoe.runtime.distributed.replica import unflatten_experts  # noqa: E402
+from _hf_helpers import expert_grads_used  # noqa: E402
 
 TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=6, top_k=2, router="softmax_topk", num_layers=2,
                  num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
@@ -50,17 +49,6 @@ def tiny_model():
 def ids(step: int, m: int, rank: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * step + 10 * m + rank)
     return torch.randint(0, TINY.vocab_size, (BATCH, SEQ), generator=gen)
-
-
-def expert_grads_used(ep) -> dict[str, torch.Tensor]:
-    """The expert gradients the last expert step applied (its collected shards, clipped), in HF's names."""
-    out = {}
-    for name, layer in zip(ep.names, ep.layers):
-        store = layer.store
-        flat_EW = store.gather_full(store.grad_shards_EW)
-        gate_up, down = reference_to_hf(*unflatten_experts(flat_EW, store.hidden, store.ffn))
-        out[f"{name}.experts.gate_up_proj"], out[f"{name}.experts.down_proj"] = gate_up, down
-    return out
 
 
 # -- clipping ---------------------------------------------------------------------------------------------------------

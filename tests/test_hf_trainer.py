@@ -21,6 +21,7 @@ from lrmoe.config import MoEConfig  # noqa: E402
 from lrmoe.integrations.hf import (FOREIGN_OPTIMIZER, FSDP_REFUSAL, GRADIENT_EDIT, DataParallelError,  # noqa: E402
                                    ForeignOptimizerError, GradientEditError, hf_config, swap_moe_blocks)
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
+from _hf_helpers import Rows  # noqa: E402
 
 TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
                  num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
@@ -36,17 +37,6 @@ def tiny_model():
 def token_rows() -> torch.Tensor:
     """[STEPS * MICRO * BATCH, SEQ] token ids: the training set, in the order both loops read it."""
     return torch.randint(0, TINY.vocab_size, (STEPS * MICRO * BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, ids: torch.Tensor):
-        self.ids = ids
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def warmup(step: int) -> float:

@@ -24,6 +24,7 @@ from lrmoe.config import MoEConfig  # noqa: E402
 from lrmoe.integrations.hf import hf_config, swap_moe_blocks  # noqa: E402
 from lrmoe.integrations.hf.trainer import EPTrainerCallback, expert_state_file  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
+from _hf_helpers import Rows  # noqa: E402
 
 TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
                  num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
@@ -37,17 +38,6 @@ def tiny_model(family: str):
     if family == "qwen":
         return Qwen3MoeForCausalLM(hf_config(TINY))
     return Glm4MoeForCausalLM(hf_config(TINY.replace(router="sigmoid_bias", num_shared_experts=1, shared_ffn=16)))
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, ids: torch.Tensor):
-        self.ids = ids
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def warmup(step: int) -> float:

@@ -1,0 +1,32 @@
+"""What the Hugging Face drop-in's tests share: a token dataset for transformers.Trainer, and the expert gradients
+the last expert step applied, in HF's parameter names."""
+
+import torch
+
+from lrmoe.integrations.hf import reference_to_hf
+from lrmoe.runtime.distributed.replica import unflatten_experts
+
+
+class Rows(torch.utils.data.Dataset):
+    """Token rows as Trainer reads them: each row its own labels (the model shifts them)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def expert_grads_used(ep) -> dict[str, torch.Tensor]:
+    """The expert gradients the last expert step applied (its collected shards, after any clipping), gathered and in
+    HF's names (``<block>.experts.gate_up_proj`` / ``.down_proj``)."""
+    out = {}
+    for name, layer in zip(ep.names, ep.layers):
+        store = layer.store
+        flat_EW = store.gather_full(store.grad_shards_EW)
+        gate_up, down = reference_to_hf(*unflatten_experts(flat_EW, store.hidden, store.ffn))
+        out[f"{name}.experts.gate_up_proj"], out[f"{name}.experts.down_proj"] = gate_up, down
+    return out
