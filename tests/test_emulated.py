@@ -201,6 +201,7 @@ def test_emulated_training_at_qwen3s_routing_shape_equals_16_gloo_ranks(tmp_path
     assert_same_run(_run(tmp_path, "emulated", policy, 3, **kw), _run(tmp_path, "distributed", policy, 3, **kw))
 
 
+@pytest.mark.slow  # 8 s: make test-all; the engines' equality and its checkpoints stay in make test
 @pytest.mark.script
 def test_an_emulated_run_at_qwen3s_routing_shape_records_every_layers_counts(tmp_path):
     history, _ = _run(tmp_path, "emulated", "lrmoe-rho0.75-unbiased", 2, ranks=16,

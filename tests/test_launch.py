@@ -294,9 +294,8 @@ def test_ranks_die_with_their_launcher_and_leave_no_launch_folder(tmp_path, sig)
         os.kill(proc.pid, getattr(signal, sig))  # the launcher only, not its process group
         proc.wait(timeout=30)
         assert not survivors(ranks), f"ranks outlived their launcher's {sig}"
-        if sig == "SIGKILL":  # nothing ran on the launcher's way out: the next launch removes its folder
-            assert folders[0].exists()
-            launch(_rank_info, 1, 0)
+        if sig == "SIGKILL":  # nothing ran on the launcher's way out: the next launch removes its folder (this one,
+            launch(_rank_info, 1, 0)  # or a launch of a test running beside this one, which may have come first)
         assert not folders[0].exists()
     finally:
         kill_leftovers(proc, pids_in(tmp_path, "rank*"))

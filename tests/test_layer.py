@@ -333,6 +333,7 @@ def test_layer_bench_under_the_fork_launcher(tmp_path):
     assert dropped["static-ep"] == dropped["symi-dropless"] == 0 < dropped["capacity-cf1"]
 
 
+@pytest.mark.slow  # 12 s: make test-all; torchrun's environment is tested fast in test_dist_comm
 @pytest.mark.script
 @pytest.mark.timeout(600)
 def test_layer_bench_under_torchrun(tmp_path):

@@ -422,6 +422,7 @@ def kill_during_stage(argv: list[str], out: Path, stage: str, started) -> None:
     assert not (out / f"{stage}.done").exists() and not (out / "SUMMARY.md").exists()
 
 
+@pytest.mark.slow  # 40 s: make test-all; the stages' own kill-and-resume tests stay in make test
 @pytest.mark.timeout(900)  # about 25 s on an idle 2-core machine; much more on a loaded one
 def test_the_main_job_killed_during_a_stage_resumes_to_the_same_summary(tmp_path):
     """Killed (SIGKILL of the whole process group, as a cluster's job kill) while its second stage, the simulator,

@@ -270,6 +270,7 @@ def _slow_steps(*args, **kw):
 real_get_batch = train.get_batch
 
 
+@pytest.mark.slow  # 7 s: make test-all; a hung rank is named at the launcher in test_launch
 def test_a_hung_rank_is_named_after_timeout_seconds(tmp_path, monkeypatch):
     """A rank that stops before a collective: its peers give up after --timeout and the run ends naming it, with
     where it is (before: --timeout, default an hour, bounded the whole run, and the message blamed every rank)."""
@@ -284,6 +285,7 @@ def test_a_hung_rank_is_named_after_timeout_seconds(tmp_path, monkeypatch):
     assert time.monotonic() - start < 120
 
 
+@pytest.mark.slow  # 11 s: make test-all; the same bound at the launcher: test_launch
 def test_a_healthy_run_longer_than_its_timeout_finishes(tmp_path, monkeypatch):
     """--timeout bounds each wait for the other ranks, not the run: 3 steps of 2.5 s pass --timeout 6 (before: the
     run was killed after 6 s)."""
