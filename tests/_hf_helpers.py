@@ -1,10 +1,17 @@
-"""What the Hugging Face drop-in's tests share: a token dataset for transformers.Trainer, and the expert gradients
-the last expert step applied, in HF's parameter names."""
+"""What the Hugging Face drop-in's tests share: the tiny model's shape, a token dataset for transformers.Trainer, and
+the expert gradients the last expert step applied, in HF's parameter names."""
 
 import torch
 
+from lrmoe.config import MoEConfig
 from lrmoe.integrations.hf import reference_to_hf
 from lrmoe.runtime.distributed.replica import unflatten_experts
+
+
+def tiny_config(num_experts: int = 8) -> MoEConfig:
+    """The drop-in tests' tiny Qwen3-shaped model: 2 layers, hidden 32, ``num_experts`` experts of width 16, top-2."""
+    return MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=num_experts, top_k=2, router="softmax_topk",
+                     num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
 
 
 class Rows(torch.utils.data.Dataset):

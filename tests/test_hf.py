@@ -24,7 +24,7 @@ from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
 from lrmoe.config import MoEConfig, cluster_preset, model_preset  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
-from _hf_helpers import expert_grads_used  # noqa: E402
+from _hf_helpers import expert_grads_used, tiny_config  # noqa: E402
 from lrmoe.integrations.hf import (EPExperts, gather_trace, hf_config, hf_to_reference, moe_blocks, reference_to_hf,
                                    swap_moe_blocks)
 from lrmoe.runtime.reference import swiglu  # noqa: E402
@@ -33,8 +33,7 @@ from lrmoe.sim.simulated_systems import simulator_system  # noqa: E402
 from lrmoe.systems import SystemContext, get_system  # noqa: E402
 from lrmoe.integrations.traces import RouterRecorder  # noqa: E402
 
-TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
-                 num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
+TINY = tiny_config()
 CLOSE = dict(rtol=1e-5, atol=1e-5)
 GRAD = dict(rtol=1e-4, atol=1e-6)
 RANKS, BATCH, SEQ = 2, 2, 8

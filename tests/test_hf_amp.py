@@ -28,14 +28,12 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
-from lrmoe.config import MoEConfig  # noqa: E402
 from lrmoe.integrations.hf import swap_moe_blocks  # noqa: E402
 from lrmoe.runtime.distributed.accounting import Accountant  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
-from _hf_helpers import expert_grads_used  # noqa: E402
+from _hf_helpers import expert_grads_used, tiny_config  # noqa: E402
 
-TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
-                 num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
+TINY = tiny_config()
 BATCH, SEQ, STEPS, LR = 2, 8, 3, 1e-2
 LOSS_RTOL = 2.0 ** -8
 FP32_LOSS_RTOL = 2e-3

@@ -25,9 +25,9 @@ from lrmoe.config import MoEConfig  # noqa: E402
 from lrmoe.harness.rss import peak_bytes, reset_peak  # noqa: E402
 from lrmoe.integrations.hf import hf_config, load_safetensors_, swap_moe_blocks  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
+from _hf_helpers import tiny_config  # noqa: E402
 
-TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
-                 num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
+TINY = tiny_config()
 # many layers, so that one layer's transient copies are small beside all of them: 12 layers x 32 experts x 3 x
 # 128 x 256 fp32 = 144 MiB of experts; the dense part is about 2 MiB
 BIG = TINY.replace(name="big", hidden=128, expert_ffn=256, num_experts=32, num_layers=12, num_heads=4, num_kv_heads=2)

@@ -25,13 +25,11 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 from transformers import Qwen3MoeForCausalLM  # noqa: E402
 
-from lrmoe.config import MoEConfig  # noqa: E402
 from lrmoe.integrations.hf import (FOREIGN_OPTIMIZER, ForeignOptimizerError, hf_config, swap_moe_blocks)
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
-from _hf_helpers import expert_grads_used  # noqa: E402
+from _hf_helpers import expert_grads_used, tiny_config  # noqa: E402
 
-TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=6, top_k=2, router="softmax_topk", num_layers=2,
-                 num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
+TINY = tiny_config(6)
 BATCH, SEQ, MICRO, STEPS, LR = 2, 8, 2, 3, 1e-2
 MAX_NORM = 0.5  # the mean loss's gradient norm is about 2-3 here: every step clips
 # Adam moves a weight by about lr · g / (|g| + eps): where g is near zero, the float noise of the ranks' other

@@ -17,14 +17,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from transformers import Qwen3MoeForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
-from lrmoe.config import MoEConfig  # noqa: E402
 from lrmoe.integrations.hf import (FOREIGN_OPTIMIZER, FSDP_REFUSAL, GRADIENT_EDIT, DataParallelError,  # noqa: E402
                                    ForeignOptimizerError, GradientEditError, hf_config, swap_moe_blocks)
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
-from _hf_helpers import Rows  # noqa: E402
+from _hf_helpers import Rows, tiny_config  # noqa: E402
 
-TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
-                 num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
+TINY = tiny_config()
 BATCH, SEQ, MICRO, STEPS = 2, 8, 2, 3  # sequences per micro-batch, tokens per sequence, micro-batches per step
 SYSTEM = "lrmoe-no-quotas"  # every pair kept: the gradients are continuous in the weights
 

@@ -20,14 +20,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
-from lrmoe.config import MoEConfig  # noqa: E402
 from lrmoe.integrations.hf import hf_config, swap_moe_blocks  # noqa: E402
 from lrmoe.integrations.hf.trainer import EPTrainerCallback, expert_state_file  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
-from _hf_helpers import Rows  # noqa: E402
+from _hf_helpers import Rows, tiny_config  # noqa: E402
 
-TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
-                 num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
+TINY = tiny_config()
 RANKS, BATCH, SEQ, MICRO, STEPS, LR = 2, 2, 8, 2, 3, 1e-2
 MAX_NORM = 0.5  # the mean loss's gradient norm is about 2-3 here: every step clips
 WEIGHTS = dict(rtol=1e-4, atol=LR / 100)  # DDP's average against lrmoe's sum: float noise, through Adam

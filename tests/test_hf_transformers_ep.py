@@ -18,12 +18,11 @@ import torch
 pytest.importorskip("transformers")
 from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
-from lrmoe.config import MoEConfig  # noqa: E402
 from lrmoe.integrations.hf import hf_config, swap_moe_blocks  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
+from _hf_helpers import tiny_config  # noqa: E402
 
-TINY = MoEConfig(name="tiny", hidden=32, expert_ffn=16, num_experts=8, top_k=2, router="softmax_topk", num_layers=2,
-                 num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=32, dtype="float32")
+TINY = tiny_config()
 RANKS, BATCH, SEQ = 2, 2, 8
 CLOSE = dict(rtol=1e-5, atol=1e-6)
 
