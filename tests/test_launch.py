@@ -159,7 +159,7 @@ def test_stack_dumps_tell_a_rank_in_a_collective_from_one_outside():
         Current thread 0x00007f02 (most recent call first):
           File "{dist_file}", line 3252 in all_reduce
           File "{logger}", line 83 in wrapper
-          File "/work/job.py", line 7 in step
+          File "job.py", line 7 in step
           File "/x/launch.py", line 96 in _child
           File "/usr/lib/python3/multiprocessing/process.py", line 108 in run
         """)
