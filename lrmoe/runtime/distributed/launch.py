@@ -305,7 +305,7 @@ class _Collector:
             if missing:
                 _kill(self.procs)
                 waited = "".join(f"\n  rank {r} in {collective}: {_last_line(t)}"
-                                 for r, (t, collective) in reports.items())
+                                 for r, (t, collective) in sorted(reports.items()))
                 raise LaunchError(f"{_ranks(missing)} of {self.world_size} did not arrive at a collective: "
                                   f"{_ranks(list(reports))} failed waiting (the collective timeout is "
                                   f"{self.pg_timeout_s:g} s):{waited}\n{self.places(stacks, missing)}"
@@ -350,4 +350,6 @@ class _Collector:
 
 
 def _ranks(ranks: list[int]) -> str:
+    """Ranks named in rank order, whatever order their reports arrived in."""
+    ranks = sorted(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
