@@ -71,6 +71,9 @@ def main(argv=None) -> int:
     folder = Path(args.folder)
     if not folder.is_dir():
         parser.error(f"{folder} is not a folder")
+    target = folder / NAME
+    if target.is_file() and not target.read_text(encoding="utf-8").startswith("# What produced each file of "):
+        parser.error(f"{target} exists and is not a manifest this command wrote; move it away first")
     (folder / NAME).write_text(manifest(folder), encoding="utf-8")
     print(f"wrote {folder / NAME}")
     return 0
