@@ -14,6 +14,7 @@ an error, and an interrupted run resumes from its last checkpoint.
     python experiments/tq_sweep.py --stage sweep --seeds-count 12             # seeds 3000-3011
     python experiments/tq_sweep.py --stage pilot --report outputs/tq_pilot.md  # no training: the report
     python experiments/tq_sweep.py --stage pilot --max-runs 1                 # one more run, then stop
+    python experiments/tq_sweep.py --stage pilot --shard 0/2 & python experiments/tq_sweep.py --stage pilot --shard 1/2
 
 The report (--report FILE.md, never over an existing file; a figure beside it) holds per regime the per-seed table,
 the eight claims with their words (interim below the planned seeds), the six robustness checks of §11.4, power
@@ -46,6 +47,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None, help="the collected runs (default "
                                                      "paper_figures/results/tq_protocol_<stage>.jsonl)")
     parser.add_argument("--max-runs", type=positive_int_arg, default=None, help="train at most this many runs")
+    parser.add_argument("--shard", default=None, metavar="K/N",
+                        help="train only the stage's runs whose place in its order is K modulo N (N processes, "
+                             "one per core, share one results file; each appends under its lock)")
     parser.add_argument("--report", default=None, help="train nothing; write the report to this Markdown file")
     parser.add_argument("--time-axis", action="store_true",
                         help="with --report: the runs' own time ratios beside the Zipf-matched ones")
@@ -54,6 +58,16 @@ def parse_args(argv=None):
         args.runs = P.stage_runs(args.stage, args.seeds_count, args.regimes, args.preset)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.shard is not None:
+        try:
+            k, n = (int(x) for x in args.shard.split("/"))
+            if not 0 <= k < n:
+                raise ValueError
+        except ValueError:
+            parser.error(f"--shard takes K/N with 0 <= K < N, got {args.shard!r}")
+        args.shard_runs = [run for i, run in enumerate(args.runs) if i % n == k]
+    else:
+        args.shard_runs = args.runs
     args.out = Path(args.out or f"paper_figures/results/tq_protocol_{args.stage.replace('-', '_')}.jsonl")
     if args.report and Path(args.report).exists():
         parser.error(f"--report {args.report} exists; give a new name")
@@ -105,7 +119,7 @@ def run_stage(args, trainer=train) -> int:
     work = Path(args.work)
     rows = check(args)
     trained = 0
-    for run in args.runs:
+    for run in args.shard_runs:
         if any(P.same_run(r, run) for r in rows):
             continue
         wall = None

@@ -127,8 +127,18 @@ def test_per_run_file_of_other_settings_refused(tmp_path):
         tq_sweep.run_stage(args, trainer=lambda argv: None)
 
 
+def test_shards_partition_the_stage(tmp_path):
+    """--shard K/N gives each of N processes every N-th run of the stage's order: together all runs, none twice."""
+    base = ["--stage", "pilot", "--work", str(tmp_path), "--out", str(tmp_path / "tq.jsonl")]
+    whole = tq_sweep.parse_args(base).shard_runs
+    parts = [tq_sweep.parse_args([*base, "--shard", f"{k}/3"]).shard_runs for k in range(3)]
+    assert sorted(map(repr, sum(parts, []))) == sorted(map(repr, whole))
+    assert parts[1][0] == whole[1] and parts[1][1] == whole[4]
+
+
 def test_bad_arguments_exit_2(tmp_path, capsys):
-    for argv in (["--stage", "sweep"], ["--stage", "sweep", "--seeds-count", "40"], ["--stage", "pilot",
+    for argv in (["--stage", "pilot", "--shard", "2/2"], ["--stage", "pilot", "--shard", "x"],
+                 ["--stage", "sweep"], ["--stage", "sweep", "--seeds-count", "40"], ["--stage", "pilot",
                  "--time-axis"], ["--stage", "pilot", "--preset", "qwen3-30b-a3b-debug"]):
         with pytest.raises(SystemExit) as exc:
             tq_sweep.parse_args(argv)
