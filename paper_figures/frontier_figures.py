@@ -3,7 +3,6 @@ frontier of one regime (``--regime``, DESIGN.md §10) and the earlier frontier f
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -12,26 +11,11 @@ import pandas as pd
 
 from lrmoe.analysis import protocol
 from lrmoe.analysis.claims import MARGIN
+from lrmoe.analysis.frontier import describe
 from lrmoe.paper_figures.reading import CannotDraw, config, rows, summary
 from lrmoe.systems import get_system
 
 MARKERS = {"none": "s", "m2 top-k": "o", "m2 unbiased": "^", "random": "x", "m1 top-k": "o", "m1 unbiased": "^"}
-
-
-def describe(policy: str) -> dict:
-    """What a system name says about the budget: rho (NaN: none), the selection ("m2 top-k", "m2 unbiased",
-    "random", or "none"), and whether it is an LRMoE variant that uses its metric."""
-    spec = get_system(policy)
-    m = re.search(r"rho([0-9.]+)", policy)
-    rho = float(m.group(1)) if m else np.nan
-    if spec.family != "lrmoe":
-        selection = "random" if m else "none"
-    elif spec.backward.metric == "random":
-        selection = "random"
-    else:
-        selection = f"{spec.backward.metric} {'unbiased' if spec.backward.mode == 'unbiased' else 'top-k'}"
-    return {"family": spec.family, "rho": rho, "selection": selection,
-            "uses_metric": spec.family == "lrmoe" and selection != "random", "label": spec.label}
 
 
 def point_color(row) -> tuple | str:

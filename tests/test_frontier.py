@@ -9,6 +9,8 @@ import pytest
 from _scripts import load_experiment
 
 from lrmoe.analysis import runs
+from lrmoe.analysis.frontier import (FrontierError, frontier_table, headline, headline_text, modelled_times,
+                                     regime_times)
 
 convergence = load_experiment("convergence")
 frontier = load_experiment("frontier")
@@ -102,7 +104,7 @@ def frontier_of(systems=SYSTEMS):
     c = curves({p: finals for p, (finals, _) in systems.items()})
     times = {p: ms for p, (_, ms) in systems.items()}
     per_run = runs.per_run(c)
-    table = frontier.frontier_table(runs.summarise(c), runs.time_to_reach(c), times)
+    table = frontier_table(runs.summarise(c), runs.time_to_reach(c), times)
     return table, per_run
 
 
@@ -121,7 +123,7 @@ def test_frontier_table_divides_by_symi_dropless_and_symi_cf1():
 
 def test_headline_takes_the_fastest_lrmoe_with_mean_gap_within_one_percent():
     table, runs = frontier_of()
-    h = frontier.headline(table, 1.0, runs)
+    h = headline(table, 1.0, runs)
     # rho 0.5 is faster but 5 % (top-k) and 2.5 % (unbiased) off; rho 0.75 is 0.93 % off on average: the headline
     assert h["best"]["policy"] == "lrmoe-rho0.75"
     assert h["best"]["time_vs_dropless"] == pytest.approx(0.8) and h["best"]["gap_pct"] == pytest.approx(2.8 / 3)
@@ -130,25 +132,25 @@ def test_headline_takes_the_fastest_lrmoe_with_mean_gap_within_one_percent():
     assert h["controls"]["symi-dropless-rho0.75"]["metric_lower_mean"]
     # against SYMI-cf1 (1.5 % gap): rho 0.75 (1 %) matches it; rho 0.5 unbiased (2.5 %) does not
     assert h["vs_cf1"]["policy"] == "lrmoe-rho0.75" and h["vs_cf1"]["time_vs_cf1"] == pytest.approx(80 / 95)
-    assert "0.800" in frontier.headline_text(h)
+    assert "0.800" in headline_text(h)
     # the random-trim controls: SYMI-dropless at rho 0.75 is 2.5 % off, LRMoE's random 1.33 %: none within 1 %
-    assert h["best_control"] is None and "No random-trim control" in frontier.headline_text(h)
+    assert h["best_control"] is None and "No random-trim control" in headline_text(h)
     good = {**SYSTEMS, "symi-dropless-rho0.75": ([2.01, 2.0, 2.01], 70.0)}
-    h = frontier.headline(frontier_of(good)[0], 1.0)
+    h = headline(frontier_of(good)[0], 1.0)
     assert h["best_control"]["policy"] == "symi-dropless-rho0.75" and h["best_control"]["time_vs_dropless"] == 0.7
 
 
 def test_headline_says_so_when_nothing_qualifies_or_the_control_wins():
     worse = {**SYSTEMS, "lrmoe-rho0.75": ([2.04, 2.04, 2.04], 80.0), "lrmoe-rho0.9": ([2.021, 2.021, 2.021], 90.0)}
-    h = frontier.headline(frontier_of(worse)[0], 1.0)
-    assert h["best"] is None and "No LRMoE system" in frontier.headline_text(h)
+    h = headline(frontier_of(worse)[0], 1.0)
+    assert h["best"] is None and "No LRMoE system" in headline_text(h)
     # the control beats the metric at the headline's rho: reported, not hidden
     ctrl = {**SYSTEMS, "lrmoe-rho0.75-random": ([2.01, 2.01, 2.01], 80.0)}
     table, runs = frontier_of(ctrl)
-    h = frontier.headline(table, 1.0, runs)
+    h = headline(table, 1.0, runs)
     assert not h["controls"]["lrmoe-rho0.75-random"]["metric_lower_mean"]
     assert h["controls"]["lrmoe-rho0.75-random"]["seeds_metric_lower"] == 0
-    assert "NOT lower" in frontier.headline_text(h)
+    assert "NOT lower" in headline_text(h)
 
 
 def test_frontier_script_writes_its_table_figure_and_headline(tmp_path):
@@ -192,8 +194,8 @@ def test_a_scale_where_a_system_runs_out_of_memory_is_an_error():
     """GLM-4.5-Air's MoE layers at 4096 tokens per rank do not fit 40 GB per GPU on 16 GPUs: no time is reported."""
     args = frontier.parse_args(["--model", "glm-4.5-air", "--tokens-per-rank", "4096", "--layers", "1",
                                 "--sim-steps", "2"])
-    with pytest.raises(SystemExit, match="run out of memory"):
-        frontier.modelled_times(["symi-dropless"], args)
+    with pytest.raises(FrontierError, match="run out of memory"):
+        modelled_times(["symi-dropless"], args)
     assert frontier.parse_args(["--model", "glm-4.5-air"]).tokens_per_rank == 1024  # the ablation's default
 
 
@@ -257,8 +259,8 @@ def test_protocol_frontier_matches_the_skew_and_decides_the_claims(tmp_path):
     from lrmoe.analysis.protocol import REGIMES
 
     greedy = replace(REGIMES["production"], spare_per_home=4.0)
-    with pytest.raises(SystemExit, match="different systems"):
-        frontier.regime_times(["static-ep", "symi-dropless"], greedy, 0.2, frontier.parse_args(argv))
+    with pytest.raises(FrontierError, match="different systems"):
+        regime_times(["static-ep", "symi-dropless"], greedy, 0.2, frontier.parse_args(argv))
 
 
 def test_convergence_prints_the_protocol_claims_over_its_runs():
@@ -281,3 +283,13 @@ def test_frontier_labels_of_nearby_points_never_overlap():
     dy = label_offsets(x, y)
     assert dy[0] == dy[2] == -2.0 and dy[1] < dy[0]  # the second of the close pair moves down
     assert dy[4] != dy[3]
+
+
+def test_the_script_names_a_frontier_error_in_one_line(tmp_path, capsys):
+    """The library's FrontierError reaches the command line as the script's one-line error, nothing run past it: a
+    convergence file with no convergence record."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match=r"^frontier.py: error: .*empty.jsonl hold no convergence records$"):
+        frontier.main(["--convergence", str(empty), "--out", str(tmp_path / "f.jsonl"), "--no-wandb"])
+    assert not (tmp_path / "f.jsonl").exists()
