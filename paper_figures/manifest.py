@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 NAME = "MANIFEST.md"
+# collected files (one line per run, no header) by the prefix of their name -> the script that collects them
+COLLECTED = (("tq_protocol_", "`experiments/tq_sweep.py` (DESIGN.md §11)"),
+             ("", "`experiments/frontier_sweep.py` (DESIGN.md §10)"))
 KNOWN = {"SUMMARY.md": "the main job's summary (`experiments/reproduce.py`)",
          "explorer.png": "a screenshot of the metric explorer in JupyterLab (`make test-browser`)"}
 
@@ -52,7 +55,8 @@ def manifest(folder: Path) -> str:
         if hdr is not None:
             what = producer(hdr)
         elif p.suffix == ".jsonl":
-            what = "collected runs (one line per run, no header): `experiments/frontier_sweep.py`"
+            script = next(what for prefix, what in COLLECTED if p.name.startswith(prefix))
+            what = f"collected runs (one line per run, no header): {script}"
         elif p.stem in FIGURES:
             what = f"`paper_figures/figures.py` `{p.stem}` from `{FIGURES[p.stem][0]}.jsonl` (`make figures`)"
         elif p.name in KNOWN:
