@@ -149,3 +149,22 @@ def test_train_scripts_own_loop_clips_as_torch_on_the_dense_model(ranks):
 
 def _systems_native(rank: int, policies: list[str]) -> dict:
     return {policy: _native(rank, policy) for policy in policies}
+
+
+def test_fp64_gradients_clip_as_torch():
+    """fp64 gradients (a double-precision reference run) are clipped in fp64, as torch clips them: the same norm and
+    the same clipped gradients, with no narrowing to fp32."""
+    from lrmoe.runtime.clip import clip_grad_norm_
+
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(7, 3, dtype=torch.float64)) for _ in range(2)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for a, b in zip(ours, ref):
+        a.grad = torch.randn_like(a) * 10
+        b.grad = a.grad.clone()
+    norm = clip_grad_norm_(ours, [], 1.0)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    assert norm.dtype == torch.float64
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-12, atol=0)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)

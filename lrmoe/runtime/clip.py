@@ -28,7 +28,7 @@ CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard in max_norm / (norm + 
 def clip_grad_norm_(dense_params: Iterable[torch.Tensor], layers, max_norm: float,
                     grad_scale: float | None = None) -> torch.Tensor:
     """Clip the dense gradients and every layer's expert gradients to a global L2 norm of ``max_norm`` (module doc);
-    return the norm before clipping (an fp32 scalar, the same on every rank). Collective.
+    return the norm before clipping (an fp32 scalar, fp64 when a gradient is fp64; the same on every rank). Collective.
 
     Call it after the dense gradients are reduced (identical on every rank, already scaled) and before the steps:
     it runs each :class:`~lrmoe.runtime.layer.EPMoELayer`'s replica-gradient sum and collection
@@ -42,13 +42,15 @@ def clip_grad_norm_(dense_params: Iterable[torch.Tensor], layers, max_norm: floa
     if not shards and not grads:
         return torch.zeros(())
     device = shards[0].device if shards else grads[0].device
-    expert_sq = torch.zeros((), dtype=torch.float32, device=device)
+    # squares summed in fp32 (bf16/fp16/fp32 gradients), in fp64 when any gradient is fp64 (no narrowing)
+    acc = torch.float64 if any(t.dtype == torch.float64 for t in [*grads, *shards]) else torch.float32
+    expert_sq = torch.zeros((), dtype=acc, device=device)
     for shard_EW in shards:
-        expert_sq += torch.linalg.vector_norm(shard_EW, dtype=torch.float32) ** 2
+        expert_sq += torch.linalg.vector_norm(shard_EW, dtype=acc) ** 2
     if layers and layers[0].num_ranks > 1:  # each EP rank's shards of every expert: each expert once (the DP
         dist.all_reduce(expert_sq, group=layers[0].store.ep_group)  # copies hold the same summed shards)
-    dense_sq = sum((torch.linalg.vector_norm(g, dtype=torch.float32).to(device) ** 2 for g in grads),
-                   torch.zeros((), dtype=torch.float32, device=device))  # the same on every rank: once
+    dense_sq = sum((torch.linalg.vector_norm(g, dtype=acc).to(device) ** 2 for g in grads),
+                   torch.zeros((), dtype=acc, device=device))  # the same on every rank: once
     norm = (dense_sq + expert_sq).sqrt()
     coef = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
     for g in [*grads, *shards]:
