@@ -5,5 +5,7 @@
 * :mod:`~lrmoe.harness.replica_sync_timing`: the replica-sync timing;
 * :mod:`~lrmoe.harness.layer_bench_setup`: the layer benchmark's policies, memory budget and traces (the benchmark
   and the simulator's validation replay the same plans);
+* :mod:`~lrmoe.harness.gradient_error`: the layer's gradient error against the full gradient (every routed pair kept),
+  over all ranks' shards;
 * :mod:`~lrmoe.harness.import_graph`: the package's import graph against its contracts (``make import-graph``).
 """
