@@ -26,26 +26,24 @@ Three data sources (``--data``), each a layer, an input x and an upstream gradie
 
 Tokens are split over ``--sources`` simulated source ranks; quotas are ρ · routed pairs per (source rank,
 expert), apportioned exactly (lrmoe.planner.quotas.apportion). The headline table (the second to last) is every metric's
-error divided by random's at the same ρ and mode, per data source: below 1 the metric beats random.
+error divided by random's at the same ρ and mode, per data source: below 1 the metric beats random. The computation
+is lrmoe.analysis.fidelity, the data sources lrmoe.analysis.fidelity_sources; this script sweeps and reports.
 
     python experiments/metric_fidelity.py --out outputs/metric_fidelity.jsonl
 """
 
-# No ``from __future__ import annotations``: tests load this script by path without entering it in sys.modules,
-# and dataclasses cannot resolve string annotations of a module missing there. The annotations naming torch or the
-# model are quoted (dotted, so dataclasses leave them be): those modules load in the functions, not for --help.
+from __future__ import annotations
+
 import argparse
-import dataclasses
-import hashlib
-import itertools
-import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# The parser needs only these light modules; torch, the model, the metrics, pandas and matplotlib load in the
-# functions that measure and draw.
+# The parser needs only these light modules (the fidelity modules load torch, the model and the metrics in their
+# functions); pandas and matplotlib load in the functions that report and draw.
+from lrmoe.analysis.fidelity import fidelity_sweep, ratio_table, verdict, versus_random
+from lrmoe.analysis.fidelity_sources import (DATA, RANDOM_DATA, TrainSpec, capture_moe_io, corpus_digest,
+                                             make_batch, moe_layers, text_batch, trained_model)
 from lrmoe.cli import fraction_arg, positive_float_arg, positive_int_arg
 from lrmoe.cli import one_of, script_parser
 from lrmoe.config import model_preset
@@ -53,310 +51,10 @@ from lrmoe.integrations.tracking import check_tracking_args
 
 if TYPE_CHECKING:
     import pandas as pd
-    import torch
 
-    from lrmoe.config import MoEConfig
     from lrmoe.integrations.data import Corpus
-    from lrmoe.integrations.model import MoETransformer
-    from lrmoe.runtime.reference import ReferenceMoE
 
-EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
-RANDOM_DATA = ("gaussian", "heavy")  # random-init layer, random x and δ
-DATA = RANDOM_DATA + ("text",)  # text: trained layers, real x and δ
 PRESETS = ("qwen3-30b-a3b-debug", "glm-4.5-air-debug")
-
-
-@dataclass(frozen=True)
-class Gradients:
-    """The gradients the harness compares, for one backward pass."""
-
-    expert_EV: "torch.Tensor"  # every expert's weight gradient, flattened (gate, up, down concatenated)
-    x_TD: "torch.Tensor"  # input gradient of the layer
-
-
-def make_batch(data: str, tokens: int, hidden: int, seed: int) -> "tuple[torch.Tensor, torch.Tensor]":
-    """Inputs x_TD and upstream gradient delta_TD of one batch of random data (see the module doc)."""
-    import torch
-
-    if data not in RANDOM_DATA:
-        raise ValueError(f"data={data!r} is not one of the random sources {RANDOM_DATA}")
-    gen = torch.Generator().manual_seed(seed)
-    x_TD = torch.randn(tokens, hidden, generator=gen)
-    delta_TD = torch.randn(tokens, hidden, generator=gen)
-    if data == "heavy":
-        delta_TD = delta_TD * torch.exp(torch.randn(tokens, 1, generator=gen))
-    return x_TD, delta_TD
-
-
-def layer_gradients(layer: "ReferenceMoE", x_TD: "torch.Tensor", delta_TD: "torch.Tensor",
-                    **forward_kwargs) -> Gradients:
-    """One forward and backward of ``layer`` with upstream gradient delta_TD."""
-    import torch
-
-    x_TD = x_TD.clone().requires_grad_()
-    y_TD, _ = layer(x_TD, **forward_kwargs)
-    params = [getattr(layer, name) for name in EXPERT_WEIGHTS]
-    *grads, grad_x = torch.autograd.grad(y_TD, params + [x_TD], grad_outputs=delta_TD)
-    expert_EV = torch.cat([g.reshape(layer.num_experts, -1) for g in grads], dim=1)
-    return Gradients(expert_EV=expert_EV, x_TD=grad_x)
-
-
-def _cos(a: "torch.Tensor", b: "torch.Tensor", dim: int | None = None) -> "torch.Tensor":
-    a, b = a.double(), b.double()
-    if dim is None:
-        a, b, dim = a.reshape(-1), b.reshape(-1), 0
-    return (a * b).sum(dim) / (a.norm(dim=dim) * b.norm(dim=dim)).clamp_min(1e-300)
-
-
-def _rel(a: "torch.Tensor", b: "torch.Tensor", dim: int | None = None) -> "torch.Tensor":
-    """‖a − b‖ / ‖b‖."""
-    a, b = a.double(), b.double()
-    if dim is None:
-        a, b, dim = a.reshape(-1), b.reshape(-1), 0
-    return (a - b).norm(dim=dim) / b.norm(dim=dim).clamp_min(1e-300)
-
-
-def compare(got: Gradients, full: Gradients, x_fixed_TD: "torch.Tensor", active_E: "torch.Tensor") -> dict:
-    """Fidelity numbers of one recalibrated backward against the full one. ``x_fixed_TD``: the part of the
-    input gradient that never changes (router and shared expert), ``active_E``: experts that got pairs."""
-    cos_E = _cos(got.expert_EV, full.expert_EV, dim=1)[active_E]
-    rel_E = _rel(got.expert_EV, full.expert_EV, dim=1)[active_E]
-    return {
-        "cos_w_mean": float(cos_E.mean()), "cos_w_min": float(cos_E.min()),
-        "rel_w_mean": float(rel_E.mean()), "rel_w_max": float(rel_E.max()),
-        "cos_w_all": float(_cos(got.expert_EV, full.expert_EV)),
-        "rel_w_all": float(_rel(got.expert_EV, full.expert_EV)),
-        "cos_x": float(_cos(got.x_TD, full.x_TD)), "rel_x": float(_rel(got.x_TD, full.x_TD)),
-        "cos_x_experts": float(_cos(got.x_TD - x_fixed_TD, full.x_TD - x_fixed_TD)),
-        "rel_x_experts": float(_rel(got.x_TD - x_fixed_TD, full.x_TD - x_fixed_TD)),
-    }
-
-
-def fidelity_sweep(layer: "ReferenceMoE", x_TD: "torch.Tensor", delta_TD: "torch.Tensor", *, metrics=None,
-                   modes=None, rhos=(0.5, 0.7, 0.85), sources: int = 4, draws: int = 4, seed: int = 0) -> list[dict]:
-    """Every (metric, mode, ρ) on one layer and batch (metrics and modes: all by default): one record each,
-    averaged over draws where random."""
-    import torch
-
-    from lrmoe.recal.recalibrate import Recalibration, pair_groups, pair_hook, proportional_quotas
-    from lrmoe.recal.scoring import METRICS
-    from lrmoe.recal.selection import MODES
-
-    metrics, modes = metrics or METRICS, modes or MODES
-    full = layer_gradients(layer, x_TD, delta_TD)
-    with torch.no_grad():
-        _, aux = layer(x_TD)
-    K = layer.top_k
-    x_fixed_TD = layer_gradients(layer, x_TD, delta_TD,
-                                 keep_TK=torch.zeros(x_TD.shape[0], K, dtype=torch.bool)).x_TD
-    active_E = aux.counts_E > 0
-    group_P, counts_Q = pair_groups(aux.idx_TK, layer.num_experts, sources)
-    records = []
-    for metric, mode, rho in itertools.product(metrics, modes, rhos):
-        quota_Q = proportional_quotas(counts_Q, rho)
-        random_draws = mode == "unbiased" or metric == "random"
-        n_draws = draws if random_draws else 1
-        gen = torch.Generator().manual_seed(seed)
-        rec = Recalibration(metric, mode, group_P, quota_Q, gen)
-        per_draw, mean_EV = [], torch.zeros_like(full.expert_EV)
-        for _ in range(n_draws):
-            got = layer_gradients(layer, x_TD, delta_TD, pair_hook=pair_hook(rec))
-            per_draw.append(compare(got, full, x_fixed_TD, active_E))
-            mean_EV += got.expert_EV / n_draws
-        record = {key: sum(d[key] for d in per_draw) / n_draws for key in per_draw[0]}
-        if n_draws > 1:
-            record["rel_w_all_std"] = float(torch.tensor([d["rel_w_all"] for d in per_draw]).std())
-        record.update(metric=metric, mode=mode, rho=rho, draws=n_draws,
-                      rel_w_of_mean=float(_rel(mean_EV, full.expert_EV)),
-                      kept_frac=float(quota_Q.sum()) / max(int(counts_Q.sum()), 1))
-        records.append(record)
-    return records
-
-
-# --- the trained source: a debug transformer trained on text, its MoE layers' real x and δ ---------------------
-@dataclass(frozen=True)
-class TrainSpec:
-    """How the ``text`` source's model is trained. Every field is part of the cache key."""
-
-    preset: str
-    steps: int
-    batch: int  # sequences per step
-    seq_len: int
-    lr: float  # AdamW, no weight decay
-    aux_coef: float  # load-balancing loss weight (global-batch form: one process holds the whole batch)
-    bias_rate: float  # aux-loss-free selection-bias update rate (sigmoid_bias routers)
-    seed: int
-    corpus_digest: str  # sha256 prefix of the training bytes
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch", "seq_len"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value > 0):
-                raise ValueError(f"TrainSpec.{name} must be a positive int, got {value!r}")
-        if not self.lr > 0:
-            raise ValueError(f"TrainSpec.lr must be positive, got {self.lr!r}")
-        for name in ("aux_coef", "bias_rate"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"TrainSpec.{name} must be non-negative, got {getattr(self, name)!r}")
-
-    @property
-    def weights_label(self) -> str:
-        return f"trained-{self.steps}"
-
-    def cache_name(self) -> str:
-        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:12]
-        return f"{self.preset}-{self.weights_label}-{digest}.pt"
-
-
-def corpus_digest(corpus: "Corpus") -> str:
-    import torch
-
-    return hashlib.sha256(corpus.train.to(torch.uint8).numpy().tobytes()).hexdigest()[:16]
-
-
-def build_model(cfg: "MoEConfig", seed: int) -> "MoETransformer":
-    """The preset's single-process transformer with reference MoE layers (layer i drawn from seed · 1000 + i,
-    as experiments/train.py draws them)."""
-    from lrmoe.integrations.model import MoETransformer
-    from lrmoe.runtime.reference import ReferenceMoE
-
-    return MoETransformer(cfg, lambda i: ReferenceMoE.from_config(cfg, seed=seed * 1000 + i), seed=seed)
-
-
-def moe_layers(model: "MoETransformer") -> "list[ReferenceMoE]":
-    return [block.ffn for block in model.blocks if block.is_moe]
-
-
-def train_model(spec: TrainSpec, corpus: "Corpus") -> "tuple[MoETransformer, list[float]]":
-    """Train the preset's model from its seeded initialisation for ``spec.steps`` steps of next-byte prediction
-    on ``corpus.train``. Returns the model and the LM loss of every step (deterministic for a given spec)."""
-    import torch
-
-    from lrmoe.integrations.data import get_batch
-    from lrmoe.runtime.routing import update_expert_bias
-
-    cfg = model_preset(spec.preset)
-    model = build_model(cfg, spec.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(spec.seed)
-    losses = []
-    for _ in range(spec.steps):
-        ids_BT, targets_BT = get_batch(corpus.train, spec.batch, spec.seq_len, gen)
-        _, infos, loss, total = model(ids_BT, targets_BT, aux_coef=spec.aux_coef)
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        opt.step()
-        if cfg.router == "sigmoid_bias":  # GLM-4.5: aux-loss-free balancing of the selection bias
-            with torch.no_grad():
-                for layer, info in zip(moe_layers(model), infos):
-                    layer.bias_E.copy_(update_expert_bias(layer.bias_E, info.counts_E, spec.bias_rate))
-        losses.append(float(loss.detach()))
-    return model, losses
-
-
-def trained_model(spec: TrainSpec, corpus: "Corpus", cache_dir: Path) -> "tuple[MoETransformer, dict]":
-    """The model of ``spec``: loaded from ``cache_dir`` when a run with the same spec saved it, else trained and
-    saved there. Returns the model and {"cached", "path", "losses"}."""
-    import torch
-
-    path = Path(cache_dir) / spec.cache_name()
-    if path.exists():
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if state.get("spec") == dataclasses.asdict(spec):
-            model = build_model(model_preset(spec.preset), spec.seed)
-            model.load_state_dict(state["model"])
-            return model, {"cached": True, "path": path, "losses": state["losses"]}
-    model, losses = train_model(spec, corpus)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"spec": dataclasses.asdict(spec), "model": model.state_dict(), "losses": losses}, tmp)
-    tmp.replace(path)  # atomic: an interrupted save leaves no half-written cache entry
-    return model, {"cached": False, "path": path, "losses": losses}
-
-
-def capture_moe_io(model: "MoETransformer", ids_BT: "torch.Tensor", targets_BT: "torch.Tensor"
-                   ) -> "tuple[list[torch.Tensor], list[torch.Tensor], float]":
-    """One forward and backward of the LM loss (no auxiliary loss) through ``model``. Returns, for every MoE
-    layer, its input x_TD (forward hook on the block's FFN) and the gradient delta_TD = ∂(LM loss)/∂y_TD of its
-    output (tensor hook on y), and the loss. Parameter gradients are left cleared."""
-    layers = moe_layers(model)
-    xs: "list[torch.Tensor | None]" = [None] * len(layers)
-    deltas: "list[torch.Tensor | None]" = [None] * len(layers)
-
-    def forward_hook(i):
-        def hook(module, inputs, output):
-            xs[i] = inputs[0].detach().clone()
-            output[0].register_hook(lambda grad: deltas.__setitem__(i, grad.detach().clone()))
-        return hook
-
-    handles = [layer.register_forward_hook(forward_hook(i)) for i, layer in enumerate(layers)]
-    try:
-        _, _, loss, _ = model(ids_BT, targets_BT)
-        loss.backward()
-    finally:
-        for handle in handles:
-            handle.remove()
-        model.zero_grad(set_to_none=True)
-    if any(d is None for d in deltas):
-        raise RuntimeError("an MoE layer's output received no gradient")
-    return xs, deltas, float(loss.detach())
-
-
-def text_batch(corpus: "Corpus", tokens: int, seq_len: int, seed: int) -> "tuple[torch.Tensor, torch.Tensor]":
-    """A held-out batch of about ``tokens`` tokens: max(1, tokens // seq_len) windows of min(seq_len, tokens)."""
-    import torch
-
-    from lrmoe.integrations.data import get_batch
-
-    if tokens <= 0:
-        raise ValueError(f"tokens must be positive, got {tokens}")
-    length = min(seq_len, tokens)
-    return get_batch(corpus.val, max(1, tokens // length), length, torch.Generator().manual_seed(seed))
-
-
-def versus_random(table: "pd.DataFrame", key: str = "rel_w_all") -> "pd.DataFrame":
-    """For each setting, every metric's error divided by the random metric's error at the same ρ and mode."""
-    cols = [c for c in ("preset", "weights", "data", "layer", "mode", "rho") if c in table]
-    base = table[table.metric == "random"].set_index(cols)[key].rename("random")
-    joined = table[table.metric != "random"].join(base, on=cols)
-    # undefined where random makes no error either (ρ = 1)
-    joined["ratio_to_random"] = joined[key] / joined["random"].where(joined["random"] > 1e-6)
-    return joined[cols + ["metric", key, "random", "ratio_to_random"]].dropna(subset=["ratio_to_random"])
-
-
-def ratio_table(vs: "pd.DataFrame") -> "pd.DataFrame":
-    """The headline: mean ratio to random per (mode, metric), over everything (``all``), per data source
-    (weights / data) and, for trained sources, per ρ."""
-    vs = vs.assign(source=vs["weights"] + " / " + vs["data"])
-    table = vs.groupby(["mode", "metric"])["ratio_to_random"].mean().rename("all").to_frame()
-    table = table.join(vs.pivot_table(index=["mode", "metric"], columns="source", values="ratio_to_random"))
-    trained = vs[vs.weights.str.startswith("trained")]
-    if len(trained):
-        per_rho = trained.pivot_table(index=["mode", "metric"], columns=["source", "rho"], values="ratio_to_random")
-        per_rho.columns = [f"{source} ρ={rho:g}" for source, rho in per_rho.columns]
-        table = table.join(per_rho)
-    return table.reset_index()
-
-
-def verdict(vs: "pd.DataFrame") -> list[str]:
-    """Lines per data source: the best metric against random in each mode (mean over presets, layers and ρ), and
-    the best (metric, mode) against the stronger of the two random baselines (random in the top-k mode shrinks
-    the gradient by about ρ; random in the unbiased mode rescales kept pairs by 1/p and does not)."""
-    lines = []
-    vs = vs.assign(source=vs["weights"] + " / " + vs["data"])
-    mean = vs.groupby(["source", "mode", "metric"], as_index=False)[["rel_w_all", "random", "ratio_to_random"]].mean()
-    for source, by_source in mean.groupby("source"):
-        for mode, part in by_source.groupby("mode"):
-            best = part.loc[part["ratio_to_random"].idxmin()]
-            beats = "beats" if best.ratio_to_random < 1 else "does not beat"
-            lines.append(f"* {source}, {mode}: best metric {best.metric} {beats} random, error "
-                         f"{best.rel_w_all:.3f} vs {best.random:.3f} (ratio {best.ratio_to_random:.2f})")
-        best = by_source.loc[by_source["rel_w_all"].idxmin()]
-        base = by_source.groupby("mode")["random"].first()
-        ratio = best.rel_w_all / base.min()
-        lines.append(f"* {source}, across modes: best {best.metric} ({best['mode']}), error {best.rel_w_all:.3f} "
-                     f"vs the better random baseline ({base.idxmin()}) {base.min():.3f}: ratio {ratio:.2f}")
-    return lines
 
 
 def _metric_names() -> tuple[str, ...]:
@@ -423,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def sources(args, preset: str, corpus: "Corpus | None", summary: dict):
+def sources(args, preset: str, corpus: Corpus | None, summary: dict):
     """Yield (labels, layer, x_TD, delta_TD) for every data source of ``preset`` the run asks for."""
     from lrmoe.runtime.reference import ReferenceMoE
 
@@ -455,7 +153,7 @@ def sources(args, preset: str, corpus: "Corpus | None", summary: dict):
             yield labels, layer, x_TD, delta_TD
 
 
-def main(argv=None) -> "pd.DataFrame":
+def main(argv=None) -> pd.DataFrame:
     args = parse_args(argv)
     import matplotlib
 

@@ -48,6 +48,7 @@ from matplotlib.patches import Patch
 import seaborn as sns
 import torch
 
+from lrmoe.analysis.fidelity import expert_errors, layer_gradients, relative_error
 from lrmoe.config import model_preset
 from lrmoe.recal.recalibrate import Recalibration, pair_groups, pair_hook, proportional_quotas
 from lrmoe.runtime.reference import ReferenceMoE
@@ -82,29 +83,21 @@ def run(metric="m2", rho=0.7, skew=0.8, mode="topk", seed=SEED):
     layer = ReferenceMoE.from_config(cfg, seed=seed, dtype=torch.float64)
     log_p = torch.log(zipf_popularity(cfg.num_experts, skew, gen))
     offset_D = torch.linalg.lstsq(layer.w_router_ED.detach(), log_p[:, None]).solution[:, 0]
-    x = (torch.randn(TOKENS, cfg.hidden, generator=gen, dtype=torch.float64) + offset_D).requires_grad_()
-    delta = torch.randn(TOKENS, cfg.hidden, generator=gen, dtype=torch.float64)
-    delta *= torch.exp(torch.randn(TOKENS, 1, generator=gen, dtype=torch.float64))
+    x_TD = torch.randn(TOKENS, cfg.hidden, generator=gen, dtype=torch.float64) + offset_D
+    delta_TD = torch.randn(TOKENS, cfg.hidden, generator=gen, dtype=torch.float64)
+    delta_TD *= torch.exp(torch.randn(TOKENS, 1, generator=gen, dtype=torch.float64))
 
-    def grads(hook=None):
-        layer.zero_grad()
-        x.grad = None
-        y, aux = layer(x, pair_hook=hook)
-        (y * delta).sum().backward()
-        w = torch.cat([layer.w_gate_EDF.grad.flatten(1), layer.w_up_EDF.grad.flatten(1),
-                       layer.w_down_EFD.grad.flatten(1)], 1)
-        return w, aux
-
-    full_w, aux = grads()
+    # the fidelity sweep's computation (lrmoe.analysis.fidelity): full and recalibrated gradients, compared
+    with torch.no_grad():
+        _, aux = layer(x_TD)
+    full = layer_gradients(layer, x_TD, delta_TD)
     group_P, counts_Q = pair_groups(aux.idx_TK, cfg.num_experts, RANKS)
     rec = Recalibration(metric, mode, group_P, proportional_quotas(counts_Q, rho),
                         generator=torch.Generator().manual_seed(seed + 1))
-    recal_w, _ = grads(pair_hook(rec))
-    cos = torch.nn.functional.cosine_similarity(recal_w, full_w, dim=1)
-    rel = (recal_w - full_w).norm(dim=1) / full_w.norm(dim=1).clamp_min(1e-30)
-    routed = aux.counts_E > 0
-    return dict(aux=aux, rec=rec, group_P=group_P, counts_Q=counts_Q, cos_E=cos[routed], rel_E=rel[routed],
-                rel_all=float((recal_w - full_w).norm() / full_w.norm()))
+    recal = layer_gradients(layer, x_TD, delta_TD, pair_hook=pair_hook(rec))
+    cos_E, rel_E = expert_errors(recal, full, aux.counts_E > 0)
+    return dict(aux=aux, rec=rec, group_P=group_P, counts_Q=counts_Q, cos_E=cos_E, rel_E=rel_E,
+                rel_all=float(relative_error(recal.expert_EV, full.expert_EV)))
 
 
 def per_rank_load(result):

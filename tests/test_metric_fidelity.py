@@ -1,4 +1,5 @@
-"""The fidelity harness's trained source: real inputs and upstream gradients of trained MoE layers."""
+"""The fidelity sweep's trained source (lrmoe.analysis.fidelity_sources): real inputs and upstream gradients of trained
+MoE layers; and experiments/metric_fidelity.py end to end on it."""
 
 from pathlib import Path
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 from _scripts import load_experiment
 
+from lrmoe.analysis import fidelity_sources as sources
 from lrmoe.config import model_preset
 from lrmoe.results import read_results
 
@@ -33,15 +35,15 @@ def test_captured_delta_is_the_autograd_gradient_of_the_layer_output(fidelity, n
     """capture_moe_io's δ (tensor hook) must equal ∂(LM loss)/∂y obtained independently, by adding a zero probe to
     each MoE layer's output and differentiating the loss with respect to it; its x must be the layer's input."""
     cfg = model_preset(name)
-    model = fidelity.build_model(cfg, seed=3)
+    model = sources.build_model(cfg, seed=3)
     gen = torch.Generator().manual_seed(0)
     ids_BT = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
     targets_BT = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
 
-    xs, deltas, loss = fidelity.capture_moe_io(model, ids_BT, targets_BT)
+    xs, deltas, loss = sources.capture_moe_io(model, ids_BT, targets_BT)
     assert all(p.grad is None for p in model.parameters())  # the capture leaves no gradients behind
 
-    layers = fidelity.moe_layers(model)
+    layers = sources.moe_layers(model)
     probes = [torch.zeros(32, cfg.hidden, requires_grad=True) for _ in layers]
     inputs = [None] * len(layers)
 
@@ -108,7 +110,7 @@ def test_trained_weights_are_cached_and_reused(fidelity, tmp_path, corpus_dir, m
         raise AssertionError("a cached model was retrained")
 
     with monkeypatch.context() as patch:
-        patch.setattr(fidelity, "train_model", no_training)
+        patch.setattr(sources, "train_model", no_training)
         second, _ = run_text(fidelity, tmp_path, corpus_dir, "second.jsonl")
     assert read_results(second, kind="summary")[0]["training"][PRESETS[1]]["cached"] is True
     keys = ("layer", "mode", "metric", "rho", "rel_w_all", "rel_x", "train_loss", "batch_loss")
@@ -124,28 +126,28 @@ def test_trained_weights_are_cached_and_reused(fidelity, tmp_path, corpus_dir, m
     assert len(list((tmp_path / "cache").glob("*.pt"))) == 2
 
 
-def test_training_lowers_the_loss_and_is_deterministic(fidelity, corpus_dir):
+def test_training_lowers_the_loss_and_is_deterministic(corpus_dir):
     from lrmoe.integrations.data import load_corpus
 
     corpus = load_corpus(str(corpus_dir))
-    spec = fidelity.TrainSpec(preset=PRESETS[0], steps=12, batch=4, seq_len=32, lr=3e-3, aux_coef=0.1,
-                              bias_rate=1e-3, seed=0, corpus_digest=fidelity.corpus_digest(corpus))
-    model, losses = fidelity.train_model(spec, corpus)
+    spec = sources.TrainSpec(preset=PRESETS[0], steps=12, batch=4, seq_len=32, lr=3e-3, aux_coef=0.1,
+                             bias_rate=1e-3, seed=0, corpus_digest=sources.corpus_digest(corpus))
+    model, losses = sources.train_model(spec, corpus)
     assert losses[-1] < losses[0] - 0.5
-    model2, losses2 = fidelity.train_model(spec, corpus)
+    model2, losses2 = sources.train_model(spec, corpus)
     assert losses2 == losses
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda f: f.make_batch("text", 8, 4, 0), "data='text'"),
-    (lambda f: f.TrainSpec("qwen3-30b-a3b-debug", 0, 2, 8, 1e-3, 0.0, 0.0, 0, ""), "steps"),
-    (lambda f: f.TrainSpec("qwen3-30b-a3b-debug", 2, 2, 8, -1.0, 0.0, 0.0, 0, ""), "lr"),
-    (lambda f: f.TrainSpec("qwen3-30b-a3b-debug", 2, 2, 8, 1e-3, -0.1, 0.0, 0, ""), "aux_coef"),
+    (lambda: sources.make_batch("text", 8, 4, 0), "data='text'"),
+    (lambda: sources.TrainSpec("qwen3-30b-a3b-debug", 0, 2, 8, 1e-3, 0.0, 0.0, 0, ""), "steps"),
+    (lambda: sources.TrainSpec("qwen3-30b-a3b-debug", 2, 2, 8, -1.0, 0.0, 0.0, 0, ""), "lr"),
+    (lambda: sources.TrainSpec("qwen3-30b-a3b-debug", 2, 2, 8, 1e-3, -0.1, 0.0, 0, ""), "aux_coef"),
 ])
-def test_bad_input_raises_value_error_naming_it(fidelity, call, message):
+def test_bad_input_raises_value_error_naming_it(call, message):
     with pytest.raises(ValueError, match=message):
-        call(fidelity)
+        call()
 
 
 def test_bad_command_line_is_refused(fidelity, tmp_path):
