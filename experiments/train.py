@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lrmoe.config import MoEConfig, cluster_preset, full_scale_preset, model_preset
+from lrmoe.config import MoEConfig, cluster_preset, full_scale_preset, layer_seed, model_preset
 from lrmoe.harness.rss import peak_bytes, reset_peak
 from lrmoe.integrations.data import get_batch, load_corpus
 from lrmoe.runtime.distributed.mesh import Mesh, build_mesh, ep_problem, ep_ranks_per_node, resolve_ep_size
@@ -186,12 +186,12 @@ class NativeModel:
         self.layers: list[EPMoELayer] = []
 
         def moe_factory(i: int):
-            weights = ReferenceMoE.from_config(cfg, seed=args.seed * 1000 + i).export_weights()
+            weights = ReferenceMoE.from_config(cfg, seed=layer_seed(args.seed, i)).export_weights()
             policy = system.make_policy(ctx)
             placement = initial_placement(policy, ep, cfg.num_experts, args.batch * cfg.seq_len * cfg.top_k)
             layer = EPMoELayer(weights, cfg.top_k, cfg.router, policy, placement, groups,
                                routed_scaling=cfg.routed_scaling, adam=AdamConfig(lr=args.lr, weight_decay=0.0),
-                               device=device, backward=system.layer_backward(args.seed * 1000 + i),
+                               device=device, backward=system.layer_backward(layer_seed(args.seed, i)),
                                replica_grad=args.replica_grad)
             layer.name = f"MoE layer {i}"
             self.layers.append(layer)

@@ -256,6 +256,12 @@ _CLUSTERS = {
 }
 
 
+def layer_seed(seed: int, layer: int) -> int:
+    """The seed of MoE layer ``layer`` in a model seeded ``seed`` (its weights and its backward's random streams):
+    one rule, so that the distributed model, the single-process reference and the drop-in draw the same layers."""
+    return seed * 1000 + layer
+
+
 def model_preset(name: str) -> MoEConfig:
     """The model preset called ``name``; raises ``ValueError`` listing the known names otherwise."""
     try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lrmoe.config import model_preset
+from lrmoe.config import layer_seed, model_preset
 
 # torch, the model and the data load in the functions: the script's --help imports this module's names only
 if TYPE_CHECKING:
@@ -89,12 +89,12 @@ def corpus_digest(corpus: Corpus) -> str:
 
 
 def build_model(cfg: MoEConfig, seed: int) -> MoETransformer:
-    """The preset's single-process transformer with reference MoE layers (layer i drawn from seed · 1000 + i,
-    as experiments/train.py draws them)."""
+    """The preset's single-process transformer with reference MoE layers (layer i drawn from
+    lrmoe.config.layer_seed, as experiments/train.py draws them)."""
     from lrmoe.integrations.model import MoETransformer
     from lrmoe.runtime.reference import ReferenceMoE
 
-    return MoETransformer(cfg, lambda i: ReferenceMoE.from_config(cfg, seed=seed * 1000 + i), seed=seed)
+    return MoETransformer(cfg, lambda i: ReferenceMoE.from_config(cfg, seed=layer_seed(seed, i)), seed=seed)
 
 
 def moe_layers(model: MoETransformer) -> list[ReferenceMoE]:

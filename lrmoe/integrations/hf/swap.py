@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lrmoe.config import layer_seed
 from lrmoe.integrations.hf.data_parallel import ignore_experts_in_ddp
 from lrmoe.integrations.hf.experts import EPExperts
 from lrmoe.integrations.hf.expert_parallel import HFExpertParallel
@@ -46,7 +47,8 @@ def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: System
     ``system``: a registry name (:func:`lrmoe.systems.get_system`), a :class:`~lrmoe.systems.SystemSpec`, or a
     policy object (then ``backward`` is the layer's backward config). Its policy is built per MoE layer from
     ``context`` (default: E experts, the world's ranks, ``spare_slots``, ``pairs_per_rank``); the backward seed of
-    MoE layer i is ``seed * 1000 + i``. ``adam``: the experts' optimizer (the replica store's sharded Adam).
+    MoE layer i is ``lrmoe.config.layer_seed(seed, i)``. ``adam``: the experts' optimizer (the replica store's
+    sharded Adam).
 
     A model built on the meta device (``with torch.device("meta"): model = cls(config)``) swaps too, given
     ``device``: each layer then allocates on ``device`` this rank's slots and optimizer shards only (zeros, built
@@ -94,7 +96,7 @@ def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: System
         weights = {"w_router_ED": router, "bias_E": torch.zeros(E), "w_gate_EDF": w_gate, "w_up_EDF": w_up,
                    "w_down_EFD": w_down}
         policy = spec.make_policy(context) if spec is not None else system
-        layer_backward = spec.layer_backward(seed * 1000 + i) if spec is not None else backward
+        layer_backward = spec.layer_backward(layer_seed(seed, i)) if spec is not None else backward
         placement = initial_placement(policy, N, E, pairs_per_rank)
         layer = EPMoELayer(weights, top_k, family.router, policy, placement, groups, routed_scaling=routed_scaling,
                            dtype=dtype, device=layer_device, adam=adam or AdamConfig(), accountant=accountant,
