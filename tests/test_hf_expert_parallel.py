@@ -8,7 +8,10 @@ ranks):
   at wd 0.5 and lr 0.1, every weight, experts included, equals the unswapped model's on one process;
 * a dense step without the dense sync (``torch.optim.AdamW(model.parameters())`` then ``ep.expert_step()``, or a
   hand-written update) is refused at the expert step, before any expert moves; with ``ep.sync_dense_grads()``
-  first the same low-level loop runs and the ranks' dense weights stay equal.
+  first the same low-level loop runs and the ranks' dense weights stay equal;
+* GLM's bias update reads the gates' ``e_score_correction_bias`` at every step: a buffer replaced after the
+  optimizer was built (as ``model.to(device)`` replaces it) is the one updated, with the values a model whose
+  buffer was never replaced gets.
 """
 
 import copy
@@ -18,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("transformers")
-from transformers import Qwen3MoeForCausalLM  # noqa: E402
+from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
 from lrmoe.integrations.hf import ForeignOptimizerError, hf_config, swap_moe_blocks  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
@@ -135,3 +138,28 @@ def test_the_same_low_level_loop_with_the_dense_sync_runs_and_keeps_the_ranks_to
     for out in launch(_unsynced, 2, "synced", timeout_s=120):
         assert "error" not in out and out["expert_steps"] == 2
         assert out["ranks_apart"] == 0.0
+
+
+def _bias_after_replacement(rank: int) -> dict:
+    out = {}
+    for replace in (False, True):
+        torch.manual_seed(0)
+        model = Glm4MoeForCausalLM(hf_config(TINY.replace(router="sigmoid_bias", num_shared_experts=1,
+                                                          shared_ffn=16)))
+        ep = swap_moe_blocks(model, "static-ep")
+        opt = ep.optimizer(torch.optim.AdamW, lr=1e-2, bias_rate=1e-2)
+        if replace:  # a new tensor under the buffer's name, as Module.to / _apply leaves it
+            for block in ep.blocks:
+                block.gate.e_score_correction_bias = block.gate.e_score_correction_bias.clone()
+        for step in range(2):
+            x = ids(step, rank)
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out[replace] = torch.stack([block.gate.e_score_correction_bias for block in ep.blocks])
+    return {"moved": bool(out[False].abs().sum() > 0), "same": torch.equal(out[True], out[False])}
+
+
+def test_the_bias_update_reaches_a_gate_buffer_replaced_after_the_optimizer_was_built():
+    for out in launch(_bias_after_replacement, 2, timeout_s=120):
+        assert out["moved"] and out["same"], out

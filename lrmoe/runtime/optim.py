@@ -92,15 +92,25 @@ def update_expert_biases_(layers: Sequence[EPMoELayer], biases: Sequence[torch.T
 
 class ExpertBiasUpdate:
     """A step post-hook (``optimizer.register_step_post_hook(ExpertBiasUpdate(...))``) that runs
-    :func:`update_expert_biases_` after every step; ``rate`` may be changed between steps."""
+    :func:`update_expert_biases_` after every step; ``rate`` may be changed between steps.
 
-    def __init__(self, layers: Sequence[EPMoELayer], biases: Sequence[torch.Tensor | None], rate: float):
+    ``biases``: the tensors, or a function returning them that is asked at every step, so that the update reaches
+    the model's buffers as they are then (``model.to(device)``, a loader assigning new buffers, or an engine's
+    preparation of the model replaces them after the optimizer is built)."""
+
+    def __init__(self, layers: Sequence[EPMoELayer],
+                 biases: Sequence[torch.Tensor | None] | Callable[[], Sequence[torch.Tensor | None]], rate: float):
         if not rate >= 0:
             raise ValueError(f"the expert-bias rate must be non-negative, got {rate}")
-        self.layers, self.biases, self.rate = list(layers), list(biases), rate
+        self.layers, self.rate = list(layers), rate
+        self.biases = biases if callable(biases) else list(biases)
+
+    def current(self) -> list[torch.Tensor | None]:
+        """The bias tensors this step updates."""
+        return list(self.biases()) if callable(self.biases) else self.biases
 
     def __call__(self, optimizer, args, kwargs) -> None:
-        update_expert_biases_(self.layers, self.biases, self.rate)
+        update_expert_biases_(self.layers, self.current(), self.rate)
 
 
 class ExpertParallelOptimizer(torch.optim.Optimizer):
@@ -108,7 +118,8 @@ class ExpertParallelOptimizer(torch.optim.Optimizer):
     parameters) and the experts of ``layers`` (each layer's sharded Adam), stepped in one order.
 
     ``expert_hparams``: the expert group's start (:data:`EXPERT_KEYS`; default: the dense optimizer's, module doc).
-    ``biases``: per layer its selection bias or None (GLM), updated at ``bias_rate`` after every step. ``group``:
+    ``biases``: per layer its selection bias or None (GLM), updated at ``bias_rate`` after every step (or a function
+    returning them, asked at every step: :class:`ExpertBiasUpdate`). ``group``:
     the process group of the dense sync (default: the world). ``dense_averaged``: asked at every step whether
     another engine (DistributedDataParallel) already averaged the dense gradients over the ranks in the backward;
     then the sync all-reduces only the non-finite check. ``last_grad_norm``: the global norm before clipping of the
@@ -120,7 +131,8 @@ class ExpertParallelOptimizer(torch.optim.Optimizer):
 
     def __init__(self, dense: torch.optim.Optimizer, layers: Sequence[EPMoELayer], *,
                  grad_scale: float | None = None, max_grad_norm: float = 0.0, expert_hparams: dict | None = None,
-                 biases: Sequence[torch.Tensor | None] | None = None, bias_rate: float = 0.0, group=None,
+                 biases: Sequence[torch.Tensor | None] | Callable[[], Sequence[torch.Tensor | None]] | None = None,
+                 bias_rate: float = 0.0, group=None,
                  dense_averaged: Callable[[], bool] | None = None):
         if not isinstance(dense, torch.optim.Optimizer):
             raise ValueError(f"dense must be a torch.optim.Optimizer, got {type(dense).__name__}")
@@ -145,7 +157,7 @@ class ExpertParallelOptimizer(torch.optim.Optimizer):
         self.grad_scale, self.max_grad_norm, self.dense_averaged = grad_scale, max_grad_norm, dense_averaged
         self.last_grad_norm: torch.Tensor | None = None
         self.bias_update: ExpertBiasUpdate | None = None
-        if biases is not None and any(b is not None for b in biases):
+        if biases is not None and any(b is not None for b in (biases() if callable(biases) else biases)):
             self.bias_update = ExpertBiasUpdate(layers, biases, bias_rate)
             self.register_step_post_hook(self.bias_update)
 

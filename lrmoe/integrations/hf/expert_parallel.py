@@ -224,7 +224,8 @@ class EPOptimizer(ExpertParallelOptimizer):
     (``loss.backward(); opt.step(); opt.zero_grad()``, any number of micro-batches in between) and torch's LR
     schedulers work unchanged: the step core (:class:`~lrmoe.runtime.optim.ExpertParallelOptimizer`) over
     ``dense_optimizer(ep.dense_parameters(), **kwargs)`` and the swapped layers, with HF's gate biases (GLM) as the
-    bias update's, and two additions: a check that the dense gradients were not edited since the backward (a step
+    bias update's (read from the gates at every step, not kept: a buffer replaced after the optimizer is built is
+    the one updated), and two additions: a check that the dense gradients were not edited since the backward (a step
     pre-hook) and this rank's expert state in :meth:`state_dict`.
 
     ``max_grad_norm`` > 0 clips at every step, after the dense all-reduce and before both steps, the global L2 norm
@@ -268,7 +269,7 @@ class EPOptimizer(ExpertParallelOptimizer):
             raise ValueError(f"max_grad_norm must be >= 0 (0: no clipping), got {max_grad_norm}")
         self.ep = ep
         super().__init__(dense_optimizer(ep.dense_parameters(), **kwargs), ep.layers, grad_scale=grad_scale,
-                         max_grad_norm=max_grad_norm, biases=ep.biases(), bias_rate=bias_rate,
+                         max_grad_norm=max_grad_norm, biases=ep.biases, bias_rate=bias_rate,
                          dense_averaged=lambda: ep.dense_reduced_by_ddp)
         self._bias_rate = bias_rate  # a Qwen3-MoE model has no bias update to hold it
         # each dense gradient's version counter and first few values after the backward last accumulated into it:

@@ -68,8 +68,7 @@ class EPTrainerCallback(TrainerCallback):
         self._trainer_max_grad_norm: float | None = None
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        opt = _own_optimizer(optimizer, self.ep)
-        self._refresh_biases(opt)
+        opt = _own_optimizer(optimizer, self.ep)  # its GLM bias update reads the gates' buffers at every step
         opt.grad_scale = 1.0 / self.ep.num_ranks
         if args.max_grad_norm and args.max_grad_norm > 0:
             opt.max_grad_norm = float(args.max_grad_norm)
@@ -82,16 +81,6 @@ class EPTrainerCallback(TrainerCallback):
                                         f"checkpoint this callback saved in {args.output_dir}, or name the one you "
                                         f"resume from: EPTrainerCallback(ep, resume_from=path)")
             self.ep.load_expert_state_dict(torch.load(path, weights_only=True))
-
-    def _refresh_biases(self, opt) -> None:
-        """GLM: point the step's bias update at the gates' bias buffers as they are now (Trainer's preparation of
-        the model, DDP's included, may leave it holding tensors the model no longer uses)."""
-        update = getattr(opt, "bias_update", None)
-        if update is not None:
-            update.biases = self.ep.biases()
-
-    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
-        self._refresh_biases(_own_optimizer(optimizer, self.ep))
 
     def _prepare_save(self, args, state, control, model=None, **kwargs) -> None:
         if not control.should_save or model is None:
