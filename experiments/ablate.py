@@ -46,7 +46,7 @@ from lrmoe.cli import fraction_arg, non_negative_float_arg, non_negative_int_arg
 from lrmoe.cli import SYSTEMS_HELP, one_of, script_parser, system_arg
 from lrmoe.config import cluster_preset, model_preset
 from lrmoe.config import MICRO_BATCH_BAND, SENSITIVITY, sensitivity_corners as corners
-from lrmoe.integrations.tracking import check_tracking_args
+from lrmoe.integrations.tracking_args import check_tracking_args
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable
 from lrmoe.cli import positive_float_arg, positive_int_arg
 from lrmoe.cli import script_parser
 from lrmoe.config import cluster_preset, model_preset
-from lrmoe.integrations.tracking import check_tracking_args
+from lrmoe.integrations.tracking_args import check_tracking_args
 
 if TYPE_CHECKING:
     import torch

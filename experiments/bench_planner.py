@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 # time and draw.
 from lrmoe.cli import fraction_arg, non_negative_float_arg, non_negative_int_arg
 from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
-from lrmoe.integrations.tracking import check_tracking_args
+from lrmoe.integrations.tracking_args import check_tracking_args
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 # The parser needs only these light modules; torch, the metric and pandas load in the functions that measure.
 from lrmoe.cli import script_parser
-from lrmoe.integrations.tracking import check_tracking_args
+from lrmoe.integrations.tracking_args import check_tracking_args
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from lrmoe.cli import positive_float_arg, positive_int_arg
 from lrmoe.cli import script_parser
 from lrmoe.config import cluster_preset, model_preset
-from lrmoe.integrations.tracking import check_tracking_args
+from lrmoe.integrations.tracking_args import check_tracking_args
 
 if TYPE_CHECKING:
     import torch
@@ -149,7 +149,7 @@ def provenance(device: torch.device, backend: str) -> dict:
     else:
         prov["device"] = "cpu"
     try:
-        from lrmoe.integrations.tracking import git_commit
+        from lrmoe.integrations.provenance import git_commit
 
         prov["git_commit"] = git_commit(ROOT)
     except ImportError:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from lrmoe.cli import non_negative_float_arg, non_negative_int_arg, positive_int_arg
 from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
 from lrmoe.config import model_preset
-from lrmoe.integrations.tracking import check_tracking_args
+from lrmoe.integrations.tracking_args import check_tracking_args
 from lrmoe.results import read_headers, read_results
 
 if TYPE_CHECKING:

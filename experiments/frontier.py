@@ -31,7 +31,7 @@ from lrmoe.analysis.frontier import (MAX_GAP_PCT, FrontierError, curves_from, fr
                                      protocol_report)
 from lrmoe.cli import fraction_arg, non_negative_float_arg, positive_float_arg, positive_int_arg
 from lrmoe.cli import script_parser
-from lrmoe.integrations.tracking import check_tracking_args
+from lrmoe.integrations.tracking_args import check_tracking_args
 from lrmoe.results import read_records, read_results
 
 if TYPE_CHECKING:
@@ -196,7 +196,8 @@ def main(argv=None) -> pd.DataFrame:
 def two_scale_main(args) -> pd.DataFrame:
     """The earlier frontier from two scales (no --regime): loss from --convergence, time from the simulator."""
     from lrmoe.analysis.runs import BASELINE, per_run, summarise, time_to_reach
-    from lrmoe.integrations.tracking import Tracker, write_report
+    from lrmoe.integrations.reports import write_report
+    from lrmoe.integrations.tracking import Tracker
 
     curves = curves_from(args.convergence)
     if BASELINE not in set(curves.policy):

@@ -15,7 +15,9 @@ from pathlib import Path
 from lrmoe.analysis.protocol import REGIMES
 from lrmoe.results import read_records
 from lrmoe.cli import script_parser
-from lrmoe.integrations.tracking import Tracker, check_tracking_args, write_report
+from lrmoe.integrations.reports import write_report
+from lrmoe.integrations.tracking import Tracker
+from lrmoe.integrations.tracking_args import check_tracking_args
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -69,7 +69,8 @@ from lrmoe.harness.layer_bench_setup import buffer_load, make_policy, make_trace
 from lrmoe.systems import check_systems, get_system, system_arg
 from lrmoe.cli import fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg, positive_int_arg
 from lrmoe.cli import SYSTEMS_HELP, script_parser
-from lrmoe.integrations.tracking import Tracker, check_tracking_args
+from lrmoe.integrations.tracking import Tracker
+from lrmoe.integrations.tracking_args import check_tracking_args
 from lrmoe.results import read_records
 
 DEFAULT_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1", "lrmoe"]

@@ -39,7 +39,7 @@ from lrmoe.analysis import protocol
 from lrmoe.cli import non_negative_int_arg, positive_float_arg, positive_int_arg
 from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
 from lrmoe.config import cluster_preset, cluster_presets, model_preset, model_presets
-from lrmoe.integrations.tracking import check_tracking_args, foreign_results, output_problem
+from lrmoe.integrations.tracking_args import check_tracking_args, foreign_results, output_problem
 from lrmoe.results import read_records, read_results
 
 if TYPE_CHECKING:
@@ -343,7 +343,8 @@ def main(argv=None) -> pd.DataFrame:
     import pandas as pd
     from tqdm import tqdm
 
-    from lrmoe.integrations.tracking import Tracker, write_report
+    from lrmoe.integrations.reports import write_report
+    from lrmoe.integrations.tracking import Tracker
 
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)

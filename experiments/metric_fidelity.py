@@ -47,7 +47,7 @@ from lrmoe.analysis.fidelity_sources import (DATA, RANDOM_DATA, TrainSpec, captu
 from lrmoe.cli import fraction_arg, positive_float_arg, positive_int_arg
 from lrmoe.cli import one_of, script_parser
 from lrmoe.config import model_preset
-from lrmoe.integrations.tracking import check_tracking_args
+from lrmoe.integrations.tracking_args import check_tracking_args
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from lrmoe.cli import positive_int_arg
 from lrmoe.cli import script_parser
 from lrmoe.config import model_preset, model_presets
-from lrmoe.integrations.tracking import check_tracking_args
+from lrmoe.integrations.tracking_args import check_tracking_args
 
 if TYPE_CHECKING:
     import pandas as pd

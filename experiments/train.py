@@ -86,7 +86,7 @@ from lrmoe.checks import available_memory_bytes
 from lrmoe.cli import fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg, positive_int_arg
 from lrmoe.integrations.checkpoint import CheckpointDir
 from lrmoe.cli import SYSTEMS_HELP, script_parser
-from lrmoe.integrations.tracking import check_tracking_args, output_problem
+from lrmoe.integrations.tracking_args import check_tracking_args, output_problem
 from lrmoe.traces.trace import Trace
 
 DEFAULT_PRESET = "qwen3-30b-a3b-debug"
@@ -371,7 +371,7 @@ def plan_resume(args, world: int) -> None:
     ``args.run_id`` and ``args.start_step`` (0, or the step of the checkpoint --resume continues from). ValueError
     when the folder is another run's or in use, when --resume would mix runs, or when a fresh run would start over
     an earlier run's checkpoints without --overwrite."""
-    from lrmoe.integrations.tracking import new_run_id
+    from lrmoe.integrations.provenance import new_run_id
     from lrmoe.results import read_results
 
     args.run_id, args.start_step = new_run_id("train"), 0
@@ -603,7 +603,7 @@ def parse_args(argv=None):
 
 def check_args(args) -> None:
     """Everything a rank would otherwise find out on its own, checked once before any rank starts or any record is
-    written: the output paths (lrmoe.integrations.tracking.check_tracking_args), the presets, the world size against
+    written: the output paths (lrmoe.integrations.tracking_args), the presets, the world size against
     the experts, the system in that world, the expert slots' memory on this machine (:func:`check_slot_memory`), the
     text files and their validation split, and which run --resume
     continues (:func:`plan_resume`: sets ``args.run_id`` and ``args.start_step``). SystemExit with one message."""

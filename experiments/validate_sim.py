@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from lrmoe.analysis.protocol import REGIMES
 from lrmoe.cli import positive_int_arg
 from lrmoe.cli import script_parser
-from lrmoe.integrations.tracking import check_tracking_args
+from lrmoe.integrations.tracking_args import check_tracking_args
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -148,7 +148,8 @@ def regimes_main(args) -> pd.DataFrame:
     from tqdm import tqdm
 
     from lrmoe.harness.sim_validation import REFERENCE, read_bench
-    from lrmoe.integrations.tracking import Tracker, write_report
+    from lrmoe.integrations.reports import write_report
+    from lrmoe.integrations.tracking import Tracker
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

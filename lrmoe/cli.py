@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Callable, Iterable
 
 from lrmoe.checks import check_fraction, check_positive_number, non_negative_int, positive_int
-from lrmoe.integrations.tracking import add_tracking_args
+from lrmoe.integrations.tracking_args import add_tracking_args
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -97,9 +97,12 @@ def test_a_manifest_removes_exactly_what_its_job_wrote(tmp_path):
 
 
 def test_tracking_re_exports_none_of_the_files_names():
-    """The reader, writer and lock live in lrmoe.results alone: no stale second name for them in tracking."""
-    from lrmoe.integrations import tracking
+    """The reader, writer and lock live in lrmoe.results alone: no stale second name for them in tracking or the
+    modules beside it."""
+    from lrmoe.integrations import provenance, reports, tracking, tracking_args, wandb_policy
 
-    stale = [name for name in ("read_results", "atomic_write", "atomic_write_text", "FileLock", "_FileLock",
-                               "Manifest", "complete_lines", "_complete_lines", "_parse") if hasattr(tracking, name)]
+    stale = [f"{module.__name__}.{name}" for module in (tracking, tracking_args, reports, provenance, wandb_policy)
+             for name in ("read_results", "atomic_write", "atomic_write_text", "FileLock", "_FileLock", "Manifest",
+                          "complete_lines", "_complete_lines", "_parse", "parse_lines", "read_headers")
+             if hasattr(module, name)]
     assert not stale, stale

@@ -78,7 +78,7 @@ def test_a_report_never_shares_a_path_with_results_nor_replaces_an_unrelated_fil
 
 
 def test_a_report_beside_its_own_results_file_is_replaced_only_when_asked(tmp_path):
-    from lrmoe.integrations.tracking import report_problem, write_report
+    from lrmoe.integrations.reports import report_problem, write_report
 
     results = tmp_path / "f.jsonl"
     with Tracker("frontier", results=results, wandb=False) as run:

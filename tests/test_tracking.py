@@ -12,7 +12,8 @@ import matplotlib.pyplot as plt
 import pytest
 
 from lrmoe import results as results_module
-from lrmoe.integrations.tracking import Tracker, wandb_mode
+from lrmoe.integrations.tracking import Tracker
+from lrmoe.integrations.wandb_policy import wandb_mode
 from lrmoe.results import atomic_write_text, read_results
 
 
@@ -220,7 +221,7 @@ def offline_run_ids(wandb_dir) -> list[str]:
 
 
 def test_argv_names_paths_relative_to_the_working_folder(monkeypatch, tmp_path):
-    from lrmoe.integrations.tracking import portable_argv
+    from lrmoe.integrations.provenance import portable_argv
 
     monkeypatch.chdir(tmp_path)
     assert portable_argv([str(tmp_path / "experiments" / "x.py"), "--out", str(tmp_path / "o.jsonl"), "/elsewhere/y",
@@ -231,7 +232,7 @@ def test_overwrite_refuses_a_results_file_the_script_did_not_write(tmp_path, cap
     """--overwrite replaces only what this script wrote (its manifest, or the run header of an older file)."""
     import argparse
 
-    from lrmoe.integrations.tracking import add_tracking_args, check_tracking_args
+    from lrmoe.integrations.tracking_args import add_tracking_args, check_tracking_args
 
     def check(out, name="exp"):
         parser = argparse.ArgumentParser()

@@ -3,7 +3,9 @@ offline W&B run takes them)."""
 
 import argparse
 
-from lrmoe.integrations.tracking import DEFAULT_PROJECT, Tracker, add_tracking_args, wandb_names
+from lrmoe.integrations.tracking import Tracker
+from lrmoe.integrations.tracking_args import add_tracking_args
+from lrmoe.integrations.wandb_policy import DEFAULT_PROJECT, wandb_names
 
 
 def test_flags_beat_the_environment_which_beats_the_scripts_choice(monkeypatch):

@@ -493,7 +493,7 @@ def provenance(spec: CalibrationSpec) -> dict:
         prov["triton"] = triton.__version__
     except ImportError:
         prov["triton"] = "absent"
-    from lrmoe.integrations.tracking import git_commit
+    from lrmoe.integrations.provenance import git_commit
 
     prov["git_commit"] = git_commit()
     return prov

@@ -31,7 +31,10 @@ own. ``--resume`` is not a way to add a second run to a file: give that run its 
 What a Tracker writes (the results file, its figures, its report, its W&B run) goes into the results file's
 manifest (lrmoe.results.Manifest); ``overwrite=True`` removes what the replaced run recorded there, and
 ``--overwrite`` refuses a results file that this script did not write. The file format, its readers and the lock
-live in lrmoe.results, which imports neither W&B nor torch.
+live in lrmoe.results, which imports neither W&B nor torch. Beside this module: the header's provenance
+(lrmoe.integrations.provenance), W&B's mode and names (lrmoe.integrations.wandb_policy), the flags every script
+shares and their checks (lrmoe.integrations.tracking_args) and a results file's Markdown report
+(lrmoe.integrations.reports).
 """
 
 from __future__ import annotations
@@ -40,74 +43,14 @@ import dataclasses
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
-import uuid
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from lrmoe import results as files  # the files themselves; this module re-exports none of their names
-
-_PACKAGES = ("torch", "triton", "numpy", "wandb", "lrmoe")
-
-
-def git_commit(cwd: str | os.PathLike | None = None) -> str:
-    """The current commit of the package's checkout, with ``+dirty`` when it has uncommitted changes."""
-    cwd = cwd or Path(__file__).resolve().parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5)
-        if sha.returncode:
-            return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=5)
-        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-
-
-def package_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for name in _PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = "absent"
-    return versions
-
-
-def device_description() -> dict[str, Any]:
-    import torch
-
-    info: dict[str, Any] = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                            "torch_threads": torch.get_num_threads()}
-    if torch.cuda.is_available():
-        info["cuda_device"] = torch.cuda.get_device_name(0)
-        info["cuda_count"] = torch.cuda.device_count()
-    return info
-
-
-def wandb_mode() -> tuple[str, str]:
-    """The W&B mode to use and why: the user's ``WANDB_MODE``, online with an API key, else offline."""
-    explicit = os.environ.get("WANDB_MODE")
-    if explicit:
-        return explicit, "WANDB_MODE is set"
-    login = wandb_login()
-    if login:
-        return "online", login
-    return "offline", "no W&B login was found"
-
-
-def wandb_login() -> str | None:
-    """Where this process's W&B API key comes from (None: it has none)."""
-    if os.environ.get("WANDB_API_KEY"):
-        return "WANDB_API_KEY is set"
-    netrc = Path.home() / ".netrc"
-    if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
-        return "a W&B login was found in ~/.netrc"
-    return None
+from lrmoe.integrations.provenance import device_description, git_commit, new_run_id, package_versions, portable_argv
+from lrmoe.integrations.wandb_policy import wandb_mode, wandb_names
 
 
 def _jsonable(value: Any) -> Any:
@@ -125,24 +68,6 @@ def _jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _jsonable(dataclasses.asdict(value))
     return str(value)
-
-
-def portable_argv(argv: list[str]) -> list[str]:
-    """``argv`` with absolute paths under the working folder written relative to it, so that a results file names
-    no machine's folders (``python -m`` puts the script's absolute path first)."""
-    cwd = Path.cwd()
-    out = []
-    for arg in argv:
-        path = Path(arg)
-        if path.is_absolute() and path.is_relative_to(cwd):
-            arg = str(path.relative_to(cwd))
-        out.append(arg)
-    return out
-
-
-def new_run_id(name: str) -> str:
-    """A fresh run id: the script's name, the time and a random suffix."""
-    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
 def check_resumable(path: Path, name: str, headers: list[dict], has_lines: bool) -> None:
@@ -347,143 +272,3 @@ class Tracker:
 
     def __exit__(self, *exc) -> None:
         self.finish()
-
-
-def add_tracking_args(parser, default_results: str) -> None:
-    """The command-line flags every experiment script shares."""
-    parser.add_argument("--out", default=default_results, help="results file (JSON lines)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing results file")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the run in an existing results file: records past the point it resumes "
-                             "from (its checkpoint, else the start) are replaced, never duplicated")
-    parser.add_argument("--no-wandb", action="store_true", help="do not log to W&B")
-    parser.add_argument("--wandb-project", default=None,
-                        help=f"W&B project (default: $WANDB_PROJECT, else {DEFAULT_PROJECT!r})")
-    parser.add_argument("--wandb-group", default=None,
-                        help="W&B run group (default: $WANDB_RUN_GROUP, else the script's own grouping)")
-
-
-DEFAULT_PROJECT = "lrmoe"
-
-
-def wandb_names(config: dict, project: str | None = None, group: str | None = None) -> tuple[str, str | None]:
-    """The W&B project and group of a run: the command line's --wandb-project / --wandb-group (in ``config``), then
-    the environment's WANDB_PROJECT / WANDB_RUN_GROUP, then the script's own ``project`` / ``group``, then
-    :data:`DEFAULT_PROJECT` and no group. The job type is always the script's name."""
-    project = config.get("wandb_project") or os.environ.get("WANDB_PROJECT") or project or DEFAULT_PROJECT
-    group = config.get("wandb_group") or os.environ.get("WANDB_RUN_GROUP") or group
-    return project, group
-
-
-def output_problem(flag: str, path: str | os.PathLike, replace: bool) -> str | None:
-    """Why the script could not write a file at ``path`` (given as ``flag``), or None: it is a folder, it exists and
-    ``replace`` is false, or no writable folder would hold it."""
-    path = Path(path)
-    if path.is_dir():
-        return f"{flag} {path} is a folder, not a file"
-    if path.exists() and not replace:
-        return f"{flag} {path} exists; pass --overwrite to replace it"
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        return f"{flag} {path}: {folder} is a file, not a folder"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"{flag} {path}: the folder {folder} is not writable"
-    return None
-
-
-_REPORT_MARK = "<!-- lrmoe report of "  # the first line of every report: the results file it belongs to
-
-
-def report_path(results: str | os.PathLike) -> Path:
-    """Where the Markdown report of a results file goes: beside it, ``.md`` for its suffix."""
-    return Path(results).with_suffix(".md")
-
-
-def report_problem(results: str | os.PathLike, replace: bool, name: str) -> str | None:
-    """Why script ``name`` could not write the report of ``results``, or None: it would be the results file itself,
-    or a file there is not this script's report (neither marked as a report nor beside a results file of ``name``:
-    never replaced, even with --overwrite), or it exists and ``replace`` is false."""
-    results = Path(results)
-    report = report_path(results)
-    if report.resolve() == results.resolve():
-        return f"--out {results}: the report would overwrite the results file; give --out a .jsonl name"
-    if report.is_file():
-        with open(report, encoding="utf-8", errors="replace") as f:
-            ours = f.readline().startswith(_REPORT_MARK)
-        if not ours and results.is_file():
-            try:
-                headers = files.read_results(results, "run")
-            except ValueError:  # not a results file
-                headers = []
-            ours = bool(headers) and headers[-1].get("name") == name
-        if not ours:
-            return f"--out {results}: its report {report} exists and is not a report of this package; move it or " \
-                   f"choose another --out"
-        if not replace:
-            return f"--out {results}: its report {report} exists; pass --overwrite to replace it"
-    return None
-
-
-def write_report(results: str | os.PathLike, text: str) -> Path:
-    """Write the Markdown report of ``results`` (atomically, marked as a report of that file); its path."""
-    report = report_path(results)
-    files.Manifest.of(results).add(report)
-    files.atomic_write_text(report, f"{_REPORT_MARK}{Path(results).name} -->\n{text}")
-    return report
-
-
-def foreign_results(out: Path, name: str) -> str | None:
-    """Why ``--overwrite`` may not replace ``out``: neither its manifest nor its run header says script ``name``
-    wrote it (None: it may)."""
-    try:
-        if files.Manifest.of(out).tag_of(out) == name:
-            return None
-    except ValueError as exc:
-        return str(exc)
-    headers = files.read_headers(out)
-    if headers and headers[-1].get("name") == name:
-        return None
-    whose = f"a run of {headers[-1].get('name')!r}" if headers else "no run of any lrmoe script"
-    return (f"--overwrite: {out} holds {whose}, not a results file of {name}: --overwrite replaces only what "
-            f"this script wrote; choose another --out")
-
-
-def check_tracking_args(parser, args, name: str, outputs: dict[str, Any] | None = None, report: bool = False) -> None:
-    """Check the flags of :func:`add_tracking_args` and the script's other output files (``outputs``: flag ->
-    path or None) before any work starts, with ``parser.error`` (argparse's message and exit status 2): the results
-    file is new unless --overwrite / --resume, its folder writable, not another script's file when resuming, not
-    locked by a live writer; with ``report``, its report (:func:`report_problem`) can be written; an online W&B has
-    a key."""
-    if args.overwrite and args.resume:
-        parser.error("--overwrite and --resume contradict each other; choose one")
-    replace = args.overwrite or args.resume
-    if args.out:
-        out = Path(args.out)
-        if out.is_file() and not replace:
-            parser.error(f"results file {out} exists; pass --overwrite to replace it or --resume to continue the run "
-                         f"it holds")
-        if problem := output_problem("--out", out, replace=True):
-            parser.error(problem)
-        if args.overwrite and out.is_file() and (problem := foreign_results(out, name)):
-            parser.error(problem)
-        if args.resume and out.is_file():
-            try:
-                records = files.parse_lines(out, files.complete_lines(out))
-                check_resumable(out, name, [r for r in records if r.get("kind") == "run"], bool(records))
-            except ValueError as exc:
-                parser.error(str(exc))
-        if out.with_name(f".{out.name}.lock").is_file():  # none: no live writer; a check must not leave one behind
-            try:
-                files.FileLock(out).release()
-            except (RuntimeError, OSError) as exc:
-                parser.error(str(exc))
-    for flag, path in (outputs or {}).items():
-        if path and (problem := output_problem(flag, path, replace)):
-            parser.error(problem)
-    if report and args.out and (problem := report_problem(args.out, replace, name)):
-        parser.error(problem)
-    if not args.no_wandb and wandb_mode()[0] == "online" and not wandb_login():
-        parser.error("W&B is online (WANDB_MODE=online) but has no API key: set WANDB_API_KEY or run `wandb login`, "
-                     "or set WANDB_MODE=offline, or pass --no-wandb")
