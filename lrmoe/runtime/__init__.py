@@ -3,6 +3,8 @@
 * :mod:`~lrmoe.runtime.layer`: :class:`~lrmoe.runtime.layer.EPMoELayer`: routing, planning once per iteration,
   the shared expert, orchestration;
 * :mod:`~lrmoe.runtime.dispatch`: the token dispatcher, the one forward data path;
+* :mod:`~lrmoe.runtime.comm`: the communication object every exchange of the layer goes through (rank, group,
+  accountant);
 * :mod:`~lrmoe.runtime.exchange`: the recalibrated expert exchange, one autograd op;
 * :mod:`~lrmoe.runtime.expert_compute`: the SwiGLU experts on grouped GEMMs, forward and backward by hand;
 * :mod:`~lrmoe.runtime.routing`: the routers (softmax top-k, GLM's sigmoid with bias);

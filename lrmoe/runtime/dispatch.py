@@ -1,5 +1,5 @@
 """The token dispatcher of the expert-parallel layer: the one forward data path from the tokens at home to the
-per-pair expert outputs back home, and the communication object every exchange of the layer goes through.
+per-pair expert outputs back home. Every exchange goes through a :class:`~lrmoe.runtime.comm.Comm`.
 
     assign pairs (plan's pair-level rule) → pack by (destination rank, local slot) → variable all-to-all
     → slot-major → [expert compute: the caller's] → source-major → all-to-all back → (weighted un-permute)
@@ -7,7 +7,7 @@ per-pair expert outputs back home, and the communication object every exchange o
 :func:`make_dispatch` turns one rank's routing and the plan into integer bookkeeping (:class:`Dispatch`, no data
 moves, no gradients); :class:`TokenDispatcher` moves rows by it. Nothing here is differentiable: the expert exchange
 (:mod:`lrmoe.runtime.exchange`) wraps the whole path in one autograd op with a hand-written backward, which moves its
-packets through the same :class:`Comm`.
+packets through the same :class:`~lrmoe.runtime.comm.Comm`.
 
 Pair-level rule (shared with the planner and the simulator): the pairs of (source rank n, expert e), in token
 order, minus the ``dropped_NE[n, e]`` the plan drops (the last ones by position, or the lowest-gate ones), fill e's
@@ -16,55 +16,15 @@ slots in increasing global-slot order, ``fwd_NG[n, g]`` pairs to slot g.
 
 from __future__ import annotations
 
-import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from lrmoe.runtime.distributed.accounting import Accountant
-from lrmoe.runtime.distributed.comm import all_gather_rows, all_to_all_rows
 from lrmoe.kernels.compact import CompactPlan, compact_plan, pack, unpack
 from lrmoe.planner.plan import DROP_RULES, LayerPlan
-
-
-# -- communication and accounting ----------------------------------------------------------------------------------
-class Comm:
-    """What an exchange needs from its surroundings: this rank and the size of its expert-parallel ``group`` (None:
-    the world), and the accountant (optional) that times phases and counts bytes and work. The layer builds one and
-    hands it to the dispatcher and the backward; neither holds the layer."""
-
-    def __init__(self, rank: int, num_ranks: int, accountant: Accountant | None = None, group=None):
-        self.rank, self.num_ranks, self.accountant, self.group = rank, num_ranks, accountant, group
-
-    def phase(self, name: str):
-        return self.accountant.phase(name) if self.accountant is not None else nullcontext()
-
-    def count(self, name: str, value: int) -> None:
-        if self.accountant is not None:
-            self.accountant.add(name, value)
-
-    def count_bytes(self, counter: str, *tensors: Tensor | None) -> None:
-        """Add the bytes of ``tensors`` to a buffer counter (``token_buffer_bytes``, ``bwd_buffer_bytes``)."""
-        self.count(counter, sum(t.numel() * t.element_size() for t in tensors if t is not None))
-
-    def all_gather_counts(self, counts_E: Tensor) -> Tensor:
-        """long [N, E] on the host: every rank's routed pairs per expert (the one collective of the plan)."""
-        return all_gather_rows(counts_E, self.group).cpu()
-
-    def exchange(self, x: Tensor, send: list[int], recv: list[int], phase: str) -> Tensor:
-        """A variable all-to-all over the rows of ``x`` (``send[r]`` rows to rank r, ``recv[r]`` from it), timed
-        as ``phase``, with the bytes that leave and reach this rank. Not differentiable."""
-        if self.accountant is None:
-            return all_to_all_rows(x, send, recv, self.group)
-        row = math.prod(x.shape[1:]) * x.element_size()
-        with self.accountant.phase(phase):
-            out = all_to_all_rows(x, send, recv, self.group)
-        away = lambda splits: sum(s for r, s in enumerate(splits) if r != self.rank) * row  # noqa: E731
-        self.accountant.add_bytes(phase, away(send), away(recv))
-        return out
+from lrmoe.runtime.comm import Comm
 
 
 # -- pure bookkeeping ----------------------------------------------------------------------------------------------

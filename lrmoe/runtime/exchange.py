@@ -37,7 +37,7 @@ selection (bitwise what autograd through the forward would give). The byte layou
 :mod:`lrmoe.bytemodel.layout`'s. The ablations of DESIGN.md §4 map onto :class:`BackwardConfig` (metric → ``"random"``,
 compaction → padded) and onto the policy (placement, quotas, backward routing). What the backward chose is written
 to the forward's :class:`BackwardRecord`. The exchange receives the dispatcher and its
-:class:`~lrmoe.runtime.dispatch.Comm`,
+:class:`~lrmoe.runtime.comm.Comm`,
 never the layer.
 """
 

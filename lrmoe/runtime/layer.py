@@ -70,7 +70,8 @@ from lrmoe.recal.backward_config import BackwardConfig
 from lrmoe.runtime.exchange import BackwardRecord, ExpertExchange, expert_exchange
 from lrmoe.config import ROUTER_FAMILIES
 from lrmoe.runtime.dense_sync import NonFiniteError, grad_flags, raise_on_grad_flags, sync_dense_grads_
-from lrmoe.runtime.dispatch import Comm, Dispatch, TokenDispatcher, assign_pairs, make_dispatch, source_to_slot_major
+from lrmoe.runtime.comm import Comm
+from lrmoe.runtime.dispatch import Dispatch, TokenDispatcher, assign_pairs, make_dispatch, source_to_slot_major
 from lrmoe.runtime.distributed.accounting import Accountant
 from lrmoe.runtime.expert_compute import SwiGLUExperts
 from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, ReplicaStore
