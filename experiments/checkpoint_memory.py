@@ -1,10 +1,10 @@
 """Peak memory of a training step with and without activation checkpointing, on gloo CPU ranks.
 
-Runs experiments/train.py through its command line twice, in processes of their own: the same model, data and
-system, once plain and once with --activation-checkpointing, both with --record-peak-rss (each step starts from a
-clean slate: garbage collected, the freed heap returned to the system, the kernel's peak-RSS mark reset; its
-figure is the largest rank's peak resident memory during the step minus its resident memory before it: the
-activations, gradients and buffers the step adds on top of the weights and optimizer state,
+Runs experiments/train.py (``python -m lrmoe.experiments.train``) twice, in fresh processes of their own: the same
+model, data and system, once plain and once with --activation-checkpointing, both with --record-peak-rss (each step
+starts from a clean slate: garbage collected, the freed heap returned to the system, the kernel's peak-RSS mark
+reset; its figure is the largest rank's peak resident memory during the step minus its resident memory before it:
+the activations, gradients and buffers the step adds on top of the weights and optimizer state,
 lrmoe.harness.rss). The first step (warm-up: lazy allocations, optimizer state) is left out; reported are the
 median, min and max over the other steps, and the ratio of the medians. Linux only.
 
@@ -26,7 +26,8 @@ from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
 from lrmoe.integrations.tracking import Tracker
 from lrmoe.results import read_results
 
-TRAIN = Path(__file__).resolve().parent / "train.py"
+# train.py by its module name (as installed), in a fresh process: the peaks are of a process that has run nothing else
+TRAIN = "lrmoe.experiments.train"
 
 
 def train_argv(args, checkpointing: bool, out: Path) -> list[str]:
@@ -41,9 +42,10 @@ def train_argv(args, checkpointing: bool, out: Path) -> list[str]:
 def measure(args, checkpointing: bool, folder: Path) -> dict:
     """One configuration: train.py in a process of its own; the measured steps' peaks."""
     out = folder / f"checkpointing_{'on' if checkpointing else 'off'}.jsonl"
-    code = subprocess.run([sys.executable, str(TRAIN), *train_argv(args, checkpointing, out)]).returncode
+    argv = train_argv(args, checkpointing, out)
+    code = subprocess.run([sys.executable, "-m", TRAIN, *argv]).returncode
     if code:
-        raise SystemExit(f"checkpoint_memory.py: error: train.py exited with {code}")
+        raise SystemExit(f"checkpoint_memory.py: error: train.py {' '.join(argv)} exited with {code}")
     peaks = [r["peak_rss_mib"] for r in read_results(out) if r["step"] > 1]
     return {"activation_checkpointing": checkpointing, "median_peak_mib": statistics.median(peaks),
             "min_peak_mib": min(peaks), "max_peak_mib": max(peaks), "steps": len(peaks)}

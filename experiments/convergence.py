@@ -1,6 +1,6 @@
 """Convergence of LRMoE against SYMI and dropless expert parallelism, with the same seeds and data order.
 
-Trains the same debug model once per (system, seed) (experiments/train.py, fork launcher), then compares
+Trains the same debug model once per (system, seed) (experiments/train.py in this process, fork launcher), then compares
 validation loss at equal steps, over seeds (mean and spread; the gap to dropless static EP is taken seed by seed,
 with the same data order), the backward pairs LRMoE cuts on the hottest rank, SYMI-cf1's drop rate, and the
 equal-quality comparison: the step and the modelled time (each step's plans priced on a GPU cluster preset as
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -26,7 +24,7 @@ from typing import TYPE_CHECKING
 # The parser needs only these light modules; the registry (torch), the analysis (pandas, SciPy) and matplotlib
 # load in the functions that check, collect and draw.
 from lrmoe.cli import non_negative_float_arg, non_negative_int_arg, positive_int_arg
-from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
+from lrmoe.cli import SYSTEMS_HELP, run_entry, script_parser, system_arg
 from lrmoe.config import model_preset
 from lrmoe.integrations.tracking_args import check_tracking_args
 from lrmoe.results import read_headers, read_results
@@ -45,7 +43,6 @@ POLICIES = ["static-ep", "symi-dropless", "symi-cf1", "symi-cf1.25", "lrmoe",
 # control at the same quotas
 QUICK_POLICIES = ["static-ep", "symi-dropless", "symi-cf1", "lrmoe-rho0.75-unbiased", "lrmoe-rho0.5-unbiased",
                   "lrmoe-rho0.5-random"]
-TRAIN = Path(__file__).resolve().parent / "train.py"
 # train.py's flags that name where a run's files go or how it reports, not what it computes (a run's identity
 # leaves them out), and its valueless flags that change what it computes
 TRAIN_NOT_IDENTITY = ("--out", "--ckpt-dir", "--trace-out", "--overwrite", "--resume", "--no-wandb", "--quiet",
@@ -71,10 +68,12 @@ def check_runs(args) -> None:
 
 
 def train(run_argv: list[str]) -> None:
-    """One training run: experiments/train.py through its command line, in a process of its own."""
-    code = subprocess.run([sys.executable, str(TRAIN), *run_argv]).returncode
-    if code:
-        raise SystemExit(f"convergence.py: error: train.py {' '.join(run_argv)} exited with {code}")
+    """One training run: experiments/train.py's command line, in this process through its entry point
+    (lrmoe.cli.run_entry; its ranks are processes of their own, as from the command line); a failed run is this
+    script's error, naming the run."""
+    from lrmoe.experiments import train as train_script  # imports torch: here, not for --help
+
+    run_entry("convergence.py", "train.py", train_script.cli, run_argv)
 
 
 def run_path(work: Path, policy: str, seed: int, seeds: list[int]) -> Path:

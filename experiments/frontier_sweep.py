@@ -1,6 +1,6 @@
 """The frontier protocol's training runs (DESIGN.md §10): the variance pilot, then the sweep, resumable.
 
-Runs experiments/convergence.py (through its command line) once per (seed, regime) with the protocol's settings
+Runs experiments/convergence.py (its command line, in this process) once per (seed, regime) with the protocol's settings
 (lrmoe.analysis.protocol: every arm of the regime on that seed, the larger evaluation sample), seed-major, so that
 whatever has finished when a sitting stops is whole seeds, paired across arms. A run that finished is skipped; one
 that was interrupted resumes from its last checkpoint (convergence.py and train.py --resume). Per-run files,
@@ -35,7 +35,7 @@ from pathlib import Path
 # reported.
 from lrmoe.analysis import protocol
 from lrmoe.cli import positive_int_arg
-from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
+from lrmoe.cli import SYSTEMS_HELP, run_entry, script_parser, system_arg
 from lrmoe.results import append_record, read_headers, read_records, read_results
 
 
@@ -76,9 +76,6 @@ def parse_args(argv=None):
     args.arms = args.arms or list(protocol.PILOT_ARMS if args.stage == "pilot" else protocol.SWEEP_ARMS)
     args.out = Path(args.out or f"paper_figures/results/frontier_protocol_{args.stage}.jsonl")
     return args
-
-
-CONVERGENCE = Path(__file__).resolve().parent / "convergence.py"
 
 
 def units(args) -> list[tuple[int, str, Path]]:
@@ -198,10 +195,11 @@ def regime_argv(args, regime: str) -> list[str]:
 
 
 def run_side_by_side(args, command=None) -> None:
-    """Each regime in a process of its own (``command(regime)``, default: this script on that regime alone), at
-    most ``args.jobs`` at a time; the first that fails stops the others (their runs resume from their checkpoints
-    next time) and exits non-zero."""
-    command = command or (lambda regime: [sys.executable, __file__, *regime_argv(args, regime)])
+    """Each regime in a process of its own (``command(regime)``, default: this script, by its module name, on that
+    regime alone), at most ``args.jobs`` at a time; the first that fails stops the others (their runs resume from
+    their checkpoints next time) and exits non-zero."""
+    command = command or (lambda regime: [sys.executable, "-m", "lrmoe.experiments.frontier_sweep",
+                                          *regime_argv(args, regime)])
     pending, running = list(args.regimes), {}
     try:
         while pending or running:
@@ -227,6 +225,8 @@ def train_and_collect(args) -> None:
     """Train what is missing, seed-major, and collect every finished run once."""
     from tqdm import tqdm
 
+    from lrmoe.experiments import convergence
+
     plan = units(args)
     done = protocol.collected_keys(args.out)
     total = len(plan) * len(args.arms)
@@ -237,10 +237,10 @@ def train_and_collect(args) -> None:
             # a run already collected is done, even where its per-run files are gone (another checkout)
             todo = [a for a in args.arms if (regime, seed, a) not in done and not finished(run_file(out, a))]
             if todo and not args.collect_only:
-                argv = convergence_argv(regime, seed, todo, out)
-                code = subprocess.run([sys.executable, str(CONVERGENCE), *argv]).returncode
-                if code:
-                    raise SystemExit(f"frontier_sweep.py: error: convergence.py {' '.join(argv)} exited with {code}")
+                # convergence.py in this process, through its entry point (lrmoe.cli.run_entry); a failed one
+                # is this script's error, naming it
+                run_entry("frontier_sweep.py", "convergence.py", convergence.main,
+                          convergence_argv(regime, seed, todo, out))
             done = protocol.collected_keys(args.out)  # again: another sitting may have collected meanwhile
             for arm in args.arms:  # appended as each seed finishes: a stopped sitting keeps what it has
                 results = run_file(out, arm)

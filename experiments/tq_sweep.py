@@ -30,7 +30,7 @@ from pathlib import Path
 
 from lrmoe.analysis import tq_protocol as P
 from lrmoe.analysis.runs import config_differences
-from lrmoe.cli import positive_int_arg
+from lrmoe.cli import positive_int_arg, run_entry
 from lrmoe.results import append_record, read_headers, read_records, read_results
 
 
@@ -107,11 +107,11 @@ def check(args) -> list[dict]:
 
 
 def train(argv: list[str]) -> None:
-    """experiments/train.py's command line, run in this process through its entry point (the one import of a script
-    by a script that the import contracts allow, named there)."""
+    """experiments/train.py's command line, run in this process through its entry point (lrmoe.cli.run_entry; the
+    import of a script by a script is named in the import contracts); a failed run is this script's error."""
     from lrmoe.experiments import train as train_script
 
-    train_script.main(argv)
+    run_entry("tq_sweep.py", "train.py", train_script.cli, argv)
 
 
 def run_stage(args, trainer=train) -> int:
@@ -129,12 +129,7 @@ def run_stage(args, trainer=train) -> int:
             resume = run.results(work).exists()
             print(f"{run.key}: {'resuming' if resume else 'training'}", flush=True)
             start = time.perf_counter()
-            try:
-                trainer(run.train_argv(work, resume=resume))
-            except SystemExit as exc:
-                if exc.code:
-                    raise SystemExit(f"tq_sweep.py: error: train.py {' '.join(run.train_argv(work, resume))} "
-                                     f"exited with {exc.code}") from None
+            trainer(run.train_argv(work, resume=resume))
             wall = time.perf_counter() - start
             trained += 1
             if not finished(run, work):

@@ -35,8 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,7 +43,7 @@ from typing import TYPE_CHECKING
 # functions that calibrate, compare and report.
 from lrmoe.analysis.protocol import REGIMES
 from lrmoe.cli import positive_int_arg
-from lrmoe.cli import script_parser
+from lrmoe.cli import run_entry, script_parser
 from lrmoe.integrations.tracking_args import check_tracking_args
 
 if TYPE_CHECKING:
@@ -53,7 +51,6 @@ if TYPE_CHECKING:
 
 TARGET = 0.20  # median |error|: target 4 of DESIGN.md §5.8
 QUICK_BENCH = ["--quick", "--no-grad-error"]
-LAYER_BENCH = Path(__file__).resolve().parent / "layer_bench.py"
 REGIME_STEPS, REGIME_WARMUP = 32, 2  # --regimes: per arm; about 4 minutes a regime at layer_bench's default size
 FULL_BENCH = ["--no-grad-error", "--policies", "static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1",
               "lrmoe-m2", "lrmoe-padded"]
@@ -280,9 +277,10 @@ def run_bench(args, out_dir: Path, regime: str | None = None) -> Path:
     argv += ["--overwrite"] if args.overwrite else ["--resume"] if args.resume else []
     argv += ["--no-wandb"] if args.no_wandb else []
     print(f"== layer_bench {' '.join(argv)}", flush=True)
-    code = subprocess.run([sys.executable, str(LAYER_BENCH), *argv]).returncode
-    if code:
-        raise SystemExit(f"validate_sim.py: error: layer_bench.py {' '.join(argv)} exited with {code}")
+    from lrmoe.experiments import layer_bench  # imports torch: here, not for --help
+
+    # in this process, through its entry point (lrmoe.cli.run_entry); its ranks are processes of their own
+    run_entry("validate_sim.py", "layer_bench.py", layer_bench.main, argv)
     return path
 
 

@@ -10,7 +10,8 @@ modules inside the function that runs the work, so ``--help`` and argument error
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable
+import sys
+from collections.abc import Callable, Iterable, Sequence
 
 from lrmoe.checks import check_fraction, check_positive_number, non_negative_int, positive_int
 from lrmoe.integrations.tracking_args import add_tracking_args
@@ -74,6 +75,37 @@ def one_of(names: Callable[[], Iterable[str]], what: str = "value") -> Callable[
             raise argparse.ArgumentTypeError(f"{what} {value!r} is not one of {', '.join(known)}")
         return value
     return parse
+
+
+def run_entry(caller: str, stage: str, entry: Callable[[list[str]], object], argv: Sequence[str]) -> object:
+    """Run another script's command line ``argv`` in this process through its entry point: ``entry`` is the script's
+    ``cli`` (it returns an exit status) or its ``main`` (it returns the script's result, returned here). The way one
+    script (``caller``, e.g. ``"convergence.py"``) runs another (``stage``, e.g. ``"train.py"``): the orchestrator
+    imports the stage's module, so the dependency is in the import graph (named in the contracts) and holds in an
+    installed package, where no script lies at a path of its own.
+
+    A failing stage fails the caller with a message naming the stage and its arguments: a non-zero exit status or
+    ``SystemExit`` (an argparse error, a script's own ``error: ...``) becomes the caller's ``SystemExit``; any other
+    exception propagates with a note naming the stage (``KeyboardInterrupt`` as it is). While it runs, ``sys.argv`` is
+    the stage's command line, so that its parser's usage and errors name the stage, not the caller."""
+    argv = list(argv)
+    command = " ".join([stage, *argv])
+    outer, sys.argv = sys.argv, [stage, *argv]  # as from its command line: its usage and errors name the stage
+    try:
+        result = entry(argv)
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            return None
+        why = exc.code if isinstance(exc.code, str) else f"exited with {exc.code}"
+        raise SystemExit(f"{caller}: error: {command} failed: {why}") from None
+    except Exception as exc:
+        exc.add_note(f"{caller}: in the stage {command}")
+        raise
+    finally:
+        sys.argv = outer
+    if isinstance(result, int) and not isinstance(result, bool) and result:  # a cli's exit status
+        raise SystemExit(f"{caller}: error: {command} failed: exited with {result}")
+    return result
 
 
 # -- command-line number types (argparse ``type=``): a bad value is an argparse error naming the flag, never a

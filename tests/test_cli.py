@@ -73,3 +73,27 @@ def test_help_imports_no_heavy_module():
         got = results[script]
         assert got["code"] == 0 and got["usage"], f"{script} --help: exit {got['code']}, usage printed {got['usage']}"
         assert not got["heavy"], f"{script} --help imports {got['heavy']}"
+
+
+def test_run_entry_names_the_failed_stage_and_passes_a_result_through():
+    """lrmoe.cli.run_entry, the one way a script runs another in-process: a non-zero exit status or SystemExit is
+    the caller's SystemExit naming the stage and its arguments; another exception propagates, itself, with a note
+    naming the stage; a main's result comes back."""
+    from lrmoe.cli import run_entry
+
+    assert run_entry("a.py", "b.py", lambda argv: {"argv": argv}, ("--x", "1")) == {"argv": ["--x", "1"]}
+    assert run_entry("a.py", "b.py", lambda argv: 0, []) == 0
+    for entry, why in ((lambda argv: 3, "exited with 3"), (lambda argv: sys.exit(2), "exited with 2"),
+                       (lambda argv: sys.exit("b.py: error: no corpus"), "b.py: error: no corpus")):
+        with pytest.raises(SystemExit) as exc:
+            run_entry("a.py", "b.py", entry, ["--x", "1"])
+        assert exc.value.code == f"a.py: error: b.py --x 1 failed: {why}"
+
+    def broken(argv):
+        raise RuntimeError("rank 1 diverged")
+
+    with pytest.raises(RuntimeError, match="rank 1 diverged") as exc:
+        run_entry("a.py", "b.py", broken, ["--x", "1"])
+    assert exc.value.__notes__ == ["a.py: in the stage b.py --x 1"]
+    assert run_entry("a.py", "b.py", lambda argv: list(sys.argv), ["--x"]) == ["b.py", "--x"]  # its own name
+    assert sys.argv[0] != "b.py"

@@ -49,3 +49,15 @@ def test_a_switch_turned_off_is_a_difference(tmp_path):
     finished_run(run, convergence.train_argv(args, "static-ep", 0, run), steps=3)
     plain = convergence.parse_args(argv(out, "--overwrite"))
     assert convergence.run_differences(plain, "static-ep", 0) == ["--activation-checkpointing: was on, now off"]
+
+
+def test_a_run_trains_in_this_process_and_its_failure_names_the_run(tmp_path, capsys):
+    """convergence.py runs train.py through its entry point, in this process (no script by its path): train.py's
+    own argparse error reaches this process's stderr (a child process's would not reach capsys), and the sweep
+    stops with an error naming train.py and the run's arguments."""
+    run_argv = ["--preset", "qwen3-30b-a3b-debug", "--steps", "0", "--out", str(tmp_path / "run.jsonl")]
+    with pytest.raises(SystemExit) as exc:
+        convergence.train(run_argv)
+    assert exc.value.code == f"convergence.py: error: train.py {' '.join(run_argv)} failed: exited with 2"
+    assert "train.py: error: --steps must be positive" in capsys.readouterr().err
+    assert not (tmp_path / "run.jsonl").exists()

@@ -114,3 +114,21 @@ def test_a_torn_collected_line_is_skipped_and_never_glued_onto_and_a_bad_one_is_
     for mode in ("--report-only", "--collect-only"):
         with pytest.raises(SystemExit, match=r"collected.jsonl, line 2: not a JSON record"):
             sweep.main([*argv, mode])
+
+
+def test_convergence_runs_in_this_process_and_its_failure_names_it(tmp_path, capsys):
+    """frontier_sweep.py runs convergence.py through its entry point, in this process (no script by its path):
+    convergence.py's own error (a per-run file of other settings) reaches this process's stderr, and the sweep stops
+    with an error naming convergence.py and its arguments; nothing is collected."""
+    work, out = tmp_path / "work", tmp_path / "collected.jsonl"
+    seed = protocol.PILOT_SEEDS[0]
+    fake_run(work / "production" / f"seed{seed}" / "static-ep.jsonl", 2.0, steps=10,
+             config={"policy": "static-ep", "seed": seed, "aux_coef": 0.5})  # unfinished: convergence would resume
+    args = sweep.parse_args(["--stage", "pilot", "--regimes", "production", "--work", str(work), "--out", str(out)])
+    with pytest.raises(SystemExit) as exc:
+        sweep.train_and_collect(args)
+    assert str(exc.value.code).startswith("frontier_sweep.py: error: convergence.py --preset ")
+    assert exc.value.code.endswith("failed: exited with 2")
+    err = capsys.readouterr().err
+    assert "convergence.py: error:" in err and "--aux-coef: was 0.5" in err
+    assert not out.exists()

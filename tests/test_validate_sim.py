@@ -442,3 +442,18 @@ def test_the_ratio_table_on_a_hand_case():
         sv.ratio_table(predicted[predicted["step"] == 0], measured)
     with pytest.raises(ValueError, match="symi-dropless did not run"):
         sv.ratio_table(predicted[predicted["policy"] == "p"], measured[measured["policy"] == "p"])
+
+
+def test_the_bench_runs_in_this_process_and_its_failure_names_it(tmp_path, capsys):
+    """validate_sim.py runs layer_bench.py through its entry point, in this process (no script by its path): the
+    bench's own error reaches this process's stderr, and validate_sim stops with an error naming layer_bench.py and
+    its arguments, before anything is written."""
+    vs = _script("validate_sim")
+    args = Namespace(reuse_benches=False, out=str(tmp_path / "points.jsonl"), quick=True, steps=2,
+                     runs=str(tmp_path / "none.jsonl"), seed=0, overwrite=False, resume=False, no_wandb=True)
+    with pytest.raises(SystemExit) as exc:
+        vs.run_bench(args, tmp_path, "weak")
+    assert str(exc.value.code).startswith("validate_sim.py: error: layer_bench.py --regime weak ")
+    assert f"--runs {args.runs}" in exc.value.code and exc.value.code.endswith("failed: exited with 2")
+    assert "layer_bench.py: error:" in capsys.readouterr().err
+    assert not list(tmp_path.glob("points*"))
