@@ -18,6 +18,8 @@ dispatches and computes the experts, and the router gradient flows back through 
     opt.step(); opt.zero_grad()                      # dense all-reduce, clipping, AdamW, expert Adam +
                                                      # redistribution, GLM bias
     model.save_pretrained(path, is_main_process=rank == 0)   # every rank: the experts are gathered
+    # or per-rank shards, nothing gathered, joined later on one process (lrmoe.integrations.hf.checkpoint):
+    save_sharded(model, shards)  # then: python -m lrmoe.integrations.hf.checkpoint SHARDS HF_FOLDER
 
 **One gradient convention.** Every method here that reduces gradients (:meth:`HFExpertParallel.sync_dense_grads`,
 :meth:`~HFExpertParallel.expert_step`, :meth:`~HFExpertParallel.gather_expert_grads`, :meth:`~HFExpertParallel.step`

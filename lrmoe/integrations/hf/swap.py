@@ -119,28 +119,60 @@ def gather_trace(recorder: RouterRecorder, **meta) -> Trace:
     return join_ranks([Trace(p, local.meta) for p in parts])
 
 
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint: ``path`` itself (a ``.safetensors`` file), the files a
+    ``model.safetensors.index.json`` names (what ``save_pretrained`` writes above its ``max_shard_size``), or, for a
+    folder, its ``model.safetensors`` or its index."""
+    import json
+    import os
+
+    if os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        path = index if os.path.isfile(index) else os.path.join(path, "model.safetensors")
+    if path.endswith(".json"):
+        with open(path) as f:
+            weight_map = json.load(f)["weight_map"]
+        folder = os.path.dirname(path)
+        return [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    return [path]
+
+
 @torch.no_grad()
 def load_safetensors_(model: nn.Module, path: str, device: torch.device | str = "cpu") -> list[str]:
-    """Load a ``.safetensors`` checkpoint of the unmodified HF class into a swapped model, one tensor at a time:
-    each dense tensor is read and assigned (materialising a model built on the meta device), each block's experts
-    (HF's two fused tensors, or the per-expert ones transformers 5 writes) are read, this rank's slots and master
-    shards taken from them (``load_hf_weights``), and freed,
-    so the peak holds the dense part, this rank's experts and one layer's fused tensors. No collective. Returns
-    the checkpoint's keys the model has no place for. The dense parameters are new objects: build the optimizer after
-    loading. Non-persistent buffers (the rotary embedding's
-    ``inv_freq``) are not in a checkpoint: a model built on the meta device rebuilds them."""
+    """Load a safetensors checkpoint of the unmodified HF class into a swapped model, one tensor at a time. ``path``:
+    a ``.safetensors`` file, a ``model.safetensors.index.json`` (a checkpoint sharded over several files), or a
+    folder holding either (:func:`checkpoint_files`); every file is opened lazily (memory-mapped), and each tensor
+    read from the file that holds it. Each dense tensor is read and assigned (materialising a model built on the
+    meta device), each block's experts (HF's two fused tensors, or the per-expert ones transformers 5 writes,
+    wherever the files split them) are read, this rank's slots and master shards taken from them
+    (``load_hf_weights``), and freed, so the peak holds the dense part, this rank's experts and one layer's fused
+    tensors. No collective. Returns the checkpoint's keys the model has no place for. The dense parameters are new
+    objects: build the optimizer after loading. Non-persistent buffers (the rotary embedding's ``inv_freq``) are not
+    in a checkpoint: a model built on the meta device rebuilds them."""
+    from contextlib import ExitStack
+
     from safetensors import safe_open
 
     experts = {name: m for name, m in model.named_modules() if isinstance(m, EPExperts)}
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     unexpected = []
-    with safe_open(path, framework="pt", device=str(device)) as f:
-        keys = set(f.keys())
+    with ExitStack() as stack:
+        where = {}  # key -> the open file that holds it
+        for file in checkpoint_files(path):
+            f = stack.enter_context(safe_open(file, framework="pt", device=str(device)))
+            where.update(dict.fromkeys(f.keys(), f))
+
+        def read(key: str) -> torch.Tensor:
+            return where[key].get_tensor(key)
+
+        keys = set(where)
         for name, module in experts.items():
             fused = [f"{name}.gate_up_proj", f"{name}.down_proj"]
             if all(k in keys for k in fused):  # the fused layout
                 keys -= set(fused)
-                module.load_hf_weights(f.get_tensor(fused[0]), f.get_tensor(fused[1]))
+                module.load_hf_weights(read(fused[0]), read(fused[1]))
                 continue
             # the per-expert layout transformers 5 writes (what its checkpoints on the Hub hold): gate_proj and
             # up_proj [F, D] (stacked: HF's gate_up_proj rows), down_proj [D, F]
@@ -151,9 +183,9 @@ def load_safetensors_(model: nn.Module, path: str, device: torch.device | str = 
                 raise ValueError(f"{path} holds neither {fused} nor the per-expert weights of {name} "
                                  f"(missing {absent[:3]}...)")
             keys -= {k for ks in parts.values() for k in ks}
-            gate_up_EXD = torch.stack([torch.cat([f.get_tensor(g), f.get_tensor(u)])
+            gate_up_EXD = torch.stack([torch.cat([read(g), read(u)])
                                        for g, u in zip(parts["gate_proj"], parts["up_proj"])])
-            module.load_hf_weights(gate_up_EXD, torch.stack([f.get_tensor(k) for k in parts["down_proj"]]))
+            module.load_hf_weights(gate_up_EXD, torch.stack([read(k) for k in parts["down_proj"]]))
             del gate_up_EXD
         for key in sorted(keys):
             if key not in params:
@@ -161,7 +193,7 @@ def load_safetensors_(model: nn.Module, path: str, device: torch.device | str = 
                 continue
             owner_name, _, attr = key.rpartition(".")
             owner, old = model.get_submodule(owner_name), params[key]
-            value = f.get_tensor(key).to(old.dtype)
+            value = read(key).to(old.dtype)
             if isinstance(old, nn.Parameter):  # a new parameter (a meta tensor takes no data)
                 setattr(owner, attr, nn.Parameter(value, requires_grad=old.requires_grad))
             else:
