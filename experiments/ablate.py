@@ -546,7 +546,16 @@ def main(argv=None) -> pd.DataFrame:
     return table
 
 
-if __name__ == "__main__":
-    failed = main().attrs.get("errors")
+def cli(argv=None) -> int:
+    """The command line: :func:`main`, then its exit status: 1, with one line naming the first failure, where a
+    simulation failed (the sweep goes on past it; its record says why), else 0."""
+    failed = main(argv).attrs.get("errors")
     if failed:
-        sys.exit(f"error: {len(failed)} simulation(s) failed (their records say why); first: {failed[0]}")
+        print(f"ablate.py: error: {len(failed)} simulation(s) failed (their records say why); first: {failed[0]}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -18,18 +18,16 @@ gap claim in that regime, decided from the same runs (lrmoe.analysis.claims.arm_
 names the fastest arm whose claim holds: LRMoE's time at equal quality where memory binds. ``--skews`` takes
 family:param values instead: the earlier record ran Zipf 0.2 (low skew: Gini 0.10, hottest expert 2.1x the mean) and
 Zipf 0.8 (high skew: Gini 0.50, 14.6x; DESIGN.md §5.7). Each (model, skew) is one run of experiments/ablate.py
-through its command line, over every budget of the grid (the same systems, memory model, headroom rule, overheads
-and sensitivity corners, priced at every budget), on fewer layers (``--layers``: their mean stands for the rest) and
-iterations than the ablation to afford the grid; its results file goes to ``--work-dir``, and with ``--resume`` a
-finished one is read, not run again. Traces are synthetic.
+(its command line, in this process), over every budget of the grid (the same systems, memory model, headroom rule,
+overheads and sensitivity corners, priced at every budget), on fewer layers (``--layers``: their mean stands for the
+rest) and iterations than the ablation to afford the grid; its results file goes to ``--work-dir``, and with
+``--resume`` a finished one is read, not run again. Traces are synthetic.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,7 +35,7 @@ from typing import TYPE_CHECKING
 # in the functions that sweep, judge and draw.
 from lrmoe.analysis import protocol
 from lrmoe.cli import non_negative_int_arg, positive_float_arg, positive_int_arg
-from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
+from lrmoe.cli import SYSTEMS_HELP, run_entry, script_parser, system_arg
 from lrmoe.config import cluster_preset, cluster_presets, model_preset, model_presets
 from lrmoe.integrations.tracking_args import check_tracking_args, foreign_results, output_problem
 from lrmoe.results import read_records, read_results
@@ -51,7 +49,6 @@ SYSTEMS = ["static-ep", "symi-cf1", "symi-dropless", "symi-dropless-rho0.75", "l
            "lrmoe-rho0.75-unbiased", "lrmoe-rho0.75-early", "lrmoe-rho0.75-early-unbiased", "online", "online-rho0.75",
            "online-greedy"]
 MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
-ABLATE = Path(__file__).resolve().parent / "ablate.py"
 # the collected runs whose static-EP arm the regimes' skews match and whose claims give each arm's quality: the
 # sweep's, as the frontier's time axis (experiments/frontier.py --regime)
 RUNS = "paper_figures/results/frontier_protocol_sweep.jsonl"  # relative to the working directory, else the checkout's
@@ -194,13 +191,14 @@ def finished(path: Path) -> bool:
 
 
 def simulate_group(args, model: str, skew: str, out: Path) -> list[dict]:
-    """One (model, skew) over its budgets: experiments/ablate.py in a process of its own, unless its results file
-    is finished; its records."""
+    """One (model, skew) over its budgets: experiments/ablate.py's command line, in this process through its entry
+    point (lrmoe.cli.run_entry), unless its results file is finished; its records. A failed simulation fails the
+    sweep, naming the ablation run."""
     if args.overwrite or not finished(out):  # (parse_args checked that an existing one is the ablation's)
-        argv = ablate_argv(args, model, skew, budgets(args, model), out)
-        code = subprocess.run([sys.executable, str(ABLATE), *argv]).returncode
-        if code:
-            raise SystemExit(f"memory_sweep.py: error: ablate.py {' '.join(argv)} exited with {code}")
+        from lrmoe.experiments import ablate
+
+        run_entry("memory_sweep.py", "ablate.py", ablate.cli,
+                  ablate_argv(args, model, skew, budgets(args, model), out))
     return [r for r in read_results(out) if "system" in r]
 
 

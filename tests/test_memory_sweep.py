@@ -281,3 +281,32 @@ def test_a_bad_collected_file_is_named_by_file_and_line(tmp_path, capsys):
     err = refuses(capsys, ["--out", str(tmp_path / "s.jsonl"), "--runs", str(runs), "--regimes", "weak",
                            "--no-wandb", "--work-dir", str(tmp_path / "w")])
     assert "runs.jsonl, line 2" in err
+
+
+def group_args(tmp_path):
+    from lrmoe.experiments import memory_sweep
+
+    return memory_sweep.parse_args(["--out", str(tmp_path / "s.jsonl"), "--work-dir", str(tmp_path / "w"),
+                                    "--skews", "zipf:0.2", "--models", "qwen3-30b-a3b", "--mem-gb", "40",
+                                    "--steps", "2", "--layers", "1", "--systems", "static-ep", "symi-dropless",
+                                    "--no-band", "--no-wandb"])
+
+
+def test_a_group_runs_ablate_in_this_process_and_a_failed_one_names_it(tmp_path, capsys):
+    """memory_sweep.py runs ablate.py through its entry point (its cli), in this process (no script by its path):
+    the ablation's tables reach this process's stdout and its records come back; an ablation that fails (here its
+    own argument check) stops the sweep with an error naming ablate.py and its arguments, its error on this
+    process's stderr."""
+    from lrmoe.experiments import memory_sweep
+
+    args = group_args(tmp_path)
+    out = tmp_path / "w" / "group.jsonl"
+    rows = memory_sweep.simulate_group(args, "qwen3-30b-a3b", "zipf:0.2", out)
+    assert [r["system"] for r in rows] == ["static-ep", "symi-dropless"] and all(r["iter_s"] > 0 for r in rows)
+    assert "## Headline" in capsys.readouterr().out and memory_sweep.finished(out)
+    args.steps = 1  # past memory_sweep's own check: ablate.py's refuses it
+    with pytest.raises(SystemExit) as exc:
+        memory_sweep.simulate_group(args, "qwen3-30b-a3b", "zipf:0.2", tmp_path / "w" / "other.jsonl")
+    assert str(exc.value.code).startswith("memory_sweep.py: error: ablate.py --models qwen3-30b-a3b ")
+    assert exc.value.code.endswith("failed: exited with 2")
+    assert "ablate.py: error:" in capsys.readouterr().err and not (tmp_path / "w" / "other.jsonl").exists()
