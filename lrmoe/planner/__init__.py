@@ -9,7 +9,9 @@
 * :mod:`~lrmoe.planner.online`: online replication from the current forward;
 * :mod:`~lrmoe.planner.placement`: SYMI's and LRMoE's placements, and the memory-aware slot count;
 * :mod:`~lrmoe.planner.replica_routing`: which replica computes which pairs, forward and backward;
-* :mod:`~lrmoe.planner.quotas`: LRMoE's retention quotas (cap and budget modes, the floor, the memory cap).
+* :mod:`~lrmoe.planner.quotas`: LRMoE's retention quotas (cap and budget modes, the floor, the memory cap);
+* :mod:`~lrmoe.planner.reference`: the critical path's previous implementation, the reference its tests and
+  benchmark compare against.
 
 Shape letters (DESIGN.md §8 has the full glossary): N ranks (a second rank index is N again), S slots per rank,
 G = N·S global slots (slot g lives on rank g // S), E experts, A hosted slots in (expert, slot) order, V backward

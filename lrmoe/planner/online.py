@@ -61,31 +61,31 @@ def online_replicas(counts_E: Tensor, num_ranks: int, spare_slots: int, ranks_pe
     rpn = N if ranks_per_node is None else ranks_per_node
     node_N = np.arange(N) // rpn
     home_E = np.arange(E) // base
-    hosts_NE = np.zeros((N, E), dtype=bool)
-    hosts_NE[home_E, np.arange(E)] = True
+    hosts_NE = np.zeros((N, E))  # 1.0 where rank n hosts expert e (the float product is the bool one's)
+    hosts_NE[home_E, np.arange(E)] = 1.0
     replicas_E = np.ones(E)
     free_N = np.full(N, spare_slots)
+    hot_E = counts > 0
+    node_home_E = node_N[home_E]
     while free_N.any():
         share_E = counts / replicas_E
         load_N = hosts_NE @ share_E
         h = int(np.argmax(load_N))
-        placed = False
-        mine = np.flatnonzero(hosts_NE[h] & (counts > 0))
-        for e in mine[np.lexsort((mine, -share_E[mine]))]:  # hottest per replica first, then lowest id
-            ok_N = (node_N == node_N[home_E[e]]) & (free_N > 0) & ~hosts_NE[:, e]
-            if not ok_N.any():
-                continue
-            m = int(np.argmin(np.where(ok_N, load_N, np.inf)))
-            new_share = counts[e] / (replicas_E[e] + 1)  # every host of e, the new one too, computes this much
-            saving = load_N[h] - max(load_N[h] - share_E[e] + new_share, load_N[m] + new_share)
-            if saving > push_cost_rows:
-                placement[m, base + spare_slots - free_N[m]] = int(e)
-                hosts_NE[m, e], free_N[m] = True, free_N[m] - 1
-                replicas_E[e] += 1
-                placed = True
-                break
-        if not placed:
+        mine = np.flatnonzero((hosts_NE[h] > 0) & hot_E)
+        mine = mine[np.lexsort((mine, -share_E[mine]))]  # hottest per replica first, then lowest id
+        # every candidate at once: the least loaded eligible rank of its home node, and what the copy saves there
+        ok_KN = (node_N == node_home_E[mine, None]) & (free_N > 0) & (hosts_NE[:, mine].T == 0)
+        m_K = np.argmin(np.where(ok_KN, load_N, np.inf), 1)
+        new_K = counts[mine] / (replicas_E[mine] + 1)  # every host of e, the new one too, computes this much
+        saving_K = load_N[h] - np.maximum(load_N[h] - share_E[mine] + new_K, load_N[m_K] + new_K)
+        placed_K = np.flatnonzero(ok_KN.any(1) & (saving_K > push_cost_rows))
+        if not len(placed_K):
             break
+        k = placed_K[0]
+        e, m = int(mine[k]), int(m_K[k])
+        placement[m, base + spare_slots - free_N[m]] = e
+        hosts_NE[m, e], free_N[m] = 1.0, free_N[m] - 1
+        replicas_E[e] += 1
     return placement
 
 

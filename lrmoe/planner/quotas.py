@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lrmoe.checks import apportion_array, apportion_rows_array, check_fraction, long_array
+from lrmoe.checks import apportion_array, check_fraction, long_array
 
 
 def memory_cap_pairs(mem_budget_bytes, slots_per_rank: int, slot_bytes: float, pair_buffer_bytes: float) -> Tensor:
@@ -155,32 +155,85 @@ def _retention_quotas(fwd_NG: np.ndarray, expert_G: np.ndarray, cap_N: np.ndarra
         return fwd_NG.copy(), np.zeros(N, dtype=np.int64)
     hosted_G = expert_G >= 0
     E = int(expert_G.max()) + 1 if hosted_G.any() else 0
-    # trimmable groups: [over-cap rank, its S slots × N sources], slot-major (empty slots hold 0 pairs)
-    stay_RK = np.ascontiguousarray(stay_NG.T).reshape(N, S * N)[over]
-    slots_X = (over[:, None] * S + np.arange(S)).ravel()  # the slots of those rows, in order
-    stay_XN = stay_RK.reshape(-1, N)
+    # trimmable groups: the slots of the over-cap ranks (columns X of [N, X], S a rank), each (slot, source) a
+    # group, a rank's groups in (slot, source) order; empty slots hold 0 pairs
+    slots_X = (over[:, None] * S + np.arange(S)).ravel()
+    all_slots = len(over) == N
+    stay_NX = stay_NG if all_slots else np.take(stay_NG, slots_X, axis=1)
     e_X = expert_G[slots_X]
     # floor: what each expert still needs beyond its sure pairs, reserved over its trimmable groups
     fwd_E = np.bincount(expert_G[hosted_G], weights=fwd_NG.sum(0)[hosted_G], minlength=E).astype(np.int64)
-    stay_X = stay_XN.sum(1)
+    stay_X = stay_NX.sum(0)
     hosted_X = e_X >= 0
     sure_E = fwd_E - np.bincount(e_X[hosted_X], weights=stay_X[hosted_X], minlength=E).astype(np.int64)
     floor_E = _expert_floor(fwd_E, gamma)
     # first try: trim each over-cap rank in proportion to its groups' staying pairs
-    cut_R = np.minimum(excess_N[over], stay_RK.sum(1))
-    cut_RK = apportion_rows_array(cut_R, stay_RK)
-    kept_X = stay_X - cut_RK.reshape(-1, N).sum(1)
+    cut_R = np.minimum(excess_N[over], stay_X.reshape(-1, S).sum(1))
+    cut_NX = _apportion_ranks(cut_R, stay_NX, S)
+    kept_X = stay_X - cut_NX.sum(0)
     if (sure_E + np.bincount(e_X[hosted_X], weights=kept_X[hosted_X], minlength=E) < floor_E).any():
         # an expert fell below its floor: reserve what each expert needs beyond its sure pairs and trim only
         # what its groups hold above their reservation
         reserve_E = np.maximum(floor_E - sure_E, 0)
         reserve_X = np.zeros_like(stay_X)
         reserve_X[hosted_X] = apportion_array(reserve_E, stay_X[hosted_X], e_X[hosted_X])
-        spare_RK = stay_RK - apportion_rows_array(reserve_X, stay_XN).reshape(stay_RK.shape)
-        cut_R = np.minimum(excess_N[over], spare_RK.sum(1))
-        cut_RK = apportion_rows_array(cut_R, spare_RK)
-    keep_GN = fwd_NG.T.copy()
-    keep_GN[slots_X] -= cut_RK.reshape(-1, N)
+        spare_NX = stay_NX - _apportion_columns(reserve_X, stay_NX)
+        cut_R = np.minimum(excess_N[over], spare_NX.sum(0).reshape(-1, S).sum(1))
+        cut_NX = _apportion_ranks(cut_R, spare_NX, S)
+    if all_slots:
+        keep_NG = fwd_NG - cut_NX
+    else:
+        keep_NG = fwd_NG.copy()
+        keep_NG[:, slots_X] -= cut_NX
     floor_excess_N = excess_N.copy()
     floor_excess_N[over] -= cut_R
-    return np.ascontiguousarray(keep_GN.T), floor_excess_N
+    return keep_NG, floor_excess_N
+
+
+def _zero_weight_error(total: np.ndarray, weight: np.ndarray) -> None:
+    bad = np.flatnonzero((weight == 0) & (total > 0))
+    if len(bad):
+        raise ValueError(f"apportion: row {bad[0]} has total {int(total[bad[0]])} but zero weight")
+
+
+def _cumsum_down(x_NX: np.ndarray) -> np.ndarray:
+    """np.cumsum(x_NX, 0) of an int64 matrix in C order, by blocks of about sqrt(N) rows (NumPy's own cumsum along
+    the first axis walks the matrix a column at a time, several times slower): exact, it is integer addition."""
+    out = x_NX.copy()
+    N = len(out)
+    k = max(1, math.isqrt(N))
+    for t in range(1, k):  # prefix sums inside each block of k rows, all blocks at once
+        row = out[t::k]
+        row += out[t - 1::k][:len(row)]
+    for start in range(k, N, k):  # then each block adds the total of the rows before it
+        out[start:start + k] += out[start - 1]
+    return out
+
+
+def _apportion_columns(total_X: np.ndarray, weight_NX: np.ndarray) -> np.ndarray:
+    """Each column's total split over its rows by cumulative rounding in row order (``apportion_rows`` of the
+    transposed matrix, without transposing it). int64[N, X]"""
+    cum_NX = _cumsum_down(weight_NX)
+    _zero_weight_error(total_X, cum_NX[-1])
+    share_NX = total_X * cum_NX // np.maximum(cum_NX[-1], 1)
+    share_NX[1:] -= share_NX[:-1].copy()
+    return share_NX
+
+
+def _apportion_ranks(total_R: np.ndarray, weight_NX: np.ndarray, S: int) -> np.ndarray:
+    """Each total of a group of S consecutive columns split over the group's entries by cumulative rounding in
+    (column, row) order: ``apportion_rows`` of the [R, S·N] matrix whose row r is columns r·S .. r·S + S - 1 one
+    after another, computed in the [N, X] layout (no transpose). int64[N, X]"""
+    N, X = weight_NX.shape
+    cum_NX = _cumsum_down(weight_NX)
+    column_RS = cum_NX[-1].reshape(-1, S)
+    within_RS = np.cumsum(column_RS, 1)
+    W_R = within_RS[:, -1]
+    _zero_weight_error(total_R, W_R)
+    cum_NX += (within_RS - column_RS).reshape(X)  # the group's weight in the columns before
+    share_NX = np.repeat(total_R, S) * cum_NX // np.repeat(np.maximum(W_R, 1), S)
+    last_X = share_NX[-1].copy()
+    share_NX[1:] -= share_NX[:-1].copy()
+    if S > 1:  # a column's first entry follows the group's previous column's last
+        share_NX[0].reshape(-1, S)[:, 1:] -= last_X.reshape(-1, S)[:, :-1]
+    return share_NX

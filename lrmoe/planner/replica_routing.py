@@ -225,17 +225,22 @@ def _split_units(pairs_U: np.ndarray, unit_R: np.ndarray, slots_U: np.ndarray) -
 def _fill_local_first(counts_NE: np.ndarray, table: ReplicaTable, room_R: np.ndarray) -> np.ndarray:
     """fwd_NG from per-slot totals: each source fills its own rank's slots of e first (in slot order), then the
     remaining demand meets the remaining slot room in (expert, source) × (expert, slot) order, north-west
-    corner rule, computed for all experts at once from two cumulative sums. Experts with one slot skip it."""
+    corner rule, computed for all experts at once from two cumulative sums. Experts with one slot skip it.
+
+    Built slot-major ([G, N]: a slot's sources are contiguous, so the corner's pieces, expert-major, are written
+    in order) and transposed once at the end."""
     N, E = counts_NE.shape
     G = table.expert_G.numel()
     hosted_R, replicas_E = table.hosted_R.numpy(), table.replicas_E.numpy()
-    fwd_NG = np.zeros((N, G), dtype=np.int64)
+    counts_EN = _transpose(counts_NE)
+    # experts with one slot: that slot's row is the expert's (one gather of whole rows, the other slots zero)
     single_E = replicas_E == 1
-    if single_E.any():
-        fwd_NG[:, hosted_R[table.start_E.numpy()[single_E]]] = counts_NE[:, single_E]
+    row_G = np.full(G, E)
+    row_G[hosted_R[table.start_E.numpy()[single_E]]] = np.flatnonzero(single_E)
+    fwd_GN = np.take(np.concatenate([counts_EN, np.zeros((1, N), dtype=np.int64)]), row_G, axis=0)
     multi_E = replicas_E > 1
     if not multi_E.any():
-        return fwd_NG
+        return _transpose(fwd_GN)
     expert_R = table.expert_G.numpy()[hosted_R]
     multi_R = multi_E[expert_R]
     hosted_R, e_R, room_R = hosted_R[multi_R], expert_R[multi_R], room_R[multi_R]
@@ -246,22 +251,43 @@ def _fill_local_first(counts_NE: np.ndarray, table: ReplicaTable, room_R: np.nda
     first_R[1:] = unit_R[1:] != unit_R[:-1]
     before_R = np.cumsum(room_R) - room_R
     before_R -= before_R[first_R][np.cumsum(first_R) - 1]
-    local_R = np.minimum(np.maximum(counts_NE[rank_R, e_R] - before_R, 0), room_R)
-    fwd_NG[rank_R, hosted_R] = local_R
+    local_R = np.minimum(np.maximum(counts_EN[e_R, rank_R] - before_R, 0), room_R)
+    fwd_GN[hosted_R, rank_R] = local_R
     row_E = np.cumsum(multi_E) - 1  # row of each multi-replica expert in the demand matrix
-    demand = counts_NE[:, multi_E].T.ravel()  # expert-major (expert, source)
+    demand = counts_EN[multi_E].ravel()  # expert-major (expert, source)
     demand = demand - np.bincount(row_E[e_R] * N + rank_R, weights=local_R, minlength=len(demand)).astype(np.int64)
     room_R = room_R - local_R
-    # north-west corner: both sequences are expert-major and sum to the same total per expert
-    demand_cum, room_cum = np.cumsum(demand), np.cumsum(room_R)
-    cuts = np.sort(np.concatenate([demand_cum, room_cum]))
-    starts = np.concatenate([[0], cuts[:-1]])
-    piece = cuts > starts
-    starts, length = starts[piece], (cuts - starts)[piece]
-    src = np.searchsorted(demand_cum, starts, side="right") % N
-    slot = hosted_R[np.searchsorted(room_cum, starts, side="right")]
-    fwd_NG.ravel()[src * G + slot] += length  # (source, slot) pieces are distinct
-    return fwd_NG
+    # north-west corner: both sequences are expert-major and sum to the same total per expert, so each non-empty
+    # demand interval [before, upto) of the (expert, source) line starts in the room interval of slot s (found by
+    # bisection in the short room sequence) and, when it ends past that slot's, meets the next ones too: one piece
+    # per (demand, slot) it meets, its length the intervals' overlap
+    upto_D = np.cumsum(demand)
+    room_upto_R = np.cumsum(room_R)
+    nz_P = np.flatnonzero(demand)
+    upto_P, length_P = upto_D[nz_P], demand[nz_P]
+    before_P = upto_P - length_P
+    s_P = np.searchsorted(room_upto_R, before_P, side="right")
+    cross_C = np.flatnonzero(upto_P > room_upto_R[s_P])
+    if len(cross_C):  # few: a slot's room ends inside at most one demand interval
+        last_C = np.searchsorted(room_upto_R, upto_P[cross_C] - 1, side="right")
+        length_P[cross_C] = room_upto_R[s_P[cross_C]] - before_P[cross_C]  # the first slot's piece
+        count_C = last_C - s_P[cross_C]
+        first_C = np.cumsum(count_C) - count_C
+        c_Q = np.repeat(np.arange(len(cross_C)), count_C)
+        s_Q = s_P[cross_C][c_Q] + 1 + np.arange(int(count_C.sum())) - first_C[c_Q]
+        p_Q = cross_C[c_Q]
+        length_Q = np.minimum(upto_P[p_Q], room_upto_R[s_Q]) - room_upto_R[s_Q - 1]
+        real_Q = length_Q > 0
+        nz_P = np.concatenate([nz_P, nz_P[p_Q[real_Q]]])
+        s_P = np.concatenate([s_P, s_Q[real_Q]])
+        length_P = np.concatenate([length_P, length_Q[real_Q]])
+    fwd_GN.ravel()[hosted_R[s_P] * N + nz_P % N] += length_P  # (slot, source) pieces are distinct
+    return _transpose(fwd_GN)
+
+
+def _transpose(x: np.ndarray) -> np.ndarray:
+    """A contiguous transposed copy of a 2-D array (torch's blocked copy: NumPy's is several times slower)."""
+    return torch.from_numpy(x).t().contiguous().numpy()
 
 
 # --- capacity -------------------------------------------------------------------------------------------------
