@@ -1,4 +1,4 @@
-"""transformers.Trainer with the drop-in on 2 gloo processes (tiny Qwen3-MoE and GLM-4.5, fp32, CPU), through
+"""transformers.Trainer with the drop-in on 2 and 4 gloo processes (tiny Qwen3-MoE and GLM-4.5, fp32, CPU), through
 ``EPTrainerCallback`` (lrmoe.integrations.hf.trainer).
 
 Trainer wraps the model in DistributedDataParallel and runs its own loop: gradient accumulation over 2 micro-batches
@@ -26,7 +26,7 @@ from lrmoe.runtime.distributed.launch import launch  # noqa: E402
 from _hf_helpers import Rows, tiny_config  # noqa: E402
 
 TINY = tiny_config()
-RANKS, BATCH, SEQ, MICRO, STEPS, LR = 2, 2, 8, 2, 3, 1e-2
+BATCH, SEQ, MICRO, STEPS, LR = 2, 8, 2, 3, 1e-2
 MAX_NORM = 0.5  # the mean loss's gradient norm is about 2-3 here: every step clips
 WEIGHTS = dict(rtol=1e-4, atol=LR / 100)  # DDP's average against lrmoe's sum: float noise, through Adam
 
@@ -56,7 +56,7 @@ def run_trainer(family: str, folder: str, resume: str | None = None) -> tuple:
                              max_steps=STEPS, max_grad_norm=MAX_NORM, train_sampling_strategy="sequential",
                              use_cpu=True, logging_steps=1, save_strategy="steps", save_steps=2, report_to=[],
                              dataloader_num_workers=0, disable_tqdm=True, seed=0)
-    rows = torch.randint(0, TINY.vocab_size, (RANKS * STEPS * MICRO * BATCH, SEQ),
+    rows = torch.randint(0, TINY.vocab_size, (int(os.environ["WORLD_SIZE"]) * STEPS * MICRO * BATCH, SEQ),
                          generator=torch.Generator().manual_seed(1))
     t = Trainer(model=model, args=args, train_dataset=Rows(rows), callbacks=[EPTrainerCallback(ep)],
                 optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, warmup)))
@@ -90,7 +90,7 @@ def _trainer_against_own_loop(rank: int, family: str, folder: str) -> dict:
     out = {"seen": len(seen), "resumed_seen": len(resumed_seen), "trainer_norm_after": trainer_norm,
            "norm": (float(opt.last_grad_norm), float(ref_opt.last_grad_norm)),
            "state_files": sorted(os.listdir(f"{folder}/checkpoint-2")),
-           "expert_state": os.path.isfile(expert_state_file(f"{folder}/checkpoint-2", rank, RANKS)),
+           "expert_state": os.path.isfile(expert_state_file(f"{folder}/checkpoint-2", rank, ep.num_ranks)),
            "resumed_unequal": [k for k in got if not torch.equal(got[k], again[k])], "weights": {}}
     for name in want:
         try:
@@ -104,9 +104,9 @@ def _trainer_against_own_loop(rank: int, family: str, folder: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen", "glm"])
-def test_trainer_on_two_processes_trains_as_lrmoes_own_loop_and_resumes_bitwise(tmp_path, family):
-    outs = launch(_trainer_against_own_loop, RANKS, family, str(tmp_path / "run"), timeout_s=300)
+@pytest.mark.parametrize("family, ranks", [("qwen", 2), ("glm", 2), ("qwen", 4), ("glm", 4)])
+def test_trainer_on_several_processes_trains_as_lrmoes_own_loop_and_resumes_bitwise(tmp_path, family, ranks):
+    outs = launch(_trainer_against_own_loop, ranks, family, str(tmp_path / "run"), timeout_s=600)
     for rank, out in enumerate(outs):
         assert out["seen"] == STEPS * MICRO and out["resumed_seen"] == (STEPS - 2) * MICRO, out
         assert not out["weights"], out["weights"]
