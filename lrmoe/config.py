@@ -13,6 +13,8 @@ from lrmoe.checks import non_negative_fields, positive_fields
 
 ROUTER_FAMILIES = ("softmax_topk", "sigmoid_bias")  # Qwen3 family, GLM-4.5 family
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+# how replica gradients reach the optimizer shards (lrmoe.bytemodel.sync_model); here, so parsers need no torch
+REPLICA_GRAD_MODES = ("range", "shard")
 
 GB = 1e9  # decimal gigabytes, as GPU datasheets quote memory and bandwidth
 GiB = 2**30

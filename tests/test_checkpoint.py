@@ -12,6 +12,8 @@ from _scripts import load_experiment
 
 from lrmoe.integrations.checkpoint_state import SHARDED, SafeReader, dense_state
 from lrmoe.runtime.distributed.launch import launch
+from lrmoe.training.models import build
+from lrmoe.training.resume import checkpoint_dir
 
 train = load_experiment("train")
 ARGV = ["--policy", "lrmoe", "--batch", "2", "--seq-len", "16", "--ckpt-every", "1",
@@ -24,10 +26,10 @@ def state_on_ranks(rank: int, args, save: bool) -> dict:
     rank's data generator (each slot checked to hold its expert's master weights)."""
     world = dist.get_world_size()
     torch.manual_seed(args.seed)
-    cfg, run, _ = train.build(args, world, torch.device("cpu"))
+    cfg, run, _ = build(args, world, torch.device("cpu"))
     layers = run.ep.layers if args.hf_config else run.layers
     gen = torch.Generator().manual_seed(100 + rank)
-    ckpt = train.checkpoint_dir(args)
+    ckpt = checkpoint_dir(args)
     if save:
         x = torch.randint(cfg.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
         run.train_step(x[:, :-1], x[:, 1:])

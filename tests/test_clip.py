@@ -27,6 +27,7 @@ from lrmoe.runtime.distributed.replica import AdamConfig, RangeGroups, unflatten
 from lrmoe.runtime.layer import EPMoELayer
 from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.systems import SystemContext, get_system
+from lrmoe.training.models import NativeModel
 
 MB, STEPS, LR = 2, 3, 1e-2
 MAX_NORM = 0.05  # well below the mean-loss gradient's norm (about 0.3-1): every step clips
@@ -108,7 +109,7 @@ def _native(rank: int, policy: str) -> list[tuple[float, float]]:
     train = load_experiment("train")
     args = train.parse_args(["--policy", policy, "--batch", str(BATCH), "--seq-len", str(SEQ), "--lr", str(LR),
                              "--micro-batches", str(MB), "--aux-coef", "0", "--clip-grad", str(CLIP), "--no-wandb"])
-    run = train.NativeModel(args, TINY, world, torch.device("cpu"))
+    run = NativeModel(args, TINY, world, torch.device("cpu"))
     # the reference: the same weights (the same seeds, the same draws) with the dense layers, one process
     ref = MoETransformer(TINY, lambda i: ReferenceMoE.from_config(TINY, seed=args.seed * 1000 + i), seed=args.seed)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)

@@ -26,6 +26,8 @@ from _scripts import load_experiment
 
 from lrmoe.integrations.tracking import Tracker
 from lrmoe.results import read_results
+from lrmoe.training.models import build
+from lrmoe.training.resume import checkpoint_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 train = load_experiment("train")
@@ -124,7 +126,7 @@ def test_a_rank_killed_mid_run_resumes_with_each_step_once_and_the_same_losses(t
     left = steps_in(out)
     args = train.parse_args([*TRAIN, "--out", str(out), "--ckpt-dir", str(ckpt)])
     args.run_id = read_results(out, "run")[0]["run_id"]
-    found = train.checkpoint_dir(args).latest()
+    found = checkpoint_dir(args).latest()
     checkpoint = found[0] if found else None
     assert checkpoint is not None and checkpoint < max(left) < 24, (checkpoint, left)  # steps past it to redo
 
@@ -227,7 +229,7 @@ def test_a_checkpoint_folder_belongs_to_one_run(tmp_path, capsys):
     resumed = train_run(*base, "--resume", "--out", str(a))
     assert [h["loss"] for h in resumed[:2]] == [h["loss"] for h in first] and len(resumed) == 3
 
-    held = train.checkpoint_dir(train.parse_args([*SMALL, *base, "--out", str(a)]))
+    held = checkpoint_dir(train.parse_args([*SMALL, *base, "--out", str(a)]))
     held.lock()  # a live process of this run holds the folder
     try:
         err = refused(capsys, *base, "--overwrite", "--out", str(a))
@@ -281,7 +283,7 @@ def test_a_checkpoint_corrupted_inside_is_named_and_the_one_before_resumed(tmp_p
     args = train.parse_args([*SMALL, *base, "--out", str(out)])
     args.run_id = read_results(out, "run")[0]["run_id"]
     (ckpt / "step000004" / "complete.json").unlink()  # as a save killed before its manifest leaves it
-    assert train.checkpoint_dir(args).latest()[0] == 3
+    assert checkpoint_dir(args).latest()[0] == 3
 
 
 @pytest.mark.slow
@@ -316,9 +318,9 @@ def resave(rank: int, args) -> None:
     """Load the run's checkpoint of ``args.start_step`` on this world and save it again, as this world's."""
     world = dist.get_world_size()
     torch.manual_seed(args.seed)
-    _, run, _ = train.build(args, world, torch.device("cpu"))
+    _, run, _ = build(args, world, torch.device("cpu"))
     gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
-    ckpt = train.checkpoint_dir(args)
+    ckpt = checkpoint_dir(args)
     history, counts = ckpt.load(args.start_step, run.model, run.opt, run.layers, {"data": gen}, run.architecture)
     ckpt.save(args.start_step, run.model, run.opt, run.layers, {"data": gen}, history, counts, run.architecture)
 

@@ -11,8 +11,14 @@ import torch
 import torch.distributed as dist
 from _scripts import load_experiment
 
+from lrmoe.config import model_preset
 from lrmoe.integrations.checkpoint import identity_mismatch
 from lrmoe.traces.trace import load_trace
+from lrmoe.training import loop
+from lrmoe.training.models import NativeModel
+from lrmoe.training.resume import RUN_ARG_DEFAULTS
+from lrmoe.training.schedule import lr_at
+from lrmoe.training.sizing import cost_model, slot_memory, system_context
 
 train = load_experiment("train")
 pytestmark = [pytest.mark.script, pytest.mark.timeout(600)]
@@ -77,21 +83,21 @@ def test_clip_grad_records_the_norm_and_checkpoints_without_it_ran_unclipped(tmp
     assert results(tmp_path / "r.jsonl")[-1]["grad_norm"] == history[-1]["grad_norm"]
     here = {"script": "train", "run_id": "r", "results": "r.jsonl", "args": {"lr": 1e-3, "clip_grad": 0.0}}
     older = {"script": "train", "run_id": "r", "results": "r.jsonl", "args": {"lr": 1e-3}}
-    assert identity_mismatch(tmp_path, older, here, train.RUN_ARG_DEFAULTS) is None
+    assert identity_mismatch(tmp_path, older, here, RUN_ARG_DEFAULTS) is None
     assert "--clip-grad 0.0 there, 1.0 here" in identity_mismatch(
-        tmp_path, older, {**here, "args": {"lr": 1e-3, "clip_grad": 1.0}}, train.RUN_ARG_DEFAULTS)
+        tmp_path, older, {**here, "args": {"lr": 1e-3, "clip_grad": 1.0}}, RUN_ARG_DEFAULTS)
 
 
 def test_the_cosine_schedule_warms_up_then_decays_to_its_floor():
     args = train.parse_args(["--steps", "101", "--lr", "1e-2", "--lr-schedule", "cosine", "--warmup", "10",
                              "--min-lr-frac", "0.1"])
-    lrs = [train.lr_at(step, args) for step in range(args.steps)]
+    lrs = [lr_at(step, args) for step in range(args.steps)]
     assert lrs[0] == pytest.approx(1e-3) and lrs[9] == pytest.approx(1e-2)  # linear warm-up to --lr
     assert all(a >= b - 1e-12 for a, b in zip(lrs[9:], lrs[10:]))  # then never rises
     assert lrs[-1] == pytest.approx(1e-3)  # the floor at the last step
     assert lrs[55] == pytest.approx(0.55e-2)  # half-way through the decay: the mid-point of lr and floor
     constant = train.parse_args(["--lr", "1e-2"])
-    assert {train.lr_at(step, constant) for step in range(100)} == {1e-2}
+    assert {lr_at(step, constant) for step in range(100)} == {1e-2}
     for bad in (["--warmup", "5", "--steps", "5"], ["--min-lr-frac", "0"]):
         with pytest.raises(SystemExit):
             train.parse_args(bad)
@@ -215,8 +221,8 @@ def test_the_results_lock_check_still_refuses_a_live_writer(tmp_path, capsys):
 
 
 def _slot_bytes(rank, args):
-    cfg = train.model_preset(args.preset)
-    run = train.NativeModel(args, cfg, 1, torch.device("cpu"))
+    cfg = model_preset(args.preset)
+    run = NativeModel(args, cfg, 1, torch.device("cpu"))
     return sum(2 * layer.store.slots_SW.numel() * layer.store.slots_SW.element_size() for layer in run.layers)
 
 
@@ -226,7 +232,7 @@ def test_the_slot_memory_estimate_is_what_the_model_allocates():
 
     args = train.parse_args(["--ranks", "1", "--extra-slots", "3", "--policy", "lrmoe"])
     args.run_id = "x"
-    estimate, _ = train.slot_memory(args, train.model_preset(args.preset), 1)
+    estimate, _ = slot_memory(args, model_preset(args.preset), 1)
     assert launch(_slot_bytes, 1, args, timeout_s=120)[0] == estimate
 
 
@@ -241,13 +247,13 @@ def test_the_cost_model_prices_each_system_as_the_simulator_builds_it():
     priced = {}
     for policy in ("lrmoe", "lrmoe-padded"):
         args = train.parse_args(["--policy", policy, "--ranks", "4", "--extra-slots", "0"])
-        cfg = train.model_preset(args.preset)
-        system = simulator_system(get_system(policy), train.system_context(args, cfg, 4))
-        cost = train.cost_model(args, cfg, 4)
+        cfg = model_preset(args.preset)
+        system = simulator_system(get_system(policy), system_context(args, cfg, 4))
+        cost = cost_model(args, cfg, 4)
         assert (cost.compaction, cost.sharded_optimizer) == (system.compaction, system.sharded_optimizer)
         priced[policy] = cost
     assert priced["lrmoe-padded"].compaction is False
-    plan = simulator_system(get_system("lrmoe-padded"), train.system_context(args, cfg, 4)).make_policy().plan(
+    plan = simulator_system(get_system("lrmoe-padded"), system_context(args, cfg, 4)).make_policy().plan(
         counts_NE, counts_NE.sum(0))
     assert plan.bwd_load_N.sum() < plan.fwd_load_N.sum()  # the plan trims: padding costs something
     assert priced["lrmoe-padded"].cost(plan).total_s != priced["lrmoe"].cost(plan).total_s
@@ -267,7 +273,7 @@ def _slow_steps(*args, **kw):
     return real_get_batch(*args, **kw)
 
 
-real_get_batch = train.get_batch
+real_get_batch = loop.get_batch
 
 
 @pytest.mark.slow  # 7 s: make test-all; a hung rank is named at the launcher in test_launch
@@ -276,7 +282,7 @@ def test_a_hung_rank_is_named_after_timeout_seconds(tmp_path, monkeypatch):
     where it is (before: --timeout, default an hour, bounded the whole run, and the message blamed every rank)."""
     from lrmoe.runtime.distributed.launch import LaunchError
 
-    monkeypatch.setattr(train, "get_batch", _hang_on_rank_1([]))
+    monkeypatch.setattr(loop, "get_batch", _hang_on_rank_1([]))
     start = time.monotonic()
     with pytest.raises(LaunchError) as exc:
         run(tmp_path, "--steps", "4", "--ckpt-every", "0", "--timeout", "6", "--out", str(tmp_path / "r.jsonl"))
@@ -289,7 +295,7 @@ def test_a_hung_rank_is_named_after_timeout_seconds(tmp_path, monkeypatch):
 def test_a_healthy_run_longer_than_its_timeout_finishes(tmp_path, monkeypatch):
     """--timeout bounds each wait for the other ranks, not the run: 3 steps of 2.5 s pass --timeout 6 (before: the
     run was killed after 6 s)."""
-    monkeypatch.setattr(train, "get_batch", _slow_steps)
+    monkeypatch.setattr(loop, "get_batch", _slow_steps)
     start = time.monotonic()
     history = run(tmp_path, "--steps", "3", "--ckpt-every", "0", "--timeout", "6", "--out", str(tmp_path / "r.jsonl"))
     assert len(history) == 3 and time.monotonic() - start > 7.5

@@ -58,8 +58,8 @@ from dataclasses import dataclass
 import torch
 
 from lrmoe.checks import check_placement
+from lrmoe.config import REPLICA_GRAD_MODES  # defined with the presets, so a parser names the modes without torch
 
-REPLICA_GRAD_MODES = ("range", "shard")
 SYNC_GROUPS = ("range", "hosts")
 
 
