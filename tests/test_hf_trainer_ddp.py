@@ -116,3 +116,32 @@ def test_trainer_on_several_processes_trains_as_lrmoes_own_loop_and_resumes_bitw
         assert out["expert_state"] and "model.safetensors" in out["state_files"], out["state_files"]
         assert not out["resumed_unequal"], out["resumed_unequal"]  # bitwise
     assert outs[0]["loads"] != "EPExperts"
+
+
+@pytest.mark.slow  # two torchrun processes training 6 steps: about a minute on a loaded machine
+@pytest.mark.timeout(600)
+def test_the_documented_trainer_script_runs_under_torchrun(tmp_path):
+    """docs/hf.md's Trainer script, as written, under ``torchrun --nproc-per-node 2`` (CPU: gloo): it trains its 6
+    steps, writes its checkpoints at steps 3 and 6 (each with every rank's expert state), and its final folder loads
+    into the unmodified class."""
+    import re
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    guide = (root / "docs" / "hf.md").read_text()
+    blocks = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", guide, re.S)]
+    (code,) = [b for b in blocks if "callbacks=[EPTrainerCallback(ep)]" in b and "trainer.train()" in b]
+    (tmp_path / "train_hf.py").write_text(code)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "train_hf.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
+    assert run.returncode == 0, run.stderr[-4000:]
+    for step in (3, 6):
+        files = os.listdir(tmp_path / "hf-run" / f"checkpoint-{step}")
+        assert {"model.safetensors", "lrmoe-experts-rank0-of-2.pt", "lrmoe-experts-rank1-of-2.pt"} <= set(files)
+    loaded = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf-run" / "final")
+    assert type(loaded.model.layers[0].mlp.experts).__name__ != "EPExperts"
