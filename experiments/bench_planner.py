@@ -13,7 +13,12 @@ all-gather and the dispatch (DESIGN.md §4). Per policy, E and N, in one run:
 * ``critical_path_layer_ratio``, ``overlapped_ratio``: ``plan_on`` and one placement over the old plan, timed back
   to back in each round, in a shuffled order (median of the rounds' ratios): what the simulator scales its
   measured whole-plan times by (:mod:`lrmoe.sim.overheads`), since on a loaded machine ratios hold better than
-  times.
+  times;
+* ``reference_ms``, ``reference_critical_path_layer_ms``: the whole plan and ``plan_on`` per layer made by the
+  previous implementation of the critical path (:mod:`lrmoe.planner.reference`, the planner before its NumPy
+  rewrite), timed in the same run; ``critical_path_vs_reference_ratio`` and ``old_vs_reference_ratio``: ``plan_on``
+  over the previous ``plan_on`` and ``plan`` over the previous ``plan``, back to back in shuffled rounds (median of
+  the rounds' ratios; the plans are checked equal first).
 
 Counts come from a synthetic trace (Zipf skew, AR(1) drift): step 0 is the previous iteration (placement input),
 step 1 the one planned, one trace layer per planned layer.
@@ -129,6 +134,7 @@ def time_policy(name: str, counts_LNE: torch.Tensor, prev_LE: torch.Tensor, args
     the batched plans are the per-layer ones."""
     import torch
 
+    from lrmoe.planner import reference
     from lrmoe.planner.batched import plan_layers, vectorised
     from lrmoe.planner.policies import placement_popularity
     from lrmoe.systems import get_system
@@ -144,6 +150,9 @@ def time_policy(name: str, counts_LNE: torch.Tensor, prev_LE: torch.Tensor, args
     for i in (0, L - 1):
         if not torch.equal(batched[i].fwd_NG, policies[i].plan_on(counts_LNE[i], placements[i]).fwd_NG):
             raise AssertionError(f"{name}: the batched plan of layer {i} differs from its per-layer plan")
+    if not torch.equal(reference.plan_on(policy, counts_NE, placements[0]).keep_NG,
+                       policy.plan_on(counts_NE, placements[0]).keep_NG):
+        raise AssertionError(f"{name}: plan_on differs from the previous implementation's")
     old = _median(lambda: policy.plan(counts_NE, prev_E), args.repeats, args.warmup)
     placed = _median(lambda: policy.placement(placement_popularity(prev_E, E), N, total), args.repeats, args.warmup)
     layer = _median(lambda: policy.plan_on(counts_NE, placements[0]), args.repeats, args.warmup)
@@ -152,6 +161,13 @@ def time_policy(name: str, counts_LNE: torch.Tensor, prev_LE: torch.Tensor, args
         "critical_path_layer_ratio": lambda: policy.plan_on(counts_NE, placements[0]),
         "overlapped_ratio": lambda: policy.placement(placement_popularity(prev_E, E), N, total)},
         args.paired_repeats, args.seed)
+    ref_old = _median(lambda: reference.plan(policy, counts_NE, prev_E), args.repeats, args.warmup)
+    ref_layer = _median(lambda: reference.plan_on(policy, counts_NE, placements[0]), args.repeats, args.warmup)
+    paired_ref = paired_ratios(lambda: reference.plan_on(policy, counts_NE, placements[0]), {
+        "critical_path_vs_reference_ratio": lambda: policy.plan_on(counts_NE, placements[0])},
+        args.paired_repeats, args.seed)
+    paired_ref.update(paired_ratios(lambda: reference.plan(policy, counts_NE, prev_E), {
+        "old_vs_reference_ratio": lambda: policy.plan(counts_NE, prev_E)}, args.paired_repeats, args.seed))
     stats = plan.stats()
     row = {"policy": name, "E": E, "N": N, "NE": N * E, "layers": L, "slots_per_rank": plan.slots_per_rank,
            "vectorised": vectorised(policy),
@@ -161,6 +177,9 @@ def time_policy(name: str, counts_LNE: torch.Tensor, prev_LE: torch.Tensor, args
            "critical_path_layer_p90_ms": layer[2],
            "critical_path_ms": whole[0] / L, "critical_path_p10_ms": whole[1] / L, "critical_path_p90_ms": whole[2] / L,
            "batched_ms": whole[0], "speedup_vs_old": old[0] / (whole[0] / L), **paired,
+           "reference_ms": ref_old[0], "reference_p10_ms": ref_old[1], "reference_p90_ms": ref_old[2],
+           "reference_critical_path_layer_ms": ref_layer[0], "reference_critical_path_layer_p10_ms": ref_layer[1],
+           "reference_critical_path_layer_p90_ms": ref_layer[2], **paired_ref,
            "fwd_imbalance": stats["fwd_imbalance"], "bwd_max_over_fwd_mean": stats["bwd_max_over_fwd_mean"],
            "retained_frac": stats["retained_frac"], "dropped_frac": stats["dropped_frac"],
            "moved_pairs": stats["moved_pairs"], "floor_excess": stats["floor_excess"]}
@@ -255,7 +274,8 @@ def main(argv=None) -> pd.DataFrame:
         frame = run_benchmark(args, log=run.log)
         summary = {}
         for name, group in frame.groupby("policy", sort=False):
-            for column in ("old_ms", "critical_path_ms", "overlapped_ms"):
+            for column in ("old_ms", "critical_path_ms", "overlapped_ms", "reference_ms",
+                           "reference_critical_path_layer_ms"):
                 summary[f"{name}/growth_exponent_{column}"] = growth_exponent(group, column)
         target = frame[(frame.E == 256) & (frame.N == 256)]
         for _, row in target.iterrows():
@@ -272,8 +292,9 @@ def main(argv=None) -> pd.DataFrame:
         fig, _ = planner_time(run.results)
         figure = run.log_figure("planner_time", fig)
         plt.close(fig)
-        cols = ["policy", "E", "N", "slots_per_rank", "vectorised", "old_ms", "overlapped_ms", "critical_path_layer_ms",
-                "critical_path_ms", "speedup_vs_old"]
+        cols = ["policy", "E", "N", "slots_per_rank", "vectorised", "reference_ms", "old_ms", "overlapped_ms",
+                "reference_critical_path_layer_ms", "critical_path_layer_ms", "critical_path_ms",
+                "critical_path_vs_reference_ratio", "speedup_vs_old"]
         print(frame[cols].to_markdown(index=False, floatfmt=".3f"))
         stage_cols = [c for c in ("placement_ms", "forward_ms", "backward_ms", "quotas_ms") if c in frame]
         if stage_cols:
