@@ -319,13 +319,13 @@ class SystemSpec:
     sharded_optimizer  the simulator's optimizer model: SYMI's statically sharded state (True) or each expert's
                      state with its one host (static EP, capacity). The real layer shards every system's state.
     sync_groups      the simulator's replica-sync groups ("range": the layer's consecutive-range groups).
-    label, color     how figures show it.
+    label            its name in words (figures, tables, the simulator's description); its colour in figures is
+                     lrmoe.paper_figures.style's.
     """
 
     name: str
     make: Callable[[SystemContext], Policy]
     label: str
-    color: str
     backward: BackwardConfig = field(default_factory=BackwardConfig)
     recalibrated: bool = False
     sharded_optimizer: bool = True
@@ -364,15 +364,15 @@ class SystemSpec:
         return bool(getattr(self.make, "quota_stage", False))
 
 
-def _system(name: str, make, label: str, color: str, **kw) -> tuple[str, SystemSpec]:
-    return name, SystemSpec(name, make, label, color, **kw)
+def _system(name: str, make, label: str, **kw) -> tuple[str, SystemSpec]:
+    return name, SystemSpec(name, make, label, **kw)
 
 
-def _lrmoe(name: str, label: str, color: str, make: LRMoEFactory | None = None, metric: str = "m2",
+def _lrmoe(name: str, label: str, make: LRMoEFactory | None = None, metric: str = "m2",
            mode: str = "topk", compact: bool = True, early: bool = False, **kw) -> tuple[str, SystemSpec]:
     """An LRMoE entry: the hand-written backward with this metric, selection mode, compaction and early
     selection."""
-    return _system(name, make or lrmoe(), label, color,
+    return _system(name, make or lrmoe(), label,
                    backward=BackwardConfig(metric=metric, mode=mode, compact=compact, early=early), recalibrated=True,
                    **kw)
 
@@ -382,79 +382,78 @@ _UNSHARDED = {"sharded_optimizer": False}  # static placements: each expert's op
 
 SYSTEMS: dict[str, SystemSpec] = dict([
     # -- baselines ---------------------------------------------------------------------------------------------
-    _system("static-ep", StaticEPFactory(), "static EP (dropless)", "#7f7f7f", **_UNSHARDED),
-    _system("capacity-cf1", CapacityFactory(1.0), "capacity cf 1.0", "#bcbd22", **_UNSHARDED),
-    _system("capacity-cf1.25", CapacityFactory(1.25), "capacity cf 1.25", "#dbdb8d", **_UNSHARDED),
-    _system("capacity-cf1-gate", CapacityFactory(1.0, "gate"), "capacity cf 1.0, lowest gates dropped", "#8c8c1f",
-            **_UNSHARDED),
+    _system("static-ep", StaticEPFactory(), "static EP (dropless)", **_UNSHARDED),
+    _system("capacity-cf1", CapacityFactory(1.0), "capacity cf 1.0", **_UNSHARDED),
+    _system("capacity-cf1.25", CapacityFactory(1.25), "capacity cf 1.25", **_UNSHARDED),
+    _system("capacity-cf1-gate", CapacityFactory(1.0, "gate"), "capacity cf 1.0, lowest gates dropped", **_UNSHARDED),
     # -- SYMI (DESIGN.md §3) -----------------------------------------------------------------------------------
-    _system("symi-cf1", SymiFactory(cf=1.0, headroom=1.0), "SYMI-cf1", "#1f77b4"),
-    _system("symi-cf1.25", SymiFactory(cf=1.25, headroom=1.25), "SYMI-cf1.25", "#17456e"),
-    _system("symi-dropless", SymiFactory(), "SYMI-dropless", "#aec7e8"),
+    _system("symi-cf1", SymiFactory(cf=1.0, headroom=1.0), "SYMI-cf1"),
+    _system("symi-cf1.25", SymiFactory(cf=1.25, headroom=1.25), "SYMI-cf1.25"),
+    _system("symi-dropless", SymiFactory(), "SYMI-dropless"),
     _system("symi-dropless-lrmoe-slots", SymiFactory(headroom=lrmoe_headroom), "SYMI-dropless, LRMoE's slots",
-            "#6baed6", description="SYMI given the slots LRMoE's memory rule finds at the mean load"),
+            description="SYMI given the slots LRMoE's memory rule finds at the mean load"),
     # SYMI-dropless with its backward trimmed at random to the same budget as LRMoE's at each rho (the control)
     *[_system(f"symi-dropless-rho{rho:g}", TrimmedFactory(SymiFactory(), rho), f"SYMI-dropless, random trim ρ={rho:g}",
-              "#4a90c2", backward=BackwardConfig(metric="random"), recalibrated=True) for rho in RHOS],
+              backward=BackwardConfig(metric="random"), recalibrated=True) for rho in RHOS],
     # the same trim drawn with equal inclusion probabilities and kept pairs scaled by 1/p (Horvitz-Thompson): the
     # reweighted control, which separates "the metric" from "the 1/p reweighting" (DESIGN.md §10)
     *[_system(f"symi-dropless-rho{rho:g}-unbiased", TrimmedFactory(SymiFactory(), rho),
-              f"SYMI-dropless, random trim ρ={rho:g}, 1/p", "#08519c",
+              f"SYMI-dropless, random trim ρ={rho:g}, 1/p",
               backward=BackwardConfig(metric="random", mode="unbiased"), recalibrated=True) for rho in RHOS],
     # -- online replication (lrmoe.planner.online; the MoonEP / Megatron-Core virtual-expert way): this forward's
     # hottest experts copied into SYMI-dropless's spare slots inside a node, each copy only where it saves more
     # time than its push costs; optimizer state stays with the home experts. "-greedy": every copy that relieves
     # the busiest rank at all (the first rule, an ablation). "-rho0.75": LRMoE's retention budget (m2, top-k,
     # LRMoE's floor) on top.
-    _system("online", OnlineFactory(), "online replication", "#e6550d", **_UNSHARDED),
+    _system("online", OnlineFactory(), "online replication", **_UNSHARDED),
     _system("online-rho0.75", TrimmedFactory(OnlineFactory(), 0.75, gamma=None), "online + LRMoE budget ρ=0.75",
-            "#fd8d3c", backward=BackwardConfig(metric="m2"), recalibrated=True, **_UNSHARDED),
-    _system("online-greedy", OnlineFactory(greedy=True), "online replication, greedy", "#a63603", **_UNSHARDED),
+            backward=BackwardConfig(metric="m2"), recalibrated=True, **_UNSHARDED),
+    _system("online-greedy", OnlineFactory(greedy=True), "online replication, greedy", **_UNSHARDED),
     _system("online-greedy-rho0.75", TrimmedFactory(OnlineFactory(greedy=True), 0.75, gamma=None),
-            "online greedy + LRMoE budget ρ=0.75", "#fdae6b", backward=BackwardConfig(metric="m2"),
+            "online greedy + LRMoE budget ρ=0.75", backward=BackwardConfig(metric="m2"),
             recalibrated=True, **_UNSHARDED),
     # -- LRMoE (DESIGN.md §4): "lrmoe" is the cap-mode configuration (eps), m2 metric, top-k, compacted -------
-    _lrmoe("lrmoe", "LRMoE", "#d62728"),
-    _lrmoe("lrmoe-m1", "LRMoE, m1 metric", "#ff9896", metric="m1"),
-    _lrmoe("lrmoe-m3", "LRMoE, m3 metric", "#c5b0d5", metric="m3"),
-    _lrmoe("lrmoe-gate", "LRMoE, gate-only metric", "#98df8a", metric="gate"),
-    _lrmoe("lrmoe-random", "LRMoE, random selection", "#8c564b", metric="random"),
-    _lrmoe("lrmoe-m2-unbiased", "LRMoE, m2 unbiased", "#e377c2", mode="unbiased"),
-    _lrmoe("lrmoe-m1-unbiased", "LRMoE, m1 unbiased", "#c49c94", metric="m1", mode="unbiased"),
+    _lrmoe("lrmoe", "LRMoE"),
+    _lrmoe("lrmoe-m1", "LRMoE, m1 metric", metric="m1"),
+    _lrmoe("lrmoe-m3", "LRMoE, m3 metric", metric="m3"),
+    _lrmoe("lrmoe-gate", "LRMoE, gate-only metric", metric="gate"),
+    _lrmoe("lrmoe-random", "LRMoE, random selection", metric="random"),
+    _lrmoe("lrmoe-m2-unbiased", "LRMoE, m2 unbiased", mode="unbiased"),
+    _lrmoe("lrmoe-m1-unbiased", "LRMoE, m1 unbiased", metric="m1", mode="unbiased"),
     # LRMoE minus one component each
-    _lrmoe("lrmoe-padded", "LRMoE, padded packets", "#2ca02c", compact=False),
-    _lrmoe("lrmoe-no-quotas", "LRMoE, no quotas", "#ff7f0e", lrmoe(quotas=False)),
-    _lrmoe("lrmoe-no-bwd-routing", "LRMoE, no backward routing", "#17becf", lrmoe(backward_routing=False)),
+    _lrmoe("lrmoe-padded", "LRMoE, padded packets", compact=False),
+    _lrmoe("lrmoe-no-quotas", "LRMoE, no quotas", lrmoe(quotas=False)),
+    _lrmoe("lrmoe-no-bwd-routing", "LRMoE, no backward routing", lrmoe(backward_routing=False)),
     # the balanced forward already spreads pairs over replicas; with an even split the backward routing has work
-    _lrmoe("lrmoe-even-fwd", "LRMoE, even forward split", "#9edae5", lrmoe(forward="even")),
-    _lrmoe("lrmoe-even-fwd-no-bwd-routing", "LRMoE, even forward, no backward routing", "#1b9e77",
+    _lrmoe("lrmoe-even-fwd", "LRMoE, even forward split", lrmoe(forward="even")),
+    _lrmoe("lrmoe-even-fwd-no-bwd-routing", "LRMoE, even forward, no backward routing",
            lrmoe(forward="even", backward_routing=False)),
-    _lrmoe("lrmoe-no-memplace", "LRMoE, SYMI-dropless's slots", "#9467bd",
+    _lrmoe("lrmoe-no-memplace", "LRMoE, SYMI-dropless's slots",
            lrmoe(memory=None, extra_slots=SpareSlotsOf(SymiFactory())),
            description="no memory-aware placement: SYMI-dropless's slot count, no memory cap"),
-    _lrmoe("lrmoe-no-placement", "LRMoE, no replica slots", "#7b4173", lrmoe(memory=None, extra_slots=0)),
-    _lrmoe("lrmoe-host-groups", "LRMoE, host-only sync groups", "#f7b6d2", sync_groups="hosts",
+    _lrmoe("lrmoe-no-placement", "LRMoE, no replica slots", lrmoe(memory=None, extra_slots=0)),
+    _lrmoe("lrmoe-host-groups", "LRMoE, host-only sync groups", sync_groups="hosts",
            description="replica sync in groups of the hosting ranks only (simulated; the layer uses ranges)"),
-    _lrmoe("lrmoe-tight", "LRMoE, tight memory", "#ad494a", lrmoe(eps=0.0, mem_cap_pairs_N=tight_cap),
+    _lrmoe("lrmoe-tight", "LRMoE, tight memory", lrmoe(eps=0.0, mem_cap_pairs_N=tight_cap),
            description="no balance slack and a memory cap of 90 % of the mean load (planner benchmark)"),
     # The demand-side retention budget (DESIGN.md §4 step 3): every rank keeps min(L_n, ceil(rho·mean)) backward
     # pairs; rho is fixed in advance, one entry each, with m2 top-k, m2 unbiased and random selection.
     *[entry for rho in RHOS for entry in (
-        _lrmoe(f"lrmoe-rho{rho:g}", f"LRMoE ρ={rho:g}", "#d62728", lrmoe(quota_mode="budget", rho=rho)),
-        _lrmoe(f"lrmoe-rho{rho:g}-unbiased", f"LRMoE ρ={rho:g}, m2 unbiased", "#e377c2",
+        _lrmoe(f"lrmoe-rho{rho:g}", f"LRMoE ρ={rho:g}", lrmoe(quota_mode="budget", rho=rho)),
+        _lrmoe(f"lrmoe-rho{rho:g}-unbiased", f"LRMoE ρ={rho:g}, m2 unbiased",
                lrmoe(quota_mode="budget", rho=rho), mode="unbiased"),
-        _lrmoe(f"lrmoe-rho{rho:g}-random", f"LRMoE ρ={rho:g}, random", "#8c564b",
+        _lrmoe(f"lrmoe-rho{rho:g}-random", f"LRMoE ρ={rho:g}, random",
                lrmoe(quota_mode="budget", rho=rho), metric="random"),
         # uniform inclusion at the quota, kept pairs scaled by 1/p: the control of m2 unbiased (DESIGN.md §10)
-        _lrmoe(f"lrmoe-rho{rho:g}-random-unbiased", f"LRMoE ρ={rho:g}, random, 1/p", "#c49a6c",
+        _lrmoe(f"lrmoe-rho{rho:g}-random-unbiased", f"LRMoE ρ={rho:g}, random, 1/p",
                lrmoe(quota_mode="budget", rho=rho), metric="random", mode="unbiased"))],
     # Early selection (DESIGN.md §4): the gate chooses in the forward, which saves activations for the kept pairs
     # alone; the memory model counts the saving, so memory-aware placement may hold more replicas (top-k and
     # unbiased).
     *[entry for rho in (0.75, 0.5) for entry in (
-        _lrmoe(f"lrmoe-rho{rho:g}-early", f"LRMoE ρ={rho:g}, early selection (gate)", "#843c39",
+        _lrmoe(f"lrmoe-rho{rho:g}-early", f"LRMoE ρ={rho:g}, early selection (gate)",
                lrmoe(quota_mode="budget", rho=rho, memory=EarlyMemory(rho)), metric="gate", early=True),
-        _lrmoe(f"lrmoe-rho{rho:g}-early-unbiased", f"LRMoE ρ={rho:g}, early selection (gate), unbiased", "#d6616b",
+        _lrmoe(f"lrmoe-rho{rho:g}-early-unbiased", f"LRMoE ρ={rho:g}, early selection (gate), unbiased",
                lrmoe(quota_mode="budget", rho=rho, memory=EarlyMemory(rho)), metric="gate", mode="unbiased",
                early=True))],
 ])

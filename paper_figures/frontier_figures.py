@@ -12,8 +12,8 @@ import pandas as pd
 from lrmoe.analysis import protocol
 from lrmoe.analysis.claims import MARGIN
 from lrmoe.analysis.frontier import describe
+from lrmoe.paper_figures import style
 from lrmoe.paper_figures.reading import CannotDraw, config, rows, summary
-from lrmoe.systems import get_system
 
 MARKERS = {"none": "s", "m2 top-k": "o", "m2 unbiased": "^", "random": "x", "m1 top-k": "o", "m1 unbiased": "^"}
 
@@ -22,7 +22,7 @@ def point_color(row) -> tuple | str:
     """References in their registry colour; budgeted systems shaded by rho (darker: deeper cut), LRMoE with its
     metric in reds, LRMoE with random selection in oranges, SYMI-dropless trimmed at random in blues."""
     if row.rho != row.rho:
-        return get_system(row.policy).color
+        return style.system_color(row.policy)
     cmap = plt.cm.Blues if row.family == "symi" else plt.cm.Reds if row.uses_metric else plt.cm.Oranges
     return cmap(float(np.clip(0.4 + (1.0 - row.rho), 0.4, 0.95)))
 

@@ -2,11 +2,17 @@
 values are the file's."""
 
 import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from matplotlib.colors import to_hex
 
-from lrmoe.paper_figures import figures
+from lrmoe.paper_figures import figures, style
+from lrmoe.systems import ALIASES, SYSTEMS, get_system
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,3 +130,27 @@ def test_no_legend_lies_over_a_panel(name, tmp_path):
         box = legend.get_window_extent(renderer)
         covered = [ax.get_title() or "untitled" for ax in fig.axes if box.overlaps(ax.get_window_extent(renderer))]
         assert not covered, f"{name}: the legend {legend.get_title().get_text()!r} lies over {covered}"
+
+
+def test_every_system_has_one_colour_wherever_it_is_drawn():
+    """A system's colour is its table entry (an older name: its system's), whatever the other names beside it."""
+    names = [*SYSTEMS, *ALIASES]
+    alone = {n: to_hex(style.palette([n])[n]) for n in names}
+    together = {n: to_hex(c) for n, c in style.palette(["m2", "not-a-system", *names]).items() if n in alone}
+    assert alone == together == {n: style.system_color(n) for n in names}
+
+
+def test_a_system_without_a_style_entry_draws_in_a_colour_derived_from_its_name(monkeypatch):
+    """Adding a system is one registry entry: with no style entry it still gets a colour, the same in every figure
+    and in every process (not Python's salted hash), and distinct names mostly get distinct colours."""
+    monkeypatch.setitem(SYSTEMS, "lrmoe-new", replace(get_system("lrmoe"), name="lrmoe-new"))
+    assert "lrmoe-new" not in style.SYSTEM_COLOR_TABLE
+    color = style.system_color("lrmoe-new")
+    assert to_hex(color) == color
+    assert style.palette(["lrmoe-new"])["lrmoe-new"] == style.palette(["m1", "x", "lrmoe-new"])["lrmoe-new"] == color
+    code = "from lrmoe.paper_figures import style; print(style.system_color('lrmoe-new'))"
+    for seed in ("1", "2"):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed})
+        assert run.stdout.strip() == color
+    assert len({style.system_color(f"new-system-{i}") for i in range(8)}) >= 4

@@ -152,7 +152,7 @@ def test_names_used_by_scripts_figures_and_notebooks_are_registry_names():
         for call in re.findall(r"\.main\(\[(.*?)\]\)", path.read_text(), flags=re.S):
             used.update(names_after_flags(re.findall(r'"([^"]*)"', call)))
     assert used and used <= set(SYSTEMS), sorted(used - set(SYSTEMS))
-    assert set(SYSTEMS) <= set(style.SYSTEM_COLORS) and set(ALIASES) <= set(style.SYSTEM_COLORS)
+    assert set(style.SYSTEM_COLOR_TABLE) <= set(SYSTEMS), sorted(set(style.SYSTEM_COLOR_TABLE) - set(SYSTEMS))
 
 
 def test_committed_results_name_registry_systems_or_mapped_older_names():
