@@ -47,31 +47,20 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-
-import pandas as pd
-import torch
-import torch.distributed as dist
-from tqdm import tqdm
-
+# The parser needs only these light modules: torch, the runtime, pandas and the skew matching load in the functions
+# that measure, match and report, so --help and argument errors come back at once (tests/test_cli.py).
 from lrmoe.analysis import protocol
-from lrmoe.analysis.skew import Scale, check_matched, match_zipf, runs_imbalance, trace_imbalance
-from lrmoe.config import model_preset
-from lrmoe.runtime.distributed.accounting import Accountant, check_accounting, expected_layer, expected_step
-from lrmoe.bytemodel.sync_model import REPLICA_GRAD_MODES
-from lrmoe.bytemodel.layout import BACKWARD_PHASES, BYTE_PHASES, FORWARD_PHASES, PHASES, STEP_PHASES
-from lrmoe.runtime.distributed.replica import RangeGroups
-from lrmoe.runtime.distributed.torchrun import launched_world_size, record, torchrun_env
-from lrmoe.runtime.layer import EPMoELayer, initial_placement
-from lrmoe.runtime.reference import ReferenceMoE
-from lrmoe.runtime.routing import RouterOutput
-from lrmoe.harness.layer_bench_setup import buffer_load, make_policy, make_traces, memory_model, system_context
-from lrmoe.systems import check_systems, get_system, system_arg
 from lrmoe.cli import fraction_arg, non_negative_float_arg, non_negative_int_arg, positive_float_arg, positive_int_arg
-from lrmoe.cli import SYSTEMS_HELP, script_parser
-from lrmoe.integrations.tracking import Tracker
+from lrmoe.cli import SYSTEMS_HELP, script_parser, system_arg
+from lrmoe.config import REPLICA_GRAD_MODES, model_preset
 from lrmoe.integrations.tracking_args import check_tracking_args
 from lrmoe.results import read_records
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import torch
 
 DEFAULT_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1", "lrmoe"]
 
@@ -80,7 +69,7 @@ DEFAULT_POLICIES = ["static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "l
 FREE_DEFAULTS = {"policies": DEFAULT_POLICIES, "skew_param": [0.4, 0.8], "spare_slots": 1, "eps": 0.1, "gamma": 0.1}
 RUNS = "paper_figures/results/frontier_protocol_pilot.jsonl"  # the runs the protocol's skew was first matched to
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = ("float32", "bfloat16", "float64")  # --dtype: torch dtypes by name (getattr(torch, name))
 QUICK = {"tokens_per_rank": 128, "steps": 4, "warmup": 1, "hidden": 256, "ffn": 128}
 
 
@@ -162,6 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def world_size(args: argparse.Namespace) -> int:
+    from lrmoe.runtime.distributed.torchrun import launched_world_size
+
     return launched_world_size(args.ranks)
 
 
@@ -169,6 +160,8 @@ def apply_regime(args: argparse.Namespace) -> None:
     """Set the regime's settings on ``args`` (DESIGN.md §10.1), at this benchmark's scale: spare slots, eps, gamma,
     its arms (unless --policies), one Zipf trace at the s matched to the regime's static-EP runs. A flag that
     contradicts the regime is a ValueError; the match is recorded in ``args.regime_match``."""
+    from lrmoe.analysis.skew import Scale, match_zipf, runs_imbalance
+
     regime = protocol.get_regime(args.regime)
     cfg = model_preset(args.model)
     n, e = world_size(args), cfg.num_experts
@@ -200,6 +193,10 @@ def check_regime(args: argparse.Namespace, counts_INE: torch.Tensor, ctx) -> dic
     """The trace the layer replays against the regime's runs (static EP's slowest rank ÷ mean within 5 %), and
     every replicating system's slots (the regime's E/N + spare on every plan): ValueError otherwise. Returns the
     trace's imbalance statistics."""
+    from lrmoe.analysis.skew import check_matched, trace_imbalance
+    from lrmoe.harness.layer_bench_setup import make_policy
+    from lrmoe.systems import get_system
+
     measured = trace_imbalance(counts_INE[:, None])  # the steps the match was made on
     check_matched(args.regime_match["runs"], measured)
     want = ctx.base_slots + ctx.spare_slots
@@ -217,6 +214,10 @@ def tokens_from_counts(counts_E: torch.Tensor, num_tokens: int, top_k: int, gen:
     """Per-token choices with exactly these per-expert pair counts (each ≤ num_tokens, summing to T·k) and random
     gate weights. Pairs sorted by expert are dealt round-robin to tokens, so a token's k pairs are num_tokens
     apart in that order and (as each expert's run is at most num_tokens long) always distinct experts."""
+    import torch
+
+    from lrmoe.runtime.routing import RouterOutput
+
     counts_E = counts_E.long()
     if int(counts_E.sum()) != num_tokens * top_k or int(counts_E.max()) > num_tokens:
         raise ValueError(f"counts_E must sum to tokens·k = {num_tokens * top_k} with each ≤ {num_tokens}, "
@@ -233,7 +234,17 @@ def phase_sum(record: dict, phases, unit: str) -> float:
 
 def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[dict]:
     """Every trace and policy on this rank: one record per (trace, policy, measured step) with its counters."""
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from lrmoe.bytemodel.layout import BACKWARD_PHASES, FORWARD_PHASES, STEP_PHASES
     from lrmoe.harness.gradient_error import full_gradient, gradient_errors
+    from lrmoe.harness.layer_bench_setup import buffer_load, make_policy, make_traces, memory_model, system_context
+    from lrmoe.runtime.distributed.accounting import Accountant, check_accounting, expected_layer, expected_step
+    from lrmoe.runtime.distributed.replica import RangeGroups
+    from lrmoe.runtime.layer import EPMoELayer, initial_placement
+    from lrmoe.runtime.reference import ReferenceMoE
 
     N = dist.get_world_size()
     cfg = model_preset(args.model)
@@ -241,7 +252,7 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
     E, D, F, K = cfg.num_experts, cfg.hidden, cfg.expert_ffn, cfg.top_k
     if E % N:
         raise ValueError(f"num_experts={E} of --model {args.model} is not divisible by {N} ranks")
-    dtype = DTYPES[args.dtype]
+    dtype = getattr(torch, args.dtype)
     elem = torch.tensor([], dtype=dtype).element_size()
     base = E // N
     ref = ReferenceMoE(D, F, E, K, cfg.router, seed=args.seed, dtype=torch.float32)
@@ -309,6 +320,8 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
 
 
 def _fork_main(rank: int, args: argparse.Namespace) -> list[dict]:
+    import torch
+
     return run_rank(rank, args, torch.device("cpu"))
 
 
@@ -320,6 +333,10 @@ BWD_BYTES = ("combine_a2a_bwd", "bwd_index_a2a", "dispatch_a2a_bwd")
 def summarise(raw: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per (trace, policy, phase): the slowest rank and the mean over ranks, mean over steps; and per (trace,
     policy): medians over steps of the per-rank times, the slowest rank, bytes, pairs, memory, errors."""
+    import pandas as pd
+
+    from lrmoe.bytemodel.layout import BYTE_PHASES, PHASES
+
     rows = []
     for (trace, policy), df in raw.groupby(["trace", "policy"], sort=False):
         per_step = df.groupby("step")
@@ -381,6 +398,8 @@ TARGETS = [  # (name, DESIGN.md §5.8's words, how it is measured, bound)
 
 def targets(totals: pd.DataFrame, trace: str) -> pd.DataFrame:
     """The LRMoE targets of DESIGN.md §5.8 on ``trace``, for every LRMoE variant that ran (SYMI-dropless present)."""
+    import pandas as pd
+
     df = totals[totals["trace"] == trace].set_index("policy")
     rows = []
     for policy in [p for p in df.index if p.startswith("lrmoe")]:
@@ -409,6 +428,9 @@ def target_trace(labels: list[str], skew_params: list[float], skew: str) -> str:
 
 def report(args: argparse.Namespace, records: list[dict], world_size: int) -> pd.DataFrame:
     import matplotlib
+    import pandas as pd
+
+    from lrmoe.integrations.tracking import Tracker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -456,13 +478,18 @@ def check_args(args: argparse.Namespace) -> None:
     """What every rank would otherwise find out on its own, checked once before any rank starts: the model preset,
     the world size against its experts, the skews and the recorded trace, every system in that world and
     memory. SystemExit with one message."""
+    import torch
+
+    from lrmoe.harness.layer_bench_setup import buffer_load, make_traces, memory_model, system_context
+    from lrmoe.systems import check_systems
+
     N = world_size(args)
     try:
         cfg = model_preset(args.model)
         E, K = cfg.num_experts, cfg.top_k
         if E % N:
             raise ValueError(f"num_experts={E} of --model {args.model} is not divisible by {N} ranks")
-        elem = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
+        elem = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
         D, F = args.hidden or cfg.hidden, args.ffn or cfg.expert_ffn
         for _, counts_INE, T in make_traces(args, N, E, K, cfg.name):
             memory = memory_model(E // N, args.spare_slots, T, K, D, F, elem, buffer_load(args))
@@ -475,11 +502,24 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(2) from None
 
 
-@record  # under torchrun: a failing rank's traceback reaches torchrun's report
 def main(argv=None):
+    """Parse the command line (--help and argparse errors before torch loads), check it, and run it; under torchrun a
+    failing rank's traceback reaches torchrun's report (lrmoe.runtime.distributed.torchrun.record)."""
     args = parse_args(argv)
+    from lrmoe.runtime.distributed.torchrun import record
+
+    return record(run)(args)
+
+
+def run(args: argparse.Namespace):
+    """The benchmark of ``args`` (parsed): checked, measured on its ranks, reported by rank 0."""
+    from lrmoe.runtime.distributed.torchrun import torchrun_env
+
     check_args(args)
     if torchrun_env() is not None:  # one of torchrun's ranks
+        import torch
+        import torch.distributed as dist
+
         from lrmoe.runtime.distributed.comm import init_process_group_from_env
 
         info = init_process_group_from_env()

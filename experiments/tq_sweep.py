@@ -28,18 +28,22 @@ import argparse
 import time
 from pathlib import Path
 
+# The parser needs only these light modules (the protocol as data, lrmoe.cli): torch, pandas and train.py load in
+# the functions that train, collect and report, so --help comes back at once (tests/test_cli.py).
 from lrmoe.analysis import tq_protocol as P
-from lrmoe.analysis.runs import config_differences
-from lrmoe.cli import positive_int_arg, run_entry
+from lrmoe.cli import positive_int_arg, run_entry, script_parser
 from lrmoe.results import append_record, read_headers, read_records, read_results
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=P.STAGES, required=True)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (lrmoe.cli's formatter: every flag's default in its help; tests/test_cli.py)."""
+    parser = script_parser(__doc__)
+    parser.add_argument("--stage", choices=P.STAGES, required=True,
+                        help="the protocol's stage: the model pilot, the variance pilot or the sweep (DESIGN.md §11)")
     parser.add_argument("--preset", default=P.PRESET, choices=P.LADDER,
                         help=f"the model (default {P.PRESET}; the model pilot's record names the one chosen)")
-    parser.add_argument("--regimes", nargs="+", default=list(P.REGIMES), choices=list(P.REGIMES))
+    parser.add_argument("--regimes", nargs="+", default=list(P.REGIMES), choices=list(P.REGIMES),
+                        help="the regimes whose runs are trained or reported, in this order")
     parser.add_argument("--seeds-count", type=positive_int_arg, default=None,
                         help=f"the sweep's seeds per regime (from the pilot's power calculation, at most "
                              f"{P.MAX_SEEDS}): {P.SWEEP_SEED0}, {P.SWEEP_SEED0 + 1}, ...")
@@ -53,6 +57,11 @@ def parse_args(argv=None):
     parser.add_argument("--report", default=None, help="train nothing; write the report to this Markdown file")
     parser.add_argument("--time-axis", action="store_true",
                         help="with --report: the runs' own time ratios beside the Zipf-matched ones")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         args.runs = P.stage_runs(args.stage, args.seeds_count, args.regimes, args.preset)
@@ -86,6 +95,8 @@ def differences(run: P.TQRun, work: Path) -> list[str]:
     headers = read_headers(run.results(work)) if run.results(work).exists() else []
     if not headers:
         return []
+    from lrmoe.analysis.runs import config_differences  # pandas: not for --help
+
     return config_differences(headers[-1].get("config") or {}, run.train_argv(work), ignore=P.NOT_IDENTITY)
 
 

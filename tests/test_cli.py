@@ -7,6 +7,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ALL_SCRIPTS = sorted(f"experiments/{p.name}" for p in (ROOT / "experiments").glob("*.py") if p.name != "__init__.py")
 ALL_SCRIPTS.append("paper_figures/make_all.py")
-# Scripts whose module still imports torch at the top, so their --help does too: train.py and layer_bench.py run the
-# distributed layer in every function (moving those imports is open work); tq_sweep.py's parser reads the
-# time-to-quality protocol, whose module imports torch, and has no build_parser yet.
-HEAVY_AT_IMPORT = {f"experiments/{name}.py" for name in ("layer_bench", "tq_sweep", "train")}
-NO_PARSER = {"experiments/tq_sweep.py"}
-SCRIPTS = [s for s in ALL_SCRIPTS if s not in HEAVY_AT_IMPORT]
 HEAVY = ("torch", "pandas", "matplotlib", "wandb", "scipy", "triton")
 
 
@@ -29,7 +24,7 @@ def _module(script: str) -> str:
     return "lrmoe." + script.removesuffix(".py").replace("/", ".")
 
 
-@pytest.mark.parametrize("script", [s for s in ALL_SCRIPTS if s not in NO_PARSER])
+@pytest.mark.parametrize("script", ALL_SCRIPTS)
 def test_every_flag_has_help(script):
     """Each flag says what it does: a non-empty help on every action but -h."""
     parser = importlib.import_module(_module(script)).build_parser()
@@ -62,7 +57,7 @@ print(json.dumps(out))
 def test_help_imports_no_heavy_module():
     """``python <script> --help`` prints the usage and exits 0 without importing torch, pandas, matplotlib, W&B,
     SciPy or Triton: one fresh interpreter runs each script's --help in turn and stops at the first that does."""
-    scripts = SCRIPTS
+    scripts = ALL_SCRIPTS
     proc = subprocess.run([sys.executable, "-c", _CHILD.format(heavy=HEAVY, scripts=scripts)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -97,3 +92,37 @@ def test_run_entry_names_the_failed_stage_and_passes_a_result_through():
     assert exc.value.__notes__ == ["a.py: in the stage b.py --x 1"]
     assert run_entry("a.py", "b.py", lambda argv: list(sys.argv), ["--x"]) == ["b.py", "--x"]  # its own name
     assert sys.argv[0] != "b.py"
+
+
+_FRESH_HELP = """
+import contextlib, io, json, runpy, sys
+sys.argv = [{script!r}, "--help"]
+text = io.StringIO()
+try:
+    with contextlib.redirect_stdout(text):
+        runpy.run_path({script!r}, run_name="__main__")
+    code = None
+except SystemExit as exc:
+    code = exc.code
+print(json.dumps({{"code": code, "help": text.getvalue(), "torch": "torch" in sys.modules}}))
+"""
+
+
+@pytest.mark.parametrize("script, flag, default", [
+    ("experiments/train.py", "--steps", "100"), ("experiments/train.py", "--lr-schedule", "constant"),
+    ("experiments/train.py", "--replica-grad", "range"),
+    ("experiments/layer_bench.py", "--steps", "8"), ("experiments/layer_bench.py", "--dtype", "float32"),
+    ("experiments/tq_sweep.py", "--work", "outputs/tq_protocol"),
+    ("experiments/tq_sweep.py", "--regimes", "weak production"),
+])
+def test_help_of_the_training_scripts_loads_no_torch_and_shows_defaults(script, flag, default):
+    """train.py, layer_bench.py and tq_sweep.py, whose work is all torch: ``--help`` in a fresh interpreter exits 0
+    with torch never imported, and a flag's line names its default (lrmoe.cli.HelpFormatter)."""
+    proc = subprocess.run([sys.executable, "-c", _FRESH_HELP.format(script=script)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "2000"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["code"] == 0 and got["help"].startswith("usage:"), got["code"]
+    assert not got["torch"], f"{script} --help imports torch"
+    entry = re.search(rf"^  {flag} .*?(?=^  -|\Z)", got["help"], re.M | re.S)  # the flag's usage and help
+    assert entry and f"(default: {default})" in entry.group(0), f"{script} {flag}: {entry and entry.group(0)}"

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 
 from lrmoe.analysis import protocol
-from lrmoe.analysis.skew import trace_imbalance
 from lrmoe.config import cluster_preset, model_preset
 
 # DESIGN.md §11.1: the emulated engine, Qwen3-30B-A3B's routing shape (128 experts, top-8, 16 ranks)
@@ -156,6 +155,8 @@ def price(trace, run: TQRun, band: bool = True, warmup_steps: int = WARMUP):
 def shape_stats(trace, warmup: int = WARMUP) -> dict:
     """The routing's shape as static EP at paper scale would see it (the steps after the warm-up): slowest rank ÷
     mean, per-expert Gini, hottest expert ÷ mean (:func:`lrmoe.analysis.skew.trace_imbalance`)."""
+    from lrmoe.analysis.skew import trace_imbalance  # torch: loaded when a trace is read, not for tq_sweep's --help
+
     return trace_imbalance(trace.counts_ILNE[warmup:])
 
 
@@ -164,6 +165,7 @@ def collect(run: TQRun, work: Path, band: bool = True, wall_s: float | None = No
     three evaluations, validation curve, routing-shape statistics of its trace, its training steps' seconds (and
     ``wall_s``, the whole run's as its runner measured it), and at the full budget its modelled iteration time
     (central, MoE, dense, the constants band's corners)."""
+    from lrmoe.analysis.skew import trace_imbalance
     from lrmoe.results import read_results
     from lrmoe.traces.trace import load_trace
 
