@@ -7,17 +7,19 @@ Outputs go to outputs/<mode>/: one results file (JSON lines) per stage, its figu
 SUMMARY.md. An existing output folder is never overwritten: pass --overwrite to start again, or --resume to
 skip the stages that completed and run the rest.
 
-Stages run one after the other, except a ``background`` stage (the paper-scale simulator: deterministic, one
-thread), which runs beside the stages after it until a ``measured`` one (a benchmark on this machine), which waits
-for it: nothing runs beside a measurement. A failed stage fails the job at once and stops a running background one.
+Each stage is a script of lrmoe.experiments, run through its entry point (its ``cli``, else its ``main``;
+lrmoe.cli.run_entry) in a process forked from the job, so that the job needs no script at a path of its own and the
+import graph shows what it runs. Stages run one after the other, except a ``background`` stage (the paper-scale
+simulator: deterministic, one thread), which runs beside the stages after it until a ``measured`` one (a benchmark
+on this machine), which waits for it: nothing runs beside a measurement. A failed stage fails the job at once and
+stops a running background one.
 
 A killed job resumes cleanly. A stage is complete only when its end marker (``<stage>.done``, holding the stage's
 part of the summary) exists: it is written atomically after the stage exited cleanly. SUMMARY.md is the job's own
 end marker, removed when a run starts and written (atomically) last. ``--resume`` reruns every stage without a
 marker with ``--resume``: the stage's tracker then supersedes what the killed attempt left in its results file
-(lrmoe.integrations.tracking) and continues from the stage's checkpoints, if it has any. So a half-written results file
-is
-never read as complete and never read twice. A stage's process dies with the main job: no orphan keeps writing.
+(lrmoe.integrations.tracking) and continues from the stage's checkpoints, if it has any. So a half-written results
+file is never read as complete and never read twice. A stage's process dies with the main job: no orphan keeps writing.
 Each stage runs in its own process group, which the job stops whole (the stage and the ranks it started) when it
 fails, is interrupted or gets SIGTERM; a SIGKILLed job's stages get the kernel's parent-death signal.
 
@@ -32,16 +34,16 @@ completed stage only when it ran with the same arguments as this run would give 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import signal
-import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lrmoe.cli import script_parser
+from lrmoe.cli import StageFailed, run_entry, script_parser
 from lrmoe.results import Manifest, atomic_write_text, read_headers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +52,9 @@ ROOT = Path(__file__).resolve().parent.parent
 @dataclass
 class Stage:
     name: str
-    script: str
+    # the script the stage runs: its name in lrmoe.experiments (:func:`entry_point` imports it), or the entry point
+    # itself (a function of the command line: a script's cli or main)
+    entry: str | Callable[[list[str]], object]
     quick: list[str] = field(default_factory=list)
     full: list[str] = field(default_factory=list)
     # which Markdown table of the stage's output goes into the summary (its headline): its index, or the title of
@@ -63,28 +67,28 @@ class Stage:
 
 
 STAGES = [
-    Stage("trace_stats", "experiments/trace_stats.py",
+    Stage("trace_stats", "trace_stats",
           quick=["--steps", "10", "--layers", "4"], full=["--steps", "100", "--layers", "48"]),
     # the paper-scale simulator (one thread, deterministic): beside metric fidelity, convergence and the frontier
-    Stage("ablate", "experiments/ablate.py", quick=["--quick"], full=[], background=True),
+    Stage("ablate", "ablate", quick=["--quick"], full=[], background=True),
     # the simulator again, at per-rank budgets from where the home slots just fit: where memory binds
-    Stage("memory_sweep", "experiments/memory_sweep.py", quick=["--quick"], full=[], table="Where memory binds"),
-    Stage("metric_fidelity", "experiments/metric_fidelity.py", quick=[], full=["--draws", "16", "--tokens", "2048"],
+    Stage("memory_sweep", "memory_sweep", quick=["--quick"], full=[], table="Where memory binds"),
+    Stage("metric_fidelity", "metric_fidelity", quick=[], full=["--draws", "16", "--tokens", "2048"],
           table=-2),
-    Stage("convergence", "experiments/convergence.py", quick=["--quick"],
+    Stage("convergence", "convergence", quick=["--quick"],
           full=["--seeds", "0", "1", "2", "--steps", "300", "--eval-every", "15"]),
     # time (paper-scale simulator) against loss (the convergence runs): the retention budget's frontier
-    Stage("frontier", "experiments/frontier.py", quick=["--quick", "--convergence", "{out}/convergence.jsonl"],
+    Stage("frontier", "frontier", quick=["--quick", "--convergence", "{out}/convergence.jsonl"],
           full=["--convergence", "{out}/convergence.jsonl"]),
     # the real layer on synthetic traces and on the routing recorded by the convergence run's dropless policy
-    Stage("layer_bench", "experiments/layer_bench.py",
+    Stage("layer_bench", "layer_bench",
           quick=["--trace", "{out}/convergence/trace_static-ep.npz"],
           full=["--steps", "20", "--trace", "{out}/convergence/trace_static-ep.npz"], measured=True),
     # the cost model's per-phase predictions against the layer benchmark's measured times (CPU calibration)
-    Stage("validate_sim", "experiments/validate_sim.py", quick=["--quick", "--bench", "{out}/layer_bench.jsonl"],
+    Stage("validate_sim", "validate_sim", quick=["--quick", "--bench", "{out}/layer_bench.jsonl"],
           full=["--bench", "{out}/layer_bench.jsonl"], measured=True),
     # memory-constrained: no spare replica slot, so the backward quotas do the balancing
-    Stage("layer_bench_constrained", "experiments/layer_bench.py",
+    Stage("layer_bench_constrained", "layer_bench",
           quick=["--spare-slots", "0", "--skew-param", "0.8", "--policies", "static-ep", "symi-dropless", "lrmoe",
                  "lrmoe-random"],
           full=["--spare-slots", "0", "--steps", "20", "--policies", "static-ep", "symi-dropless", "lrmoe-m1",
@@ -184,6 +188,49 @@ def out_dir_problem(out: Path) -> str | None:
     return None
 
 
+def entry_point(stage: Stage) -> Callable[[list[str]], object]:
+    """The function a stage runs: its script's ``cli`` where it has one (it returns an exit status), else its
+    ``main``. The scripts are imported here, in the stage's process, so that the job's --help loads none of them and
+    the import graph shows which scripts the job runs (named in the import contracts)."""
+    if callable(stage.entry):
+        return stage.entry
+    from lrmoe.experiments import (ablate, convergence, frontier, layer_bench, memory_sweep, metric_fidelity,
+                                   trace_stats, validate_sim)
+
+    scripts = {module.__name__.rsplit(".", 1)[-1]: module for module in (
+        ablate, convergence, frontier, layer_bench, memory_sweep, metric_fidelity, trace_stats, validate_sim)}
+    if stage.entry not in scripts:
+        raise ValueError(f"stage {stage.name}: no script named {stage.entry!r} (the job runs {', '.join(scripts)})")
+    module = scripts[stage.entry]
+    return getattr(module, "cli", module.main)
+
+
+def stage_label(stage: Stage) -> str:
+    """The stage's script as its messages name it (``ablate.py``)."""
+    return f"{stage.entry}.py" if isinstance(stage.entry, str) else getattr(stage.entry, "__name__", stage.name)
+
+
+class StageProcess:
+    """A stage's process: forked from the job, it runs the stage's entry point and exits with its status. It reads
+    like :class:`subprocess.Popen` (``pid``, ``poll``, ``wait``, ``returncode``: negative for a signal), which the
+    scheduling below uses."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+
 @dataclass
 class Running:
     """A started stage: its process, its captured stdout (a file: a background stage's output may outgrow a pipe
@@ -191,7 +238,7 @@ class Running:
     background stage is collected only at a later stage boundary, which must not count as its time)."""
 
     stage: Stage
-    proc: subprocess.Popen
+    proc: StageProcess
     stdout: Path
     started: float
     ended: float | None = None
@@ -229,17 +276,63 @@ def stop(runs: list[Running]) -> None:
         run.stdout.unlink(missing_ok=True)
 
 
-def start_stage(stage: Stage, cmd: list[str], env: dict, out: Path) -> Running:
-    """Start one stage's command in its own process group, its stdout captured into ``out/.<stage>.stdout`` (the
-    summary takes its tables), stderr (progress bars, errors) passed through."""
-    from lrmoe.runtime.distributed.launch import die_with_parent
-
-    die = functools.partial(die_with_parent, os.getpid()) if sys.platform.startswith("linux") else None
+def start_stage(stage: Stage, argv: list[str], env: dict, out: Path) -> Running:
+    """Start one stage: its script's command line ``argv`` through its entry point, in a process forked from the
+    job, in a process group of its own (the job stops it whole, with the ranks it starts); its stdout captured into
+    ``out/.<stage>.stdout`` (the summary takes its tables), stderr (progress bars, errors) passed through. A process
+    of its own, as from the command line: a background stage runs beside the next ones, and a stage's state (torch's
+    threads, its modules' caches) never reaches the next."""
     stdout = out / f".{stage.name}.stdout"
-    with open(stdout, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=None, text=True, preexec_fn=die,
-                                start_new_session=True)
-    return Running(stage, proc, stdout, time.time())
+    sys.stdout.flush()  # the job's output so far is the job's: none of it may reach the stage's captured stdout
+    sys.stderr.flush()
+    ready_r, ready_w = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the stage: never returns into the job's code
+        os.close(ready_r)
+        _stage_process(stage, argv, env, stdout, parent, ready_w)
+    os.close(ready_w)
+    os.read(ready_r, 1)  # its own process group exists (or it has died): stop() can reach it from now on
+    os.close(ready_r)
+    return Running(stage, StageProcess(pid), stdout, time.time())
+
+
+def _stage_process(stage: Stage, argv: list[str], env: dict, stdout: Path, parent: int, ready: int) -> None:
+    """The forked stage's side: its own session (process group), death with the job, the job's signal handlers
+    undone, its environment and working directory, its stdout to the capture file; then the stage's entry point
+    (lrmoe.cli.run_entry: a failure is one line naming the stage, or its traceback), and ``os._exit`` with its
+    status: nothing of the job's (its ``finally`` blocks, its exit handlers) runs here."""
+    code = 1
+    try:
+        os.setsid()
+        os.write(ready, b"1")
+        os.close(ready)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the job's SIGTERM handler is the job's, not the stage's
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if sys.platform.startswith("linux"):
+            from lrmoe.runtime.distributed.launch import die_with_parent
+
+            die_with_parent(parent)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(ROOT)
+        fd = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.close(fd)
+        run_entry("reproduce.py", stage_label(stage), entry_point(stage), argv)
+        code = 0
+    except StageFailed as exc:  # the stage's own status, which the job exits with
+        print(exc.code, file=sys.stderr)
+        code = exc.status
+    except BaseException:  # noqa: BLE001 - the stage's traceback, as a script's would be, then its status
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream: nothing more to say
+                pass
+        os._exit(code)
 
 
 def finish_stage(run: Running, out: Path) -> tuple[int, str]:
@@ -324,7 +417,7 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
     # each stage starts its own W&B service, which dies with it: none that outlives a killed stage (one this job
     # inherited) keeps the stage's W&B run open, so the resumed stage can continue that run
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-    env.update(WANDB_DIR=str(out), MPLBACKEND="Agg", PYTHONPATH=str(ROOT))
+    env.update(WANDB_DIR=str(out), MPLBACKEND="Agg")
     summary = [f"# lrmoe reproduction ({args.mode} mode)", ""]
     sections: dict[str, str] = {}
     background: list[Running] = []
@@ -366,12 +459,12 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
             manifest.open.append(stage.name)
             manifest.add(out / f"{stage.name}.jsonl", out / f".{stage.name}.stdout", out / f"{stage.name}.done",
                          tag=stage.name)
-            cmd = [sys.executable, str(ROOT / stage.script), "--out", str(results), *extra]
+            argv = ["--out", str(results), *extra]
             if results.exists():  # an interrupted stage: its tracker supersedes what the killed attempt left
-                cmd.append("--resume")
+                argv.append("--resume")
             how = " (in the background: the next stages run beside it)" if stage.background else ""
-            print(f"== {stage.name}{how}: {' '.join(cmd[1:])}", flush=True)
-            run = start_stage(stage, cmd, env, out)
+            print(f"== {stage.name}{how}: {stage_label(stage)} {' '.join(argv)}", flush=True)
+            run = start_stage(stage, argv, env, out)
             stages_run.append(run)
             if stage.background:
                 background.append(run)

@@ -77,6 +77,15 @@ def one_of(names: Callable[[], Iterable[str]], what: str = "value") -> Callable[
     return parse
 
 
+class StageFailed(SystemExit):
+    """A stage run by :func:`run_entry` failed: the caller's ``SystemExit`` (its message names the stage), with the
+    stage's own exit status in ``status``, for a caller that passes it on."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
 def run_entry(caller: str, stage: str, entry: Callable[[list[str]], object], argv: Sequence[str]) -> object:
     """Run another script's command line ``argv`` in this process through its entry point: ``entry`` is the script's
     ``cli`` (it returns an exit status) or its ``main`` (it returns the script's result, returned here). The way one
@@ -85,9 +94,10 @@ def run_entry(caller: str, stage: str, entry: Callable[[list[str]], object], arg
     installed package, where no script lies at a path of its own.
 
     A failing stage fails the caller with a message naming the stage and its arguments: a non-zero exit status or
-    ``SystemExit`` (an argparse error, a script's own ``error: ...``) becomes the caller's ``SystemExit``; any other
-    exception propagates with a note naming the stage (``KeyboardInterrupt`` as it is). While it runs, ``sys.argv`` is
-    the stage's command line, so that its parser's usage and errors name the stage, not the caller."""
+    ``SystemExit`` (an argparse error, a script's own ``error: ...``) becomes the caller's :class:`StageFailed` (a
+    ``SystemExit`` that keeps the stage's status); any other exception propagates with a note naming the stage
+    (``KeyboardInterrupt`` as it is). While it runs, ``sys.argv`` is the stage's command line, so that its parser's
+    usage and errors name the stage, not the caller."""
     argv = list(argv)
     command = " ".join([stage, *argv])
     outer, sys.argv = sys.argv, [stage, *argv]  # as from its command line: its usage and errors name the stage
@@ -96,15 +106,16 @@ def run_entry(caller: str, stage: str, entry: Callable[[list[str]], object], arg
     except SystemExit as exc:
         if exc.code in (None, 0):
             return None
-        why = exc.code if isinstance(exc.code, str) else f"exited with {exc.code}"
-        raise SystemExit(f"{caller}: error: {command} failed: {why}") from None
+        why = f"exited with {exc.code}" if isinstance(exc.code, int) else str(exc.code)
+        raise StageFailed(f"{caller}: error: {command} failed: {why}",
+                          exc.code if isinstance(exc.code, int) else 1) from None
     except Exception as exc:
         exc.add_note(f"{caller}: in the stage {command}")
         raise
     finally:
         sys.argv = outer
     if isinstance(result, int) and not isinstance(result, bool) and result:  # a cli's exit status
-        raise SystemExit(f"{caller}: error: {command} failed: exited with {result}")
+        raise StageFailed(f"{caller}: error: {command} failed: exited with {result}", result)
     return result
 
 

@@ -83,6 +83,7 @@ def test_run_entry_names_the_failed_stage_and_passes_a_result_through():
         with pytest.raises(SystemExit) as exc:
             run_entry("a.py", "b.py", entry, ["--x", "1"])
         assert exc.value.code == f"a.py: error: b.py --x 1 failed: {why}"
+        assert exc.value.status == (1 if why.startswith("b.py") else int(why[-1]))  # the stage's own status
 
     def broken(argv):
         raise RuntimeError("rank 1 diverged")

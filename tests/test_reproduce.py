@@ -16,26 +16,26 @@ from _scripts import load_experiment
 
 reproduce = load_experiment("reproduce")
 
-STAND_IN = textwrap.dedent("""
-    import json, sys, time
-    args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+def stand_in(argv):
+    """A stage's entry point: sleeps --sleep seconds, then exits with status 3 (--fail 1) or writes when it ran to
+    --out and prints a table."""
+    args = dict(zip(argv[::2], argv[1::2]))
     t0 = time.time()
     time.sleep(float(args["--sleep"]))
     if args.get("--fail") == "1":
         sys.exit(3)
     with open(args["--out"], "w") as f:
-        f.write(json.dumps({"start": t0, "end": time.time()}) + "\\n")
-    print("| stage | s |\\n|---|---|\\n| " + args["--out"].rsplit("/", 1)[-1] + " | " + args["--sleep"] + " |")
-""")
+        f.write(json.dumps({"start": t0, "end": time.time()}) + "\n")
+    print("| stage | s |\n|---|---|\n| " + args["--out"].rsplit("/", 1)[-1] + " | " + args["--sleep"] + " |")
 
 
-def stages(script, fail_background=False):
+def stages(fail_background=False):
     stage = reproduce.Stage
-    return [stage("first", str(script), quick=["--sleep", "0.1"]),
-            stage("simulate", str(script), quick=["--sleep", "2", "--fail", str(int(fail_background))],
+    return [stage("first", stand_in, quick=["--sleep", "0.1"]),
+            stage("simulate", stand_in, quick=["--sleep", "2", "--fail", str(int(fail_background))],
                   background=True),
-            stage("train", str(script), quick=["--sleep", "0.5"]),
-            stage("bench", str(script), quick=["--sleep", "0.1"], measured=True)]
+            stage("train", stand_in, quick=["--sleep", "0.5"]),
+            stage("bench", stand_in, quick=["--sleep", "0.1"], measured=True)]
 
 
 def times(out, name):
@@ -43,11 +43,9 @@ def times(out, name):
 
 
 def test_a_background_stage_runs_beside_the_next_and_a_measured_stage_waits_for_it(tmp_path):
-    script = tmp_path / "stand_in.py"
-    script.write_text(STAND_IN)
     out = tmp_path / "job"
     assert reproduce.main(["--out-dir", str(out), "--only", "first", "simulate", "train", "bench"],
-                          stages=stages(script)) == 0
+                          stages=stages()) == 0
     first, sim, train, bench = (times(out, n) for n in ("first", "simulate", "train", "bench"))
     assert sim["start"] >= first["end"]
     assert train["start"] < sim["end"]  # beside the background stage
@@ -60,10 +58,8 @@ def test_a_background_stage_runs_beside_the_next_and_a_measured_stage_waits_for_
 
 
 def test_a_failing_background_stage_fails_the_job_at_once(tmp_path):
-    script = tmp_path / "stand_in.py"
-    script.write_text(STAND_IN)
     out = tmp_path / "job"
-    slow = stages(script, fail_background=True)
+    slow = stages(fail_background=True)
     slow[2].quick = ["--sleep", "60"]  # the foreground stage would outlast the background one by far
     t0 = time.monotonic()
     assert reproduce.main(["--out-dir", str(out), "--only", "first", "simulate", "train", "bench"],
@@ -81,10 +77,8 @@ def test_the_main_job_measures_nothing_beside_the_simulator():
 
 
 def test_a_background_stage_is_timed_to_its_own_end_not_to_the_next_stage_boundary(tmp_path):
-    script = tmp_path / "stand_in.py"
-    script.write_text(STAND_IN)
     out = tmp_path / "job"
-    quick = stages(script)
+    quick = stages()
     quick[1].quick = ["--sleep", "1"]  # the background stage ends long before the foreground one
     quick[2].quick = ["--sleep", "4"]
     assert reproduce.main(["--out-dir", str(out), "--only", "first", "simulate", "train"], stages=quick) == 0
@@ -102,32 +96,30 @@ def test_unknown_stage_names_are_an_error(tmp_path, capsys):
 
 
 def test_overwrite_removes_only_what_the_job_wrote(tmp_path):
-    script = tmp_path / "stand_in.py"
-    script.write_text(STAND_IN)
     out = tmp_path / "job"
     out.mkdir()
     (out / "notes.md").write_text("mine")
     (out / "data").mkdir()
     (out / "data" / "corpus.txt").write_text("mine too")
-    assert reproduce.main(["--out-dir", str(out), "--only", "first"], stages=stages(script)) == 0  # beside them
+    assert reproduce.main(["--out-dir", str(out), "--only", "first"], stages=stages()) == 0  # beside them
     first = times(out, "first")
     with pytest.raises(SystemExit):  # the job's own results: not replaced unless asked
-        reproduce.main(["--out-dir", str(out), "--only", "first"], stages=stages(script))
-    assert reproduce.main(["--out-dir", str(out), "--only", "first", "--overwrite"], stages=stages(script)) == 0
+        reproduce.main(["--out-dir", str(out), "--only", "first"], stages=stages())
+    assert reproduce.main(["--out-dir", str(out), "--only", "first", "--overwrite"], stages=stages()) == 0
     assert times(out, "first") != first
     assert (out / "notes.md").read_text() == "mine" and (out / "data" / "corpus.txt").read_text() == "mine too"
 
 
 RANKED_STAGE = textwrap.dedent("""
-    import os, sys, time
+    import os, time
     from lrmoe.runtime.distributed.launch import launch
 
     def work(rank, folder):
         open(os.path.join(folder, f"rank{rank}.pid"), "w").write(str(os.getpid()))
         time.sleep(600)
 
-    if __name__ == "__main__":
-        folder = os.path.dirname(sys.argv[sys.argv.index("--out") + 1])
+    def main(argv):
+        folder = os.path.dirname(argv[argv.index("--out") + 1])
         open(os.path.join(folder, "stage.pid"), "w").write(str(os.getpid()))
         launch(work, 2, folder, timeout_s=600)
 """)
@@ -141,9 +133,10 @@ def test_sigterm_of_the_main_job_stops_its_stage_and_the_stage_s_ranks(tmp_path)
     script = tmp_path / "ranked.py"
     script.write_text(RANKED_STAGE)
     out = tmp_path / "job"
-    driver = (f"from lrmoe.experiments import reproduce\n"
+    driver = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import ranked\n"
+              f"from lrmoe.experiments import reproduce\n"
               f"reproduce.main(['--out-dir', {str(out)!r}, '--only', 'ranked'], "
-              f"stages=[reproduce.Stage('ranked', {str(script)!r})])\n")
+              f"stages=[reproduce.Stage('ranked', ranked.main)])\n")
     job = subprocess.Popen([sys.executable, "-c", driver], start_new_session=True)
     try:
         pids = wait_for_pids(out, "*.pid", 3, job)  # the stage and its two ranks
@@ -168,26 +161,24 @@ def test_a_stage_summary_can_name_its_table_by_section_title():
     assert "binds from GB" in table and len(table.splitlines()) > 2
 
 
-WANDB_STAND_IN = textwrap.dedent("""
-    import json, os, sys
-    args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+def wandb_stand_in(argv):
+    """A stage's entry point that writes what a tracked stage writes: a results file with its run header, its W&B
+    run's folder, its work folder."""
+    args = dict(zip(argv[::2], argv[1::2]))
     out = args["--out"]
     name = os.path.basename(out).split(".")[0]
     run_id = f"{name}-{os.getpid()}"
     with open(out, "w") as f:  # a results file with its run header, as a stage's Tracker writes it
-        f.write(json.dumps({"kind": "run", "run_id": run_id, "name": name}) + "\\n")
+        f.write(json.dumps({"kind": "run", "run_id": run_id, "name": name}) + "\n")
     # the run's local W&B folder, named as W&B names it (WANDB_DIR is the job's folder)
     os.makedirs(os.path.join(os.environ["WANDB_DIR"], "wandb", f"offline-run-20260101_000000-{run_id}"))
     os.makedirs(os.path.join(os.path.dirname(out), name), exist_ok=True)  # its work folder
     open(os.path.join(os.path.dirname(out), name, "ckpt.pt"), "w").write("x")
-    print("| stage |\\n|---|\\n| " + name + " |")
-""")
+    print("| stage |\n|---|\n| " + name + " |")
 
 
 def wandb_stages(tmp_path):
-    script = tmp_path / "stand_in.py"
-    script.write_text(WANDB_STAND_IN)
-    return [reproduce.Stage("first", str(script)), reproduce.Stage("second", str(script))]
+    return [reproduce.Stage("first", wandb_stand_in), reproduce.Stage("second", wandb_stand_in)]
 
 
 def run_folders(out, stage):
@@ -273,3 +264,34 @@ def test_an_out_dir_that_cannot_be_written_is_an_error(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             reproduce.main(["--out-dir", str(locked / "job")], stages=wandb_stages(tmp_path))
         assert exc.value.code == 2 and "not writable" in capsys.readouterr().err
+
+
+def test_a_stage_runs_its_entry_point_in_a_process_forked_from_the_job_and_its_exception_names_it(tmp_path, capfd):
+    """A stage is its script's entry point called in a process forked from the job (no script started by its
+    path; a local function could not be): its process is the job's child, its exception fails the job with the
+    stage's status, its traceback noting the stage, and nothing after it runs."""
+    job = os.getpid()
+
+    def diverges(argv):
+        assert os.getppid() == job and os.getpid() != job
+        raise RuntimeError("loss is nan at step 7")
+
+    out = tmp_path / "job"
+    staged = [reproduce.Stage("train", diverges, quick=["--steps", "9"]), *stages()[3:]]
+    assert reproduce.main(["--out-dir", str(out), "--only", "train", "bench"], stages=staged) == 1
+    err = capfd.readouterr().err
+    assert "RuntimeError: loss is nan at step 7" in err
+    assert f"reproduce.py: in the stage diverges --out {out / 'train.jsonl'} --steps 9" in err
+    assert "error: stage train failed with exit status 1" in err
+    assert not (out / "train.done").exists() and not (out / "bench.jsonl").exists()
+
+
+def test_every_stage_of_the_main_job_runs_its_script_s_entry_point():
+    """The real stage list names scripts of lrmoe.experiments; each stage runs the script's cli where it has one,
+    else its main."""
+    for stage in reproduce.STAGES:
+        module = load_experiment(stage.entry)
+        assert reproduce.entry_point(stage) is getattr(module, "cli", module.main), stage.name
+    assert reproduce.entry_point(reproduce.Stage("ablate", "ablate")) is load_experiment("ablate").cli
+    with pytest.raises(ValueError, match="no script named 'trian'"):
+        reproduce.entry_point(reproduce.Stage("train", "trian"))

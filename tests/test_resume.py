@@ -390,9 +390,9 @@ DRIVER = textwrap.dedent("""
     from lrmoe.experiments.reproduce import Stage
 
     STAGES = [  # the main job's first stage and its simulator stage, each a few seconds
-        Stage("trace_stats", "experiments/trace_stats.py",
+        Stage("trace_stats", "trace_stats",
               quick=["--steps", "2", "--layers", "1", "--tokens-per-rank", "64", "--no-wandb"]),
-        Stage("ablate", "experiments/ablate.py",
+        Stage("ablate", "ablate",
               quick=["--models", "qwen3-30b-a3b", "--ranks", "16", "--skews", "zipf:0.2", "zipf:0.8",
                      "--mem-gb", "40", "--steps", "2", "--layers", "1", "--no-band"]),
     ]
