@@ -61,31 +61,44 @@ def online_replicas(counts_E: Tensor, num_ranks: int, spare_slots: int, ranks_pe
     rpn = N if ranks_per_node is None else ranks_per_node
     node_N = np.arange(N) // rpn
     home_E = np.arange(E) // base
-    hosts_NE = np.zeros((N, E))  # 1.0 where rank n hosts expert e (the float product is the bool one's)
+    # hosts as floats for the load product (the same BLAS product as on booleans, without the cast each round), and
+    # as [E, N] booleans for one expert's hosts; the placement is written through a NumPy view (torch's item
+    # assignment costs more than the rest of a round)
+    hosts_NE = np.zeros((N, E))
     hosts_NE[home_E, np.arange(E)] = 1.0
+    hosted_EN = np.ascontiguousarray(hosts_NE.T > 0)
+    hosted_N = [list(range(n * base, (n + 1) * base)) for n in range(N)]
+    same_node_NN = node_N[:, None] == node_N[None, :]
     replicas_E = np.ones(E)
     free_N = np.full(N, spare_slots)
-    hot_E = counts > 0
-    node_home_E = node_N[home_E]
-    while free_N.any():
+    free_ok_N = free_N > 0
+    free_total = N * spare_slots
+    slots = placement.numpy()
+    while free_total:
         share_E = counts / replicas_E
         load_N = hosts_NE @ share_E
         h = int(np.argmax(load_N))
-        mine = np.flatnonzero((hosts_NE[h] > 0) & hot_E)
-        mine = mine[np.lexsort((mine, -share_E[mine]))]  # hottest per replica first, then lowest id
-        # every candidate at once: the least loaded eligible rank of its home node, and what the copy saves there
-        ok_KN = (node_N == node_home_E[mine, None]) & (free_N > 0) & (hosts_NE[:, mine].T == 0)
-        m_K = np.argmin(np.where(ok_KN, load_N, np.inf), 1)
-        new_K = counts[mine] / (replicas_E[mine] + 1)  # every host of e, the new one too, computes this much
-        saving_K = load_N[h] - np.maximum(load_N[h] - share_E[mine] + new_K, load_N[m_K] + new_K)
-        placed_K = np.flatnonzero(ok_KN.any(1) & (saving_K > push_cost_rows))
-        if not len(placed_K):
+        placed = False
+        # hottest per replica first, then lowest id
+        for e in sorted((e for e in hosted_N[h] if counts[e] > 0), key=lambda e: (-share_E[e], e)):
+            ok_N = same_node_NN[home_E[e]] & free_ok_N & ~hosted_EN[e]
+            if not ok_N.any():
+                continue
+            m = int(np.argmin(np.where(ok_N, load_N, np.inf)))
+            new_share = counts[e] / (replicas_E[e] + 1)  # every host of e, the new one too, computes this much
+            saving = load_N[h] - max(load_N[h] - share_E[e] + new_share, load_N[m] + new_share)
+            if saving > push_cost_rows:
+                slots[m, base + spare_slots - free_N[m]] = e
+                hosts_NE[m, e], hosted_EN[e, m] = 1.0, True
+                hosted_N[m].append(e)
+                free_N[m] -= 1
+                free_ok_N[m] = free_N[m] > 0
+                free_total -= 1
+                replicas_E[e] += 1
+                placed = True
+                break
+        if not placed:
             break
-        k = placed_K[0]
-        e, m = int(mine[k]), int(m_K[k])
-        placement[m, base + spare_slots - free_N[m]] = e
-        hosts_NE[m, e], free_N[m] = 1.0, free_N[m] - 1
-        replicas_E[e] += 1
     return placement
 
 

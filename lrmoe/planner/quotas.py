@@ -196,9 +196,15 @@ def _zero_weight_error(total: np.ndarray, weight: np.ndarray) -> None:
         raise ValueError(f"apportion: row {bad[0]} has total {int(total[bad[0]])} but zero weight")
 
 
+_BLOCKED_CUMSUM_SIZE = 1 << 15
+
+
 def _cumsum_down(x_NX: np.ndarray) -> np.ndarray:
     """np.cumsum(x_NX, 0) of an int64 matrix in C order, by blocks of about sqrt(N) rows (NumPy's own cumsum along
-    the first axis walks the matrix a column at a time, several times slower): exact, it is integer addition."""
+    the first axis walks the matrix a column at a time, several times slower once it leaves the cache; small ones
+    take NumPy's): exact, it is integer addition."""
+    if x_NX.size < _BLOCKED_CUMSUM_SIZE:
+        return np.cumsum(x_NX, 0)
     out = x_NX.copy()
     N = len(out)
     k = max(1, math.isqrt(N))

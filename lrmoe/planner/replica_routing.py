@@ -286,8 +286,14 @@ def _fill_local_first(counts_NE: np.ndarray, table: ReplicaTable, room_R: np.nda
 
 
 def _transpose(x: np.ndarray) -> np.ndarray:
-    """A contiguous transposed copy of a 2-D array (torch's blocked copy: NumPy's is several times slower)."""
+    """A contiguous transposed copy of a 2-D array: torch's blocked copy for large ones (NumPy's is several times
+    slower once the array leaves the cache), NumPy's for small ones (torch's call costs more)."""
+    if x.size < _TORCH_TRANSPOSE_SIZE:
+        return np.ascontiguousarray(x.T)
     return torch.from_numpy(x).t().contiguous().numpy()
+
+
+_TORCH_TRANSPOSE_SIZE = 1 << 15
 
 
 # --- capacity -------------------------------------------------------------------------------------------------
