@@ -32,9 +32,13 @@ from lrmoe.training.resume import checkpoint_dir
 ROOT = Path(__file__).resolve().parent.parent
 train = load_experiment("train")
 
+# The fewest steps that leave the kill room to land after a checkpoint and before the end: a checkpoint at step 4, the
+# kill once step 5 is logged, three steps (and a checkpoint's save) of slack before the next checkpoint at step 8
+# would leave nothing past it to redo, two more before the end.
+STEPS, CKPT_EVERY = 10, 4
 TRAIN = ["--preset", "qwen3-30b-a3b-debug", "--policy", "symi-cf1", "--ranks", "2", "--batch", "2", "--seq-len", "32",
-         "--eval-every", "100", "--eval-batches", "1", "--max-bytes", "300000", "--steps", "24", "--ckpt-every", "7",
-         "--timeout", "120", "--quiet"]
+         "--eval-every", "100", "--eval-batches", "1", "--max-bytes", "300000", "--steps", str(STEPS),
+         "--ckpt-every", str(CKPT_EVERY), "--timeout", "120", "--quiet"]
 
 
 def offline_run_ids(wandb_dir: Path) -> list[str]:
@@ -112,7 +116,7 @@ def test_a_rank_killed_mid_run_resumes_with_each_step_once_and_the_same_losses(t
     env = job_env(WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wb"))
     proc = spawn(argv, env)
     try:
-        wait_until(lambda: any(s >= 9 for s in steps_in(out)), proc, "step 9 was logged")
+        wait_until(lambda: any(s > CKPT_EVERY for s in steps_in(out)), proc, f"step {CKPT_EVERY + 1} was logged")
         ranks = children(proc.pid)
         victim = next((r for r in ranks if not holds_open(r, out)), ranks[-1])  # a rank that does not log
         os.kill(victim, signal.SIGKILL)
@@ -128,7 +132,7 @@ def test_a_rank_killed_mid_run_resumes_with_each_step_once_and_the_same_losses(t
     args.run_id = read_results(out, "run")[0]["run_id"]
     found = checkpoint_dir(args).latest()
     checkpoint = found[0] if found else None
-    assert checkpoint is not None and checkpoint < max(left) < 24, (checkpoint, left)  # steps past it to redo
+    assert checkpoint is not None and checkpoint < max(left) < STEPS, (checkpoint, left)  # steps past it to redo
 
     resumed = spawn([*argv, "--resume"], env)
     try:
@@ -137,7 +141,7 @@ def test_a_rank_killed_mid_run_resumes_with_each_step_once_and_the_same_losses(t
         log = reap(resumed)
     assert resumed.returncode == 0, log[-3000:]
     records = read_results(out)
-    assert [r["step"] for r in records] == list(range(1, 25)), "each step exactly once"
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "each step exactly once"
     assert [r["loss"] for r in records] == [h["loss"] for h in unbroken], "bit-identical losses"
     headers = read_results(out, "run")
     assert [h.get("resumed_from_step") for h in headers] == [None, checkpoint]
