@@ -71,3 +71,6 @@ def test_report_text_and_figure(tmp_path):
     R.claims_figure({"weak": table}).savefig(tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 0
     assert "No whole seed yet" in R.regime_report(rows[:5], "weak", 4, "pilot")
+    # the pilot's seeds complete are still no decision (§11.5); the sweep's are
+    assert "pilot, not confirmatory" in R.regime_report(rows, "weak", 3, "pilot")
+    assert "Claims (final;" in R.regime_report([r | {"stage": "sweep"} for r in rows], "weak", 3, "sweep")

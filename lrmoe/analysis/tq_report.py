@@ -240,7 +240,12 @@ def regime_report(rows: list[dict], regime: str, planned_seeds: int, stage: str)
     if per_seed.empty:
         return "\n".join([*lines, "No whole seed yet (every run of a seed, each full-budget one priced).", ""])
     table = tq.tq_table(per_seed)
-    label = "final" if len(per_seed) >= planned_seeds else f"interim, {len(per_seed)} of {planned_seeds} seeds"
+    if len(per_seed) < planned_seeds:
+        label = f"interim, {len(per_seed)} of {planned_seeds} seeds"
+    elif stage != "sweep":  # the variance pilot estimates the sds; only the sweep decides (§11.5)
+        label = f"{stage}, not confirmatory: the words describe these seeds and decide nothing"
+    else:
+        label = "final"
     lines += ["Per seed: r* and q (%):", "", per_seed.set_index("seed").T.to_markdown(floatfmt=".3f"), "",
               f"Claims ({label}; Holm over the eight, δ = {tq.DELTA:g} %):", "",
               table.to_markdown(index=False, floatfmt=".4g"), ""]
