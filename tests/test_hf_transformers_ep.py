@@ -86,3 +86,12 @@ def test_transformers_all_to_all_ep_equals_lrmoes_static_ep(family):
         theirs, ours = out["loss"]
         assert theirs == pytest.approx(ours, rel=1e-6), out["loss"]
         assert not out["unequal"], out["unequal"]
+
+
+def test_the_side_by_side_benchmark_runs_both_and_their_outputs_are_bitwise_equal():
+    """experiments/hf_ep_bench.py at a tiny shape: both sides timed, the same outputs (to float noise: bitwise at
+    the documented shape, another summation order at this one)."""
+    from lrmoe.experiments.hf_ep_bench import main
+
+    out = main(["--hidden", "32", "--ffn", "16", "--experts", "4", "--top-k", "2", "--tokens", "64", "--repeats", "1"])
+    assert out["transformers_s"] > 0 and out["lrmoe_s"] > 0 and out["outputs_max_rel_diff"] < 1e-5, out
