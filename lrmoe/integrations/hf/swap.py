@@ -139,21 +139,58 @@ def checkpoint_files(path: str) -> list[str]:
     return [path]
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class _SafetensorsReader:
+    """One ``.safetensors`` file read tensor by tensor with plain reads, not memory-mapped: a mapped file's pages
+    stay in the process's resident set while the file is open (every rank reads every expert's columns, so each
+    would hold the whole file), where a read tensor's buffer is freed with it. The format: an 8-byte little-endian
+    header length, a JSON header (per tensor its dtype, shape and byte range after the header), the bytes."""
+
+    def __init__(self, path: str):
+        import json
+        import struct
+
+        self.path, self._file = path, open(path, "rb")
+        (size,) = struct.unpack("<Q", self._file.read(8))
+        header = json.loads(self._file.read(size))
+        header.pop("__metadata__", None)
+        self._start, self._header = 8 + size, header
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        entry = self._header[key]
+        begin, end = entry["data_offsets"]
+        out = torch.empty(entry["shape"], dtype=_SAFETENSORS_DTYPES[entry["dtype"]])
+        if end > begin:
+            self._file.seek(self._start + begin)
+            view = out.view(-1).view(torch.uint8).numpy()
+            if self._file.readinto(view) != end - begin:
+                raise ValueError(f"{self.path}: {key} is cut short")
+        return out
+
+    def close(self) -> None:
+        self._file.close()
+
+
 @torch.no_grad()
 def load_safetensors_(model: nn.Module, path: str, device: torch.device | str = "cpu") -> list[str]:
     """Load a safetensors checkpoint of the unmodified HF class into a swapped model, one tensor at a time. ``path``:
     a ``.safetensors`` file, a ``model.safetensors.index.json`` (a checkpoint sharded over several files), or a
-    folder holding either (:func:`checkpoint_files`); every file is opened lazily (memory-mapped), and each tensor
-    read from the file that holds it. Each dense tensor is read and assigned (materialising a model built on the
-    meta device), each block's experts (HF's two fused tensors, or the per-expert ones transformers 5 writes,
-    wherever the files split them) are read, this rank's slots and master shards taken from them
-    (``load_hf_weights``), and freed, so the peak holds the dense part, this rank's experts and one layer's fused
-    tensors. No collective. Returns the checkpoint's keys the model has no place for. The dense parameters are new
+    folder holding either (:func:`checkpoint_files`); each tensor is read from the file that holds it, with plain
+    reads (not memory-mapped: :class:`_SafetensorsReader`). Each dense tensor is read and assigned (materialising a
+    model built on the meta device), each block's experts (HF's two fused tensors, or the per-expert ones
+    transformers 5 writes, wherever the files split them) are read, this rank's slots and master shards taken from
+    them (``load_hf_weights``), and freed, so the peak holds the dense part, this rank's experts and one layer's
+    fused tensors. No collective. Returns the checkpoint's keys the model has no place for. The dense parameters are new
     objects: build the optimizer after loading. Non-persistent buffers (the rotary embedding's ``inv_freq``) are not
     in a checkpoint: a model built on the meta device rebuilds them."""
     from contextlib import ExitStack
-
-    from safetensors import safe_open
 
     experts = {name: m for name, m in model.named_modules() if isinstance(m, EPExperts)}
     params = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -161,11 +198,12 @@ def load_safetensors_(model: nn.Module, path: str, device: torch.device | str = 
     with ExitStack() as stack:
         where = {}  # key -> the open file that holds it
         for file in checkpoint_files(path):
-            f = stack.enter_context(safe_open(file, framework="pt", device=str(device)))
+            f = _SafetensorsReader(file)
+            stack.callback(f.close)
             where.update(dict.fromkeys(f.keys(), f))
 
         def read(key: str) -> torch.Tensor:
-            return where[key].get_tensor(key)
+            return where[key].get_tensor(key).to(device)
 
         keys = set(where)
         for name, module in experts.items():
