@@ -8,7 +8,9 @@ on the same ranks and micro-batches (``ep.optimizer(AdamW, max_grad_norm=...)``,
 float noise, with the same clipped norm at the last step; Trainer's own clipping is off during the run and restored
 after it; a Trainer resumed from its step-2 checkpoint (HF's full tensors written by the main process alone, each
 rank's expert state beside them) ends bitwise where the uninterrupted run ended; the checkpoint loads into the
-unmodified HF class.
+unmodified HF class. With ``EPTrainerCallback(ep, sharded=True)`` nothing is gathered: the checkpoint's model file
+holds the dense part alone and its per-rank shards, consolidated, load into the unmodified class as exactly what
+the gathering run's checkpoint holds; a run resumed from it ends bitwise where the gathering run ended.
 """
 
 import os
@@ -21,7 +23,8 @@ pytest.importorskip("accelerate")
 from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 from lrmoe.integrations.hf import hf_config, swap_moe_blocks  # noqa: E402
-from lrmoe.integrations.hf.trainer import EPTrainerCallback, expert_state_file  # noqa: E402
+from lrmoe.integrations.hf.checkpoint import consolidate  # noqa: E402
+from lrmoe.integrations.hf.trainer import SHARDS, EPTrainerCallback, expert_state_file  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
 from _hf_helpers import Rows, tiny_config  # noqa: E402
 
@@ -42,7 +45,7 @@ def warmup(step: int) -> float:
     return (step + 1) / STEPS
 
 
-def run_trainer(family: str, folder: str, resume: str | None = None) -> tuple:
+def run_trainer(family: str, folder: str, resume: str | None = None, sharded: bool = False) -> tuple:
     """Trainer on this rank with the callback; returns (model, ep, optimizer, the token ids of its training
     forwards, Trainer's max_grad_norm after the run)."""
     os.environ.update(LOCAL_WORLD_SIZE=os.environ["WORLD_SIZE"], OMP_NUM_THREADS="1")  # what torchrun sets
@@ -58,7 +61,7 @@ def run_trainer(family: str, folder: str, resume: str | None = None) -> tuple:
                              dataloader_num_workers=0, disable_tqdm=True, seed=0)
     rows = torch.randint(0, TINY.vocab_size, (int(os.environ["WORLD_SIZE"]) * STEPS * MICRO * BATCH, SEQ),
                          generator=torch.Generator().manual_seed(1))
-    t = Trainer(model=model, args=args, train_dataset=Rows(rows), callbacks=[EPTrainerCallback(ep)],
+    t = Trainer(model=model, args=args, train_dataset=Rows(rows), callbacks=[EPTrainerCallback(ep, sharded=sharded)],
                 optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, warmup)))
     t.train(resume_from_checkpoint=resume)
     return model, ep, opt, seen, args.max_grad_norm
@@ -116,6 +119,38 @@ def test_trainer_on_several_processes_trains_as_lrmoes_own_loop_and_resumes_bitw
         assert out["expert_state"] and "model.safetensors" in out["state_files"], out["state_files"]
         assert not out["resumed_unequal"], out["resumed_unequal"]  # bitwise
     assert outs[0]["loads"] != "EPExperts"
+
+
+def _sharded_checkpoints(rank: int, family: str, folder: str) -> dict:
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    model, _, _, _, _ = run_trainer(family, f"{folder}/gathered")
+    want = model.state_dict()  # collective
+    run_trainer(family, f"{folder}/sharded", sharded=True)
+    resumed, _, _, _, _ = run_trainer(family, f"{folder}/sharded", resume=f"{folder}/sharded/checkpoint-2",
+                                      sharded=True)
+    got = resumed.state_dict()
+    out = {"resumed_unequal": [k for k in want if not torch.equal(got[k], want[k])]}
+    if rank == 0:
+        with safe_open(f"{folder}/sharded/checkpoint-2/model.safetensors", framework="pt") as f:
+            out["model_file_experts"] = [k for k in f.keys() if ".experts." in k]
+        consolidate(f"{folder}/sharded/checkpoint-2/{SHARDS}", f"{folder}/consolidated")
+        cls = Qwen3MoeForCausalLM if family == "qwen" else Glm4MoeForCausalLM
+        a = cls.from_pretrained(f"{folder}/consolidated").state_dict()
+        b = cls.from_pretrained(f"{folder}/gathered/checkpoint-2").state_dict()
+        out["consolidated_unequal"] = [k for k in b if k not in a or not torch.equal(a[k], b[k])]
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen", "glm"])
+def test_sharded_trainer_checkpoints_gather_nothing_consolidate_and_resume_bitwise(tmp_path, family):
+    outs = launch(_sharded_checkpoints, 2, family, str(tmp_path), timeout_s=600)
+    assert outs[0]["model_file_experts"] == [], outs[0]["model_file_experts"]  # the dense part alone
+    assert not outs[0]["consolidated_unequal"], outs[0]["consolidated_unequal"]
+    for out in outs:
+        assert not out["resumed_unequal"], out["resumed_unequal"]
 
 
 @pytest.mark.slow  # two torchrun processes training 6 steps: about a minute on a loaded machine

@@ -101,6 +101,8 @@ class EPExperts(nn.Module):
 def _emit_hf_weights(module: EPExperts, state_dict: dict, prefix: str, local_metadata) -> None:
     state_dict.pop(prefix + "slots_SW", None)  # this rank's slots: the gathered experts stand for them
     held = module.__dict__.get("held_hf_weights")  # gathered beforehand on every rank (hold_gathered_weights)
+    if held == ():  # without_experts: the experts are saved elsewhere (per-rank shards)
+        return
     gate_up, down = held if held is not None else module.gather_hf_weights()
     state_dict[prefix + "gate_up_proj"] = gate_up
     state_dict[prefix + "down_proj"] = down
@@ -126,6 +128,21 @@ def hold_gathered_weights(model: nn.Module):
     swapped = [m for m in model.modules() if isinstance(m, EPExperts)]
     for module in swapped:
         module.__dict__["held_hf_weights"] = module.gather_hf_weights()
+    try:
+        yield
+    finally:
+        for module in swapped:
+            module.__dict__.pop("held_hf_weights", None)
+
+
+@contextmanager
+def without_experts(model: nn.Module):
+    """Let ``model.state_dict()`` leave the swapped experts out inside the block (no collective), so that a save
+    that only the main process runs writes the dense part alone, the experts going to per-rank shards
+    (:func:`lrmoe.integrations.hf.checkpoint.save_sharded`)."""
+    swapped = [m for m in model.modules() if isinstance(m, EPExperts)]
+    for module in swapped:
+        module.__dict__["held_hf_weights"] = ()
     try:
         yield
     finally:

@@ -25,6 +25,11 @@ What it does, and why (each at the hook where Trainer allows it):
   or a path in the output folder resumes (a callback cannot see the path given to ``train``: a checkpoint elsewhere
   is ``EPTrainerCallback(ep, resume_from=path)``).
 
+``EPTrainerCallback(ep, sharded=True)`` gathers nothing: each checkpoint's ``lrmoe-shards/`` holds the per-rank
+shards of :func:`~lrmoe.integrations.hf.checkpoint.save_sharded`, and Trainer's own model file the dense part alone;
+``python -m lrmoe.integrations.hf.checkpoint <checkpoint>/lrmoe-shards OUT`` makes it a checkpoint of the unmodified
+class. Resuming works the same (each rank's expert state is beside it either way).
+
 Checkpoints are written on Trainer's ``save_strategy`` ``"steps"`` and ``"epoch"`` (a save Trainer decides after an
 evaluation, ``"best"``, is not prepared for). ``trainer.save_model(path)`` outside ``train()`` needs the experts
 gathered on every rank: ``with hold_gathered_weights(model): trainer.save_model(path)`` on every rank.
@@ -38,9 +43,11 @@ from contextlib import ExitStack
 import torch
 from transformers import TrainerCallback
 
-from lrmoe.integrations.hf.experts import hold_gathered_weights
+from lrmoe.integrations.hf.experts import hold_gathered_weights, without_experts
 
-__all__ = ["EPTrainerCallback", "expert_state_file"]
+__all__ = ["SHARDS", "EPTrainerCallback", "expert_state_file"]
+
+SHARDS = "lrmoe-shards"  # the per-rank shards' folder inside a checkpoint, with EPTrainerCallback(ep, sharded=True)
 
 
 def expert_state_file(folder: str, rank: int, num_ranks: int) -> str:
@@ -62,8 +69,8 @@ def _own_optimizer(optimizer, ep):
 class EPTrainerCallback(TrainerCallback):
     """Trainer's loop as the swapped model's own loop (module doc): ``callbacks=[EPTrainerCallback(ep)]``."""
 
-    def __init__(self, ep, resume_from: str | None = None):
-        self.ep, self.resume_from = ep, resume_from
+    def __init__(self, ep, resume_from: str | None = None, sharded: bool = False):
+        self.ep, self.resume_from, self.sharded = ep, resume_from, sharded
         self._held = ExitStack()
         self._trainer_max_grad_norm: float | None = None
 
@@ -86,9 +93,15 @@ class EPTrainerCallback(TrainerCallback):
         if not control.should_save or model is None:
             return
         self._held.close()
-        self._held.enter_context(hold_gathered_weights(model))  # collective: every rank is here
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         os.makedirs(folder, exist_ok=True)
+        if self.sharded:  # each rank its own master shards; Trainer's model file the dense part alone
+            from lrmoe.integrations.hf.checkpoint import save_sharded
+
+            save_sharded(model, os.path.join(folder, SHARDS))  # collective: every rank is here
+            self._held.enter_context(without_experts(model))
+        else:
+            self._held.enter_context(hold_gathered_weights(model))  # collective: every rank is here
         path = expert_state_file(folder, self.ep.rank, self.ep.num_ranks)
         torch.save(self.ep.expert_state_dict(), path + ".tmp")
         os.replace(path + ".tmp", path)
