@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -209,244 +208,27 @@ def check_regime(args: argparse.Namespace, counts_INE: torch.Tensor, ctx) -> dic
     return measured
 
 
-# -- pieces --------------------------------------------------------------------------------------------------
-def tokens_from_counts(counts_E: torch.Tensor, num_tokens: int, top_k: int, gen: torch.Generator):
-    """Per-token choices with exactly these per-expert pair counts (each ≤ num_tokens, summing to T·k) and random
-    gate weights. Pairs sorted by expert are dealt round-robin to tokens, so a token's k pairs are num_tokens
-    apart in that order and (as each expert's run is at most num_tokens long) always distinct experts."""
-    import torch
-
-    from lrmoe.runtime.routing import RouterOutput
-
-    counts_E = counts_E.long()
-    if int(counts_E.sum()) != num_tokens * top_k or int(counts_E.max()) > num_tokens:
-        raise ValueError(f"counts_E must sum to tokens·k = {num_tokens * top_k} with each ≤ {num_tokens}, "
-                         f"got sum {int(counts_E.sum())}, max {int(counts_E.max())}")
-    experts = torch.repeat_interleave(torch.arange(counts_E.numel()), counts_E)
-    idx_TK = experts.view(top_k, num_tokens).T.contiguous()
-    w_TK = torch.rand(num_tokens, top_k, generator=gen, dtype=torch.float64) + 0.1
-    return RouterOutput(idx_TK, (w_TK / w_TK.sum(1, keepdim=True)).float(), None)
-
-
-def phase_sum(record: dict, phases, unit: str) -> float:
-    return sum(record.get(f"{p}.{unit}", 0.0) for p in phases)
-
-
-def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[dict]:
-    """Every trace and policy on this rank: one record per (trace, policy, measured step) with its counters."""
-    import torch
-    import torch.distributed as dist
-    from tqdm import tqdm
-
-    from lrmoe.bytemodel.layout import BACKWARD_PHASES, FORWARD_PHASES, STEP_PHASES
-    from lrmoe.harness.gradient_error import full_gradient, gradient_errors
-    from lrmoe.harness.layer_bench_setup import buffer_load, make_policy, make_traces, memory_model, system_context
-    from lrmoe.runtime.distributed.accounting import Accountant, check_accounting, expected_layer, expected_step
-    from lrmoe.runtime.distributed.replica import RangeGroups
-    from lrmoe.runtime.layer import EPMoELayer, initial_placement
-    from lrmoe.runtime.reference import ReferenceMoE
-
-    N = dist.get_world_size()
-    cfg = model_preset(args.model)
-    cfg = replace(cfg, hidden=args.hidden or cfg.hidden, expert_ffn=args.ffn or cfg.expert_ffn)
-    E, D, F, K = cfg.num_experts, cfg.hidden, cfg.expert_ffn, cfg.top_k
-    if E % N:
-        raise ValueError(f"num_experts={E} of --model {args.model} is not divisible by {N} ranks")
-    dtype = getattr(torch, args.dtype)
-    elem = torch.tensor([], dtype=dtype).element_size()
-    base = E // N
-    ref = ReferenceMoE(D, F, E, K, cfg.router, seed=args.seed, dtype=torch.float32)
-    groups = RangeGroups()
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
-    records = []
-    for label, counts_INE, T in make_traces(args, N, E, K, cfg.name):
-        memory = memory_model(base, args.spare_slots, T, K, D, F, elem, buffer_load(args))
-        ctx = system_context(args, N, E, memory, T, K)
-        layers = {}
-        modes = list(dict.fromkeys(args.replica_grad))
-        for name in args.policies:
-            for mode in modes:
-                policy, backward = make_policy(name, ctx)
-                acc = Accountant(sync=sync)
-                layer = EPMoELayer(ref.export_weights(), K, cfg.router, policy,
-                                   initial_placement(policy, N, E, T * K), groups, routed_scaling=cfg.routed_scaling,
-                                   dtype=dtype, device=device, accountant=acc, backward=backward, replica_grad=mode)
-                layers[name if len(modes) == 1 else f"{name} ({mode})"] = (policy, backward, acc, layer, mode)
-        # a progress bar on rank 0 (the ranks run in step): every policy per step
-        for step in tqdm(range(args.warmup + args.steps), desc=label, unit="step", disable=rank != 0):
-            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-            routing = tokens_from_counts(counts_INE[step, rank], T, K, gen)
-            x_TD = torch.randn(T, D, generator=gen).to(device, dtype)
-            dy_TD = torch.randn(T, D, generator=gen).to(device, dtype)
-            names = list(layers)
-            shift = step % len(names)
-            for name in names[shift:] + names[:shift]:  # the policies take turns, the first one rotating
-                policy, backward, acc, layer, mode = layers[name]
-                errors = {}
-                if not args.no_grad_error:
-                    full_shards, full_dx = full_gradient(layer, policy, routing, x_TD, dy_TD, 1.0 / N)
-                acc.reset()
-                x = x_TD.clone().requires_grad_(True)
-                y_TD, info = layer(x, routing=routing)
-                (y_TD * dy_TD).sum().backward()
-                layer.sync_dense_grads(1.0 / N)
-                before = layer.placement_NS.clone()
-                after = layer.expert_step(grad_scale=1.0 / N)
-                plan = info.dispatch.plan
-                want = expected_layer(plan, D, F, elem, backward.metric, backward.compact)
-                want.update(expected_step(before, after, E, D, F, elem, replica_grad=mode))
-                record = acc.record()
-                check_accounting(record, want, rank)  # raises if any counted byte or pair differs from the formula
-                if not args.no_grad_error:
-                    errors = gradient_errors(layer.store.grad_shards_EW, full_shards, x.grad, full_dx)
-                for p in layer.dense_parameters():
-                    p.grad = None
-                if step < args.warmup:
-                    continue
-                slots = int((before >= 0).sum())
-                records.append({
-                    "trace": label, "policy": name, "replica_grad": mode, "step": step - args.warmup, "rank": rank,
-                    "replica_slots": slots, "slots_per_rank": layer.slots_per_rank,
-                    "fwd_wall_ms": phase_sum(record, FORWARD_PHASES, "wall_ms"),
-                    "bwd_wall_ms": phase_sum(record, BACKWARD_PHASES, "wall_ms"),
-                    "fwd_cpu_ms": phase_sum(record, FORWARD_PHASES, "cpu_ms"),
-                    "bwd_cpu_ms": phase_sum(record, BACKWARD_PHASES, "cpu_ms"),
-                    "step_wall_ms": phase_sum(record, STEP_PHASES, "wall_ms"),
-                    "memory_bytes": layer.slots_per_rank * memory.slot_bytes + record.get("token_buffer_bytes", 0)
-                    + record.get("bwd_buffer_bytes", 0),
-                    "budget_bytes": memory.budget_bytes, "floor_excess": int(plan.floor_excess_N[rank]),
-                    **errors, **record})
-    return records
-
-
 def _fork_main(rank: int, args: argparse.Namespace) -> list[dict]:
     import torch
+
+    from lrmoe.harness.layer_bench_rank import run_rank
 
     return run_rank(rank, args, torch.device("cpu"))
 
 
-# -- summaries -----------------------------------------------------------------------------------------------
-FWD_BYTES = ("dispatch_a2a", "combine_a2a")
-BWD_BYTES = ("combine_a2a_bwd", "bwd_index_a2a", "dispatch_a2a_bwd")
-
-
-def summarise(raw: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Per (trace, policy, phase): the slowest rank and the mean over ranks, mean over steps; and per (trace,
-    policy): medians over steps of the per-rank times, the slowest rank, bytes, pairs, memory, errors."""
-    import pandas as pd
-
-    from lrmoe.bytemodel.layout import BYTE_PHASES, PHASES
-
-    rows = []
-    for (trace, policy), df in raw.groupby(["trace", "policy"], sort=False):
-        per_step = df.groupby("step")
-        for phase in PHASES:
-            if f"{phase}.wall_ms" not in df or df[f"{phase}.wall_ms"].isna().all():
-                continue
-            row = {"trace": trace, "policy": policy, "phase": phase,
-                   "wall_ms_mean": per_step[f"{phase}.wall_ms"].mean().mean(),
-                   "wall_ms_max": per_step[f"{phase}.wall_ms"].max().mean(),
-                   "cpu_ms_mean": per_step[f"{phase}.cpu_ms"].mean().mean()}
-            if phase in BYTE_PHASES:
-                row["sent_KiB_mean"] = per_step[f"{phase}.sent_bytes"].mean().mean() / 1024
-                row["sent_KiB_max"] = per_step[f"{phase}.sent_bytes"].max().mean() / 1024
-                row["recv_KiB_max"] = per_step[f"{phase}.recv_bytes"].max().mean() / 1024
-            rows.append(row)
-    phases = pd.DataFrame(rows)
-    totals = []
-    for (trace, policy), df in raw.groupby(["trace", "policy"], sort=False):
-        df = df.assign(layer_wall_ms=df["fwd_wall_ms"] + df["bwd_wall_ms"],
-                       layer_cpu_ms=df["fwd_cpu_ms"] + df["bwd_cpu_ms"],
-                       bwd_bytes=sum(df.get(f"{p}.sent_bytes", 0) for p in BWD_BYTES),
-                       fwd_bytes=sum(df.get(f"{p}.sent_bytes", 0) for p in FWD_BYTES),
-                       buffer_bytes=df["token_buffer_bytes"] + df.get("bwd_buffer_bytes", 0))
-        per_step = df.groupby("step")
-        routed = df["pairs_fwd"].sum() + df["pairs_dropped"].sum()
-        row = {
-            "trace": trace, "policy": policy, "replica_slots": int(df["replica_slots"].iloc[0]),
-            "fwd_ms": per_step["fwd_wall_ms"].mean().median(), "bwd_ms": per_step["bwd_wall_ms"].mean().median(),
-            "fwd_cpu_ms": per_step["fwd_cpu_ms"].mean().median(),
-            "bwd_cpu_ms": per_step["bwd_cpu_ms"].mean().median(),
-            "slowest_ms": per_step["layer_wall_ms"].max().median(),
-            "slowest_cpu_ms": per_step["layer_cpu_ms"].max().median(),
-            "step_ms": per_step["step_wall_ms"].max().median(),
-            "fwd_imbalance": (per_step["pairs_fwd"].max() / per_step["pairs_fwd"].mean()).median(),
-            "bwd_pairs_max": per_step["pairs_retained"].max().median(),
-            "bwd_pairs_mean": per_step["pairs_retained"].mean().median(),
-            "bwd_max_over_fwd_mean": (per_step["pairs_retained"].max() / per_step["pairs_fwd"].mean()).median(),
-            "retained_pct": 100.0 * df["pairs_retained"].sum() / max(df["pairs_fwd"].sum(), 1),
-            "dropped_pct": 100.0 * df["pairs_dropped"].sum() / routed,
-            "fwd_a2a_KiB": per_step["fwd_bytes"].sum().median() / 1024,
-            "bwd_a2a_KiB": per_step["bwd_bytes"].sum().median() / 1024,
-            "buffer_KiB_max": per_step["buffer_bytes"].max().median() / 1024,
-            "memory_over_budget": (per_step["memory_bytes"].max() / df["budget_bytes"].iloc[0]).median(),
-        }
-        for key in ("grad_rel_err", "grad_cos", "dx_rel_err"):
-            if key in df:
-                row[key] = per_step[key].first().median()  # all ranks hold the same all-reduced value
-        totals.append(row)
-    return phases, pd.DataFrame(totals)
-
-
-TARGETS = [  # (name, DESIGN.md §5.8's words, how it is measured, bound)
-    ("bwd_balance", "slowest rank carries <= 1.1 x the mean backward pairs", "bwd_pairs_max / bwd_pairs_mean", 1.1),
-    ("bwd_bytes", "backward all-to-all bytes <= 0.7 x SYMI-dropless's", "bwd_a2a_KiB / symi-dropless's", 0.7),
-    ("cpu_time", "slowest-rank layer CPU time <= 0.75 x SYMI-dropless's", "slowest_cpu_ms / symi-dropless's",
-     0.75),
-]
-
-
-def targets(totals: pd.DataFrame, trace: str) -> pd.DataFrame:
-    """The LRMoE targets of DESIGN.md §5.8 on ``trace``, for every LRMoE variant that ran (SYMI-dropless present)."""
-    import pandas as pd
-
-    df = totals[totals["trace"] == trace].set_index("policy")
-    rows = []
-    for policy in [p for p in df.index if p.startswith("lrmoe")]:
-        me = df.loc[policy]
-        mode = policy[policy.index(" ("):] if " (" in policy else ""  # "lrmoe (shard)": SYMI-dropless in that mode
-        reference = f"symi-dropless{mode}"
-        symi = df.loc[reference] if reference in df.index else None
-        values = {"bwd_balance": me["bwd_pairs_max"] / me["bwd_pairs_mean"],
-                  "bwd_bytes": me["bwd_a2a_KiB"] / symi["bwd_a2a_KiB"] if symi is not None else float("nan"),
-                  "cpu_time": me["slowest_cpu_ms"] / symi["slowest_cpu_ms"] if symi is not None else float("nan")}
-        for name, words, how, bound in TARGETS:
-            v = values[name]
-            rows.append({"trace": trace, "policy": policy, "target": words, "measured_as": how,
-                         "measured": v, "bound": bound, "met": bool(v <= bound) if v == v else None})
-    return pd.DataFrame(rows)
-
-
-def target_trace(labels: list[str], skew_params: list[float], skew: str) -> str:
-    """The trace the targets are read on: Zipf 0.8 when it ran, else the most skewed synthetic one."""
-    for label in labels:
-        if label == f"synthetic {skew} 0.8":
-            return label
-    synthetic = [lab for lab in labels if lab.startswith("synthetic")]
-    return synthetic[-1] if synthetic else labels[0]
-
-
 def report(args: argparse.Namespace, records: list[dict], world_size: int) -> pd.DataFrame:
+    """The tables of the ranks' records (lrmoe.harness.layer_bench_summary) into the results file, its two figures,
+    and the target trace's phases, the policies and the targets printed; returns the per-phase table."""
     import matplotlib
-    import pandas as pd
 
+    from lrmoe.harness.layer_bench_summary import tables
     from lrmoe.integrations.tracking import Tracker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    raw = pd.DataFrame(records)
-    counted = [c for c in raw if c.endswith("_bytes") or c.startswith("pairs_")]
-    raw[counted] = raw[counted].fillna(0)  # a phase a policy never ran moved no bytes
-    labels = list(dict.fromkeys(raw["trace"]))
-    order = {"policy": {name: i for i, name in enumerate(args.policies)},
-             "trace": {name: i for i, name in enumerate(labels)}}
-    raw = raw.sort_values(["trace", "policy", "step", "rank"], kind="stable",
-                          key=lambda c: c.map(order[c.name]) if c.name in order else c)
-    phases, totals = summarise(raw)
-    on = target_trace(labels, args.skew_param, args.skew)
-    goals = targets(totals, on)
-    config = {**vars(args), "world_size": world_size, "traces": labels, "target_trace": on}
+    raw, phases, totals, on, goals = tables(records, args.policies, args.skew, args.skew_param)
+    config = {**vars(args), "world_size": world_size, "traces": list(dict.fromkeys(raw["trace"])), "target_trace": on}
     with Tracker("layer_bench", config, results=args.out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
         run.log_table("per_rank_step", records)
@@ -520,6 +302,7 @@ def run(args: argparse.Namespace):
         import torch
         import torch.distributed as dist
 
+        from lrmoe.harness.layer_bench_rank import run_rank
         from lrmoe.runtime.distributed.comm import init_process_group_from_env
 
         info = init_process_group_from_env()

@@ -50,9 +50,8 @@ SYSTEMS = ["static-ep", "symi-cf1", "symi-dropless", "symi-dropless-rho0.75", "l
            "online-greedy"]
 MODELS = ["qwen3-30b-a3b", "glm-4.5-air"]
 # the collected runs whose static-EP arm the regimes' skews match and whose claims give each arm's quality: the
-# sweep's, as the frontier's time axis (experiments/frontier.py --regime)
-RUNS = "paper_figures/results/frontier_protocol_sweep.jsonl"  # relative to the working directory, else the checkout's
-ROOT = Path(__file__).resolve().parent.parent
+# sweep's, as the frontier's time axis (experiments/frontier.py --regime); without --runs, the committed file
+RUNS = "frontier_protocol_sweep.jsonl"  # in lrmoe.paper_figures.RESULTS_DIR
 QUICK_SPARE = (1, 3, 6)  # quick mode: the budgets that hold the home slots and this many spare slots at the mean load
 
 
@@ -69,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="routing skews, family:param as experiments/ablate.py takes them, instead of --regimes")
     p.add_argument("--regimes", nargs="+", choices=list(protocol.REGIMES), default=None,
                    help="the frontier regimes' matched Zipf skews (from --runs); default every regime (quick: weak)")
-    p.add_argument("--runs", default=RUNS, help="the protocol's collected runs that --regimes match their skew to")
+    p.add_argument("--runs", default=None,
+                   help="the protocol's collected runs that --regimes match their skew to (default: the committed "
+                        f"sweep, paper_figures/results/{RUNS} of the checkout)")
     p.add_argument("--max-gb", type=positive_float_arg, default=80.0, help="largest per-rank MoE budget")
     p.add_argument("--step-gb", type=positive_float_arg, default=None,
                    help="budget step while systems gain replicas (default: one replica slot's worth per model)")
@@ -86,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=positive_int_arg, default=8, help="micro-batches per iteration")
     p.add_argument("--no-band", action="store_true", help="skip the sensitivity corners")
     p.add_argument("--seed", type=non_negative_int_arg, default=0, help="seed of the synthetic traces")
-    p.add_argument("--work-dir", default="outputs/memory_sweep",
-                   help="experiments/ablate.py's results file of each (model, skew) goes here")
+    p.add_argument("--work-dir", default=None,
+                   help="experiments/ablate.py's results file of each (model, skew) goes here (default: beside --out, "
+                        "the folder named for it: outputs/memory_sweep for outputs/memory_sweep.jsonl)")
     return p
 
 
@@ -105,8 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.regime_of = {}  # skew -> (regime, its label)
     args.quality = {}  # regime label -> arm -> its quality claim under the protocol (lrmoe.analysis.claims.arm_quality)
     if args.regimes:
-        runs = Path(args.runs) if Path(args.runs).exists() else ROOT / args.runs
         try:
+            runs = runs_file(args.runs)
             rows = read_records(runs)
             if not rows:
                 raise ValueError(f"{runs} holds no collected runs (experiments/frontier_sweep.py writes them)")
@@ -125,6 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--steps must be at least 2 (the first is warm-up), got {args.steps}")
     if not args.saturate_load >= 1:
         p.error(f"--saturate-load must be at least 1, got {args.saturate_load}")
+    args.work_dir = str(work_dir(args.out, args.work_dir))
     if problem := output_problem("--work-dir", Path(args.work_dir) / "x.jsonl", replace=True):
         p.error(problem.replace("/x.jsonl", ""))
     for model in args.models:
@@ -137,6 +140,33 @@ def parse_args(argv=None) -> argparse.Namespace:
             if problem := foreign_results(group, "ablate"):  # only the ablation's own results are reused or redone
                 p.error(problem.replace("--out", "--work-dir"))
     return args
+
+
+def runs_file(runs: str | None) -> Path:
+    """The collected runs ``--regimes`` reads: ``--runs`` as given (relative to the working directory), else the
+    committed sweep, found from the package (lrmoe.paper_figures.RESULTS_DIR), never from the working directory.
+    ValueError naming the file when it is not there (an install without the checkout's committed results)."""
+    from lrmoe.paper_figures import RESULTS_DIR
+
+    if runs is not None:
+        if not Path(runs).is_file():
+            raise ValueError(f"{runs!r} is not a file")
+        return Path(runs)
+    path = RESULTS_DIR / RUNS
+    if not path.is_file():
+        raise ValueError(f"the committed runs {path} are not there (they come with a checkout of the repository, "
+                         "not with an installed package): pass --runs FILE, or --skews instead of --regimes")
+    return path
+
+
+def work_dir(out: str, given: str | None) -> Path:
+    """``--work-dir`` as given, else the folder beside ``--out`` named for it (``outputs/memory_sweep`` for
+    ``outputs/memory_sweep.jsonl``): under the main job, inside the job's output folder (experiments/reproduce.py
+    counts ``<stage>/`` among the stage's outputs)."""
+    if given is not None:
+        return Path(given)
+    out = Path(out)
+    return out.with_suffix("") if out.suffix else out.with_name(f"{out.name}_groups")
 
 
 def skew_text(value: str) -> str:

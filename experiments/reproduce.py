@@ -3,9 +3,9 @@
     python experiments/reproduce.py --mode quick      # minutes on a 2-core CPU
     python experiments/reproduce.py --mode full       # the full sweeps (hours on a CPU)
 
-Outputs go to outputs/<mode>/: one results file (JSON lines) per stage, its figures, the W&B offline runs and
-SUMMARY.md. An existing output folder is never overwritten: pass --overwrite to start again, or --resume to
-skip the stages that completed and run the rest.
+Outputs go to outputs/<mode>/ in the working directory (or --out-dir): one results file (JSON lines) per stage, its
+figures, the W&B offline runs and SUMMARY.md. An existing output folder is never overwritten: pass --overwrite to
+start again, or --resume to skip the stages that completed and run the rest.
 
 Each stage is a script of lrmoe.experiments, run through its entry point (its ``cli``, else its ``main``;
 lrmoe.cli.run_entry) in a process forked from the job, so that the job needs no script at a path of its own and the
@@ -45,8 +45,6 @@ from pathlib import Path
 
 from lrmoe.cli import StageFailed, run_entry, script_parser
 from lrmoe.results import Manifest, atomic_write_text, read_headers
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -174,6 +172,12 @@ def argv_difference(old: list[str], new: list[str]) -> str:
     return f"was `{' '.join(old) or '(none)'}`, now `{' '.join(new) or '(none)'}`"
 
 
+def output_dir(out_dir: str | None, mode: str) -> Path:
+    """The job's output folder: ``--out-dir``, else ``outputs/<mode>``, both relative to the working directory (the
+    job's and its stages': never the package's location, which in an installed package is site-packages)."""
+    return Path(out_dir) if out_dir else Path("outputs") / mode
+
+
 def out_dir_problem(out: Path) -> str | None:
     """Why the job could not write in ``out`` (None: it can)."""
     if out.exists() and not out.is_dir():
@@ -299,7 +303,8 @@ def start_stage(stage: Stage, argv: list[str], env: dict, out: Path) -> Running:
 
 def _stage_process(stage: Stage, argv: list[str], env: dict, stdout: Path, parent: int, ready: int) -> None:
     """The forked stage's side: its own session (process group), death with the job, the job's signal handlers
-    undone, its environment and working directory, its stdout to the capture file; then the stage's entry point
+    undone, its environment, its stdout to the capture file (the job's working directory stays its own: the
+    stages' paths are the job's, and committed inputs are found from the package); then the stage's entry point
     (lrmoe.cli.run_entry: a failure is one line naming the stage, or its traceback), and ``os._exit`` with its
     status: nothing of the job's (its ``finally`` blocks, its exit handlers) runs here."""
     code = 1
@@ -315,7 +320,6 @@ def _stage_process(stage: Stage, argv: list[str], env: dict, stdout: Path, paren
             die_with_parent(parent)
         os.environ.clear()
         os.environ.update(env)
-        os.chdir(ROOT)
         fd = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.close(fd)
@@ -362,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     parser.add_argument("--mode", choices=["quick", "full"], default="quick",
                         help="quick: every stage at a small size (minutes); full: the paper's sizes")
-    parser.add_argument("--out-dir", default=None, help="folder of the job's results (default: outputs/<mode>)")
+    parser.add_argument("--out-dir", default=None,
+                        help="folder of the job's results (default: outputs/<mode> in the working directory)")
     parser.add_argument("--overwrite", action="store_true",
                         help="remove what an earlier run of the job wrote in the output folder first (nothing else)")
     parser.add_argument("--resume", action="store_true",
@@ -382,7 +387,7 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
         parser.error(f"--only: no stage named {', '.join(unknown)}; the stages are {', '.join(names)}")
     if args.overwrite and args.resume:
         parser.error("--overwrite and --resume contradict each other; choose one")
-    out = Path(args.out_dir or ROOT / "outputs" / args.mode)
+    out = output_dir(args.out_dir, args.mode)
     if problem := out_dir_problem(out):
         parser.error(problem)
     try:

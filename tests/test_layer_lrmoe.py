@@ -337,12 +337,13 @@ def test_layer_bench_quick_runs_every_policy_and_reports_the_targets(tmp_path):
 def test_layer_bench_targets_compare_with_symi_dropless_in_the_same_replica_gradient_mode():
     import pandas as pd
 
-    bench = _bench()
+    from lrmoe.harness.layer_bench_summary import targets
+
     rows = [("lrmoe (range)", 50.0, 8.0), ("lrmoe (shard)", 40.0, 8.0),
             ("symi-dropless (range)", 100.0, 10.0), ("symi-dropless (shard)", 80.0, 10.0)]
     totals = pd.DataFrame([{"trace": "t", "policy": p, "slowest_cpu_ms": ms, "bwd_a2a_KiB": kib,
                             "bwd_pairs_max": 2.0, "bwd_pairs_mean": 2.0} for p, ms, kib in rows])
-    got = bench.targets(totals, "t").set_index(["policy", "measured_as"])["measured"]
+    got = targets(totals, "t").set_index(["policy", "measured_as"])["measured"]
     assert got[("lrmoe (range)", "slowest_cpu_ms / symi-dropless's")] == 0.5
     assert got[("lrmoe (shard)", "slowest_cpu_ms / symi-dropless's")] == 0.5
     assert got[("lrmoe (shard)", "bwd_a2a_KiB / symi-dropless's")] == 0.8

@@ -310,3 +310,36 @@ def test_a_group_runs_ablate_in_this_process_and_a_failed_one_names_it(tmp_path,
     assert str(exc.value.code).startswith("memory_sweep.py: error: ablate.py --models qwen3-30b-a3b ")
     assert exc.value.code.endswith("failed: exited with 2")
     assert "ablate.py: error:" in capsys.readouterr().err and not (tmp_path / "w" / "other.jsonl").exists()
+
+
+def test_the_runs_and_the_work_folder_come_from_the_flags_or_the_package_not_the_script_s_folder(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """Issue 36: without --runs the sweep fell back to a path beside its own file (inside site-packages in an
+    installed package). From an unrelated working directory: the default runs are the checkout's committed sweep,
+    found from the package; --runs is relative to the working directory; a missing file is argparse's error naming
+    it; the work folder lies beside --out in the working directory."""
+    from pathlib import Path
+
+    import lrmoe.paper_figures as paper_figures
+    from lrmoe.analysis import skew
+    from lrmoe.analysis.skew import Match
+    from lrmoe.experiments import memory_sweep
+    from lrmoe.results import read_records
+
+    committed = Path(__file__).resolve().parent.parent / "paper_figures" / "results" / "frontier_protocol_sweep.jsonl"
+    monkeypatch.chdir(tmp_path)
+    assert memory_sweep.runs_file(None).resolve() == committed.resolve()
+    seen = []
+    monkeypatch.setattr(skew, "regime_zipf", lambda rows, name: seen.append(rows) or Match(0.4, 1.0, {}))
+    args = memory_sweep.parse_args(["--regimes", "weak", "--no-wandb"])
+    assert seen == [read_records(committed)] and args.skews == ["zipf:0.4"]
+    assert Path(args.work_dir) == Path("outputs/memory_sweep")  # beside the default --out, in the working directory
+    assert memory_sweep.group_path(args, "qwen3-30b-a3b", "zipf:0.4").parent == Path("outputs/memory_sweep")
+    assert memory_sweep.parse_args(["--skews", "zipf:0.2", "--out", "r/s.jsonl", "--no-wandb"]).work_dir == "r/s"
+    (tmp_path / "mine.jsonl").write_text(committed.read_text())
+    assert memory_sweep.runs_file("mine.jsonl") == Path("mine.jsonl")
+    assert "--runs: 'gone.jsonl' is not a file" in refuses(capsys, ["--regimes", "weak", "--runs", "gone.jsonl",
+                                                                  "--no-wandb"])
+    monkeypatch.setattr(paper_figures, "RESULTS_DIR", tmp_path / "not-a-checkout")  # an installed package
+    err = refuses(capsys, ["--regimes", "weak", "--no-wandb"])
+    assert "not-a-checkout/frontier_protocol_sweep.jsonl are not there" in err and "pass --runs" in err

@@ -156,7 +156,9 @@ def test_a_stage_summary_can_name_its_table_by_section_title():
     assert reproduce.markdown_tables(text, "Nowhere") == "" and reproduce.markdown_tables(text, 0).startswith("| a")
     (stage,) = [s for s in reproduce.STAGES if s.name == "memory_sweep"]
     # the title is the one the memory sweep's report prints (its committed report), and its table says where
-    report = (reproduce.ROOT / "paper_figures" / "results" / "memory_pressure_regimes.md").read_text()
+    from lrmoe.paper_figures import RESULTS_DIR
+
+    report = (RESULTS_DIR / "memory_pressure_regimes.md").read_text()
     table = reproduce.markdown_tables(report, stage.table)
     assert "binds from GB" in table and len(table.splitlines()) > 2
 
@@ -295,3 +297,24 @@ def test_every_stage_of_the_main_job_runs_its_script_s_entry_point():
     assert reproduce.entry_point(reproduce.Stage("ablate", "ablate")) is load_experiment("ablate").cli
     with pytest.raises(ValueError, match="no script named 'trian'"):
         reproduce.entry_point(reproduce.Stage("train", "trian"))
+
+
+def test_the_job_and_its_stages_work_in_the_working_directory_not_the_script_s_folder(tmp_path, monkeypatch):
+    """Issue 36: the default output folder and the stages' working directory were the checkout found from the
+    script's own file (inside site-packages in an installed package). From an unrelated working directory: the
+    job writes outputs/<mode> there, its stages run there, and a relative --out-dir is relative to it."""
+    from pathlib import Path
+
+    def where(argv):
+        args = dict(zip(argv[::2], argv[1::2]))
+        Path(args["--out"]).write_text(json.dumps({"cwd": os.getcwd()}) + "\n")
+
+    monkeypatch.chdir(tmp_path)
+    assert reproduce.output_dir(None, "quick") == Path("outputs/quick")
+    assert reproduce.output_dir("elsewhere", "full") == Path("elsewhere")
+    staged = [reproduce.Stage("where", where)]
+    for argv, out in ((["--only", "where"], tmp_path / "outputs" / "quick"),
+                      (["--only", "where", "--out-dir", "mine"], tmp_path / "mine")):
+        assert reproduce.main(argv, stages=staged) == 0
+        assert Path(json.loads((out / "where.jsonl").read_text())["cwd"]).resolve() == tmp_path.resolve()
+        assert (out / "SUMMARY.md").is_file() and (out / "where.done").is_file()

@@ -5,6 +5,9 @@
 * :mod:`~lrmoe.harness.replica_sync_timing`: the replica-sync timing;
 * :mod:`~lrmoe.harness.layer_bench_setup`: the layer benchmark's policies, memory budget and traces (the benchmark
   and the simulator's validation replay the same plans);
+* :mod:`~lrmoe.harness.layer_bench_rank`: one rank of the layer benchmark (every trace and policy on the real layer,
+  one record per measured step); :mod:`~lrmoe.harness.layer_bench_summary`: its per-phase, per-policy and target
+  tables;
 * :mod:`~lrmoe.harness.gradient_error`: the layer's gradient error against the full gradient (every routed pair kept),
   over all ranks' shards;
 * :mod:`~lrmoe.harness.import_graph`: the package's import graph against its contracts (``make import-graph``).
