@@ -133,8 +133,9 @@ def retention_quotas(fwd_NG: Tensor, expert_G: Tensor, cap_N: Tensor, gamma: flo
     return torch.from_numpy(keep), torch.from_numpy(excess)
 
 
-def _retention_quotas(fwd_NG: np.ndarray, expert_G: np.ndarray, cap_N: np.ndarray, gamma: float,
-                      flows_V4: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+def over_cap(fwd_NG: np.ndarray, cap_N: np.ndarray, flows_V4: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(the pairs that stay on their slot [N, G] after the backward flows move theirs, each rank's pairs above its
+    cap [N]); a flow onto a rank that ends above its cap is an error."""
     N, G = fwd_NG.shape
     S = G // N
     stay_NG = fwd_NG
@@ -150,6 +151,14 @@ def _retention_quotas(fwd_NG: np.ndarray, expert_G: np.ndarray, cap_N: np.ndarra
         r = landed[0]
         raise ValueError(f"bwd_flows_V4 move {int(in_N[r])} pairs onto rank {r}, which ends {int(excess_N[r])} "
                          f"pairs above its cap {int(cap_N[r])}")
+    return stay_NG, excess_N
+
+
+def _retention_quotas(fwd_NG: np.ndarray, expert_G: np.ndarray, cap_N: np.ndarray, gamma: float,
+                      flows_V4: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    N, G = fwd_NG.shape
+    S = G // N
+    stay_NG, excess_N = over_cap(fwd_NG, cap_N, flows_V4)
     over = np.flatnonzero(excess_N)
     if not len(over):
         return fwd_NG.copy(), np.zeros(N, dtype=np.int64)

@@ -5,7 +5,8 @@ measured in the same run on the same machine.
 
 Only the routines the rewrite replaced live here, unchanged: the north-west corner fill of the balanced forward
 (:func:`fill_local_first`: [N, G] writes in (expert, source) order and a sort of both cumulative sums), the
-retention quotas (:func:`retention_quotas`: transposed copies of [N, G]) and online replication's greedy placement
+retention quotas (:func:`retention_quotas`: transposed copies of [N, G]; the over-cap ranks they start from
+are the planner's own :func:`~lrmoe.planner.quotas.over_cap`) and online replication's greedy placement
 (:func:`online_replicas`: one candidate expert at a time, on a boolean host matrix). :func:`plan_on` and
 :func:`plan` are a policy's ``plan_on`` and ``plan`` made with them (LRMoE, online replication and the trimmed
 controls; any other policy's own methods). Not for production use: the policies' methods give the same plans faster.
@@ -24,7 +25,7 @@ from lrmoe.planner.online import Online, home_placement, push_sources
 from lrmoe.planner.placement import ReplicaTable, replica_table
 from lrmoe.planner.plan import LayerPlan
 from lrmoe.planner.policies import LRMoE, Trimmed, _placements
-from lrmoe.planner.quotas import _expert_floor, budget_caps
+from lrmoe.planner.quotas import _expert_floor, budget_caps, over_cap
 from lrmoe.planner.replica_routing import (_balance_units, _check_hosted, _route_even, _split_units, backward_on,
                                            check_counts)
 
@@ -97,19 +98,7 @@ def _retention_quotas(fwd_NG: np.ndarray, expert_G: np.ndarray, cap_N: np.ndarra
                       flows_V4: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     N, G = fwd_NG.shape
     S = G // N
-    stay_NG = fwd_NG
-    in_N = np.zeros(N, dtype=np.int64)
-    if flows_V4 is not None:
-        src, frm, to, cnt = flows_V4.T
-        stay_NG = fwd_NG - np.bincount(src * G + frm, weights=cnt, minlength=N * G).astype(np.int64).reshape(N, G)
-        in_N = np.bincount(to // S, weights=cnt, minlength=N).astype(np.int64)
-    load_N = stay_NG.sum(0).reshape(N, S).sum(1) + in_N
-    excess_N = np.maximum(load_N - cap_N, 0)
-    landed = np.flatnonzero((in_N > 0) & (excess_N > 0))
-    if len(landed):
-        r = landed[0]
-        raise ValueError(f"bwd_flows_V4 move {int(in_N[r])} pairs onto rank {r}, which ends {int(excess_N[r])} "
-                         f"pairs above its cap {int(cap_N[r])}")
+    stay_NG, excess_N = over_cap(fwd_NG, cap_N, flows_V4)
     over = np.flatnonzero(excess_N)
     if not len(over):
         return fwd_NG.copy(), np.zeros(N, dtype=np.int64)
