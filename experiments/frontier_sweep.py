@@ -20,7 +20,8 @@ long). A process that fails stops the others, and the sweep exits non-zero.
 
 Every invocation ends with the report of what has finished (per regime: both axes' routing imbalance, the claim
 table over whole seeds, interim until the planned seeds are in; the pilot's: the power calculation), printed and,
-with --report, written as Markdown (never over an existing file).
+with --report, written as Markdown (never over an existing file); the regime processes of --jobs end without it
+(--no-report), their parent reports every regime.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--collect-only", action="store_true", help="train nothing; append finished runs")
     parser.add_argument("--report-only", action="store_true", help="train and collect nothing; report")
     parser.add_argument("--report", default=None, help="write the report to this Markdown file (must not exist)")
+    parser.add_argument("--no-report", action="store_true",
+                        help="end without the report (the regime processes of --jobs: the sweep that started them "
+                             "reports every regime once they have finished)")
     parser.add_argument("--jobs", type=positive_int_arg, default=1,
                         help="regimes run side by side, each in its own process (default 1: one after the other)")
     return parser
@@ -66,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.no_report and (args.report or args.report_only):
+        parser.error("--no-report leaves nothing for --report or --report-only")
     if args.stage == "pilot":
         args.seeds = list(protocol.PILOT_SEEDS)
     else:
@@ -182,6 +188,8 @@ def main(argv=None) -> None:
         run_side_by_side(args)
     elif not args.report_only:
         train_and_collect(args)
+    if args.no_report:
+        return
     text = report(args)
     print(text)
     if args.report:
@@ -191,7 +199,8 @@ def main(argv=None) -> None:
 def regime_argv(args, regime: str) -> list[str]:
     """This invocation's arguments for one regime alone (no report, no jobs)."""
     return ["--stage", args.stage, "--regimes", regime, "--seeds-count", str(len(args.seeds)), "--arms", *args.arms,
-            "--work", str(args.work), "--out", str(args.out), *(["--collect-only"] if args.collect_only else [])]
+            "--work", str(args.work), "--out", str(args.out), *(["--collect-only"] if args.collect_only else []),
+            "--no-report"]
 
 
 def run_side_by_side(args, command=None) -> None:
