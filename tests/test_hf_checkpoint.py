@@ -111,3 +111,58 @@ def test_per_rank_shards_consolidate_into_what_the_unmodified_class_loads(tmp_pa
                                                        if rank == 0 else set())
         assert set(out["written"]) == expected, out["written"]
         assert not out["unexpected"] and out["meta_logits"], out
+
+
+# -- the training loop's checkpoint (lrmoe.integrations.checkpoint_state, train.py --hf-config) -----------------
+def _bf16_resume(rank: int, family: str, folder: str) -> dict:
+    """A bf16 model (its slots bf16, its masters fp32) trained 2 steps, saved, trained 1 more; and a fresh one
+    loaded from the checkpoint and trained the same step. What the save wrote under ``model/``, and whether the
+    masters and the slots agree, bit for bit, after the load and after the step."""
+    from lrmoe.integrations.checkpoint_state import load_state, read_full_state, save_state
+
+    def built():
+        cls, config = family_config(family, dist.get_world_size())
+        torch.manual_seed(0)
+        model = cls(config).to(torch.bfloat16)
+        ep = swap_moe_blocks(model, "lrmoe-no-quotas")
+        return model, ep, ep.optimizer(torch.optim.AdamW, lr=LR, bias_rate=1e-2)
+
+    def step(model, opt, s):
+        x = ids(s, rank)
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def experts(ep):
+        return [(layer.store.master_EW.clone(), layer.store.slots_SW.detach().clone()) for layer in ep.layers]
+
+    model, ep, opt = built()
+    for s in range(STEPS):
+        step(model, opt, s)
+    save_state(folder, model, opt.dense, ep.layers, {})
+    saved = experts(ep)
+    step(model, opt, STEPS)
+    again, again_ep, again_opt = built()
+    load_state(folder, again, again_opt.dense, again_ep.layers, dist.get_world_size(), {})
+    loaded = experts(again_ep)
+    step(again, again_opt, STEPS)
+    same = lambda a, b: all(torch.equal(x, y) for u, v in zip(a, b) for x, y in zip(u, v))  # noqa: E731
+    model_keys = [k for k in read_full_state(folder) if k.startswith("model/")] if rank == 0 else []
+    return {"loaded": same(loaded, saved), "stepped": same(experts(again_ep), experts(ep)),
+            "masters_fp32": all(m.dtype == torch.float32 for m, _ in saved),
+            "masters_not_bf16": any(not torch.equal(m, m.bfloat16().float()) for m, _ in saved),
+            "model_keys": model_keys}
+
+
+@pytest.mark.parametrize("family", ["qwen", "glm"])
+def test_a_bf16_model_resumes_from_its_fp32_masters(family, tmp_path):
+    """The loop's checkpoint holds the experts as their fp32 master shards only (its dense part gathers nothing),
+    and a bf16 model resumes from them bit-identically: before, the experts gathered in bf16 were saved with the
+    dense part and loaded back over the masters, rounding them to bf16."""
+    outs = launch(_bf16_resume, 2, family, str(tmp_path / "ckpt"), timeout_s=120)
+    for out in outs:
+        assert out["masters_fp32"] and out["masters_not_bf16"], out  # the masters hold more than the slots' bf16
+        assert out["loaded"] and out["stepped"], out
+    keys = outs[0]["model_keys"]
+    assert any(k.endswith("mlp.gate.weight") for k in keys), keys  # the dense part is there, the experts not
+    assert not [k for k in keys if ".experts." in k], keys

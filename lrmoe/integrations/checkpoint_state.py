@@ -28,8 +28,9 @@ only DCP's metadata classes (:class:`SafeReader`), so a crafted checkpoint canno
 from __future__ import annotations
 
 import pickle
+import sys
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -90,11 +91,16 @@ def _sharded(local: torch.Tensor, store):
 
 
 def dense_state(model: nn.Module, layers) -> dict[str, torch.Tensor]:
-    """The model's state dict without the expert slots and shards (rank-local: the layers' entries hold them).
-    Collective where the model's state dict is (a Hugging Face model gathers its experts)."""
+    """The model's state dict without the expert slots and shards (rank-local: the layers' entries hold them). No
+    collective: a Hugging Face model's swapped experts, which its state dict would gather from every rank in the
+    slots' dtype, are left out (lrmoe.integrations.hf.experts.without_experts), so that its fp32 master shards alone
+    stand for them in a checkpoint and a resume loads nothing over them."""
     own = {t.data_ptr() for layer in layers for t in (layer.store.slots_SW, *(getattr(layer.store, n)
                                                                             for n in SHARDED))}
-    return {k: v for k, v in model.state_dict().items() if not (torch.is_tensor(v) and v.data_ptr() in own)}
+    hf_experts = sys.modules.get("lrmoe.integrations.hf.experts")  # imported wherever a model was swapped
+    with hf_experts.without_experts(model) if hf_experts is not None else nullcontext():
+        state = model.state_dict()
+    return {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.data_ptr() in own)}
 
 
 def _planning_key(store, i: int, key: str) -> str:
