@@ -6,10 +6,11 @@ materialises the dense part from the unmodified class's checkpoint, one tensor a
 loaded computes the same logits as the model built whole and swapped, and trains the same step; and (slow) its
 peak resident memory over build, swap and load, on 4 ranks, stays below that of the unmodified class's own
 ``from_pretrained`` followed by the swap (lrmoe.harness.rss), and below what the rank keeps (its slots, fp32 master
-and Adam shards, the dense part) plus one whole copy of the experts. Measured there, for 144 MiB of experts: 246-258
+and Adam shards, the dense part) plus one whole copy of the experts. Measured there, for 144 MiB of experts: 203-214
 MiB per rank against 392-724 MiB (from_pretrained, several runs), the rank keeping 147 MiB; the rest is one layer's
-transient copies while it loads and the allocator's high-water mark. Read memory-mapped, the checkpoint's pages
-(every rank reads every expert's columns) added the whole file: 392 MiB.
+fused tensors as read (12 MiB) and the forked rank's first model build (about 25 MiB, before the swap). Before the
+swap and load made no whole flattened copy of a layer (246-258 MiB), those copies' frees stayed on glibc's heap.
+Read memory-mapped, the checkpoint's pages (every rank reads every expert's columns) added the whole file: 392 MiB.
 """
 
 import copy

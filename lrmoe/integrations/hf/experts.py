@@ -88,14 +88,17 @@ class EPExperts(nn.Module):
         if (tuple(gate_up_EXD.shape), tuple(down_EDF.shape)) != expected:
             raise ValueError(f"gate_up_proj {tuple(gate_up_EXD.shape)} and down_proj {tuple(down_EDF.shape)} do not "
                              f"match this layer's experts {expected}")
-        flat_EW = flatten_experts(*hf_to_reference(gate_up_EXD, down_EDF)).to(store.device)
         lo, hi = store.bounds[store.rank]
-        store.master_EW.copy_(flat_EW[:, lo:hi].to(torch.float32))
+        slots = {}
         for j, e in enumerate(store.placement_NS[store.rank].tolist()):
-            if e >= 0:
-                store.slots_SW[j].copy_(flat_EW[e].to(store.dtype))
-            else:
-                store.slots_SW[j].zero_()
+            slots.setdefault(e, []).append(j)
+        for j in slots.pop(-1, []):
+            store.slots_SW[j].zero_()
+        for e in range(store.num_experts):  # one expert flattened at a time: no second whole copy of the layer
+            flat_W = flatten_experts(*hf_to_reference(gate_up_EXD[e:e + 1], down_EDF[e:e + 1]))[0].to(store.device)
+            store.master_EW[e].copy_(flat_W[lo:hi].to(torch.float32))
+            for j in slots.get(e, []):
+                store.slots_SW[j].copy_(flat_W.to(store.dtype))
 
 
 def _emit_hf_weights(module: EPExperts, state_dict: dict, prefix: str, local_metadata) -> None:

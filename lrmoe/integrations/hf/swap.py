@@ -87,8 +87,8 @@ def swap_moe_blocks(model: nn.Module, system="symi-dropless", *, context: System
                 raise ValueError("the model is on the meta device: pass device= (where each rank's experts live)")
             layer_device = torch.device(device)
             D, F = hf_experts.down_proj.shape[1:]
-            w_gate = w_up = torch.zeros(E, D, F, dtype=dtype, device=layer_device)
-            w_down = torch.zeros(E, F, D, dtype=dtype, device=layer_device)
+            w_gate = w_up = torch.empty(E, D, F, dtype=dtype, device="meta")  # shapes: the store allocates its own
+            w_down = torch.empty(E, F, D, dtype=dtype, device="meta")
             router = torch.zeros(E, D, dtype=dtype, device=layer_device)  # the layer's own copy is never used
         else:
             w_gate, w_up, w_down = hf_to_reference(hf_experts.gate_up_proj.detach(), hf_experts.down_proj.detach())

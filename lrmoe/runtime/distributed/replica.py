@@ -226,15 +226,19 @@ class ReplicaStore(nn.Module):
         self.bounds = shard_bounds(self.numel, self.num_ranks)
         lo, hi = self.bounds[self.rank]
         with torch.no_grad():
-            flat_EW = flatten_experts(w_gate_EDF, w_up_EDF, w_down_EFD).to(device)
-            self.register_buffer("master_EW", flat_EW[:, lo:hi].to(torch.float32).clone())  # [E, P_n] fp32
+            if w_gate_EDF.is_meta:  # shapes only (a model built on the meta device): zeros, no whole copy made
+                flat_EW = None
+                self.register_buffer("master_EW", torch.zeros(E, hi - lo, dtype=torch.float32, device=device))
+            else:
+                flat_EW = flatten_experts(w_gate_EDF, w_up_EDF, w_down_EFD).to(device)
+                self.register_buffer("master_EW", flat_EW[:, lo:hi].to(torch.float32).clone())  # [E, P_n] fp32
             self.register_buffer("exp_avg_EW", torch.zeros_like(self.master_EW))
             self.register_buffer("exp_avg_sq_EW", torch.zeros_like(self.master_EW))
             self.slots_SW = nn.Parameter(torch.zeros(self.slots_per_rank, self.numel, dtype=self.dtype,
                                                      device=device))
             self.placement_NS = placement_NS.clone().cpu()
             for j, e in enumerate(self.placement_NS[self.rank].tolist()):
-                if e >= 0:
+                if e >= 0 and flat_EW is not None:
                     self.slots_SW[j].copy_(flat_EW[e].to(self.dtype))
         self.adam_steps = 0
         self.resident_NS: torch.Tensor | None = None  # while replicas are pushed: the placement without them
