@@ -360,7 +360,9 @@ def test_the_readme_example_runs(tmp_path):
     assert "ep.optimizer(" in code and "activation_checkpointing_enable()" in code and "MICRO_BATCHES" in code
     assert "max_grad_norm=" in code and "micro_batches=MICRO_BATCHES" in code
     (tmp_path / "example.py").write_text(code)
-    proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=540)
+    # as the page runs it (torchrun --nproc-per-node 2), on a free port
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 2 loss" in proc.stdout and proc.stdout.strip().endswith("Qwen3MoeExperts")
 
