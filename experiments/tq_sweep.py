@@ -80,6 +80,8 @@ def parse_args(argv=None):
     args.out = Path(args.out or f"paper_figures/results/tq_protocol_{args.stage.replace('-', '_')}.jsonl")
     if args.report and Path(args.report).exists():
         parser.error(f"--report {args.report} exists; give a new name")
+    if args.report and claims_figure(args).exists():
+        parser.error(f"the report's figure {claims_figure(args)} exists; write the report into another folder")
     if args.time_axis and not args.report:
         parser.error("--time-axis goes with --report")
     return args
@@ -154,6 +156,11 @@ def run_stage(args, trainer=train) -> int:
     return trained
 
 
+def claims_figure(args) -> Path:
+    """Where the report's figure goes: beside the report, named as make figures names it (<results stem>_claims)."""
+    return Path(args.report).parent / f"{args.out.stem}_claims.png"
+
+
 def report(args) -> str:
     from lrmoe.analysis import tq_report as R
     from lrmoe.analysis import time_to_quality as tq
@@ -182,9 +189,11 @@ def report(args) -> str:
                           R.time_axis_text(rows, regime)]
             except ValueError as exc:
                 lines += [f"No time axis yet: {exc}.", ""]
-    if tables:
-        figure = Path(args.report).with_suffix(".png")
-        R.claims_figure(tables).savefig(figure, dpi=120)
+    if tables:  # the figure make figures draws of the same file: every regime with a whole seed
+        from lrmoe.paper_figures import style, tq_figures
+
+        fig, _ = tq_figures.claims(args.out)
+        figure = style.save(fig, claims_figure(args).parent, claims_figure(args).stem, dpi=120)[0]
         lines += [f"![claims]({figure.name})", ""]
     return "\n".join(lines)
 

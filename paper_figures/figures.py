@@ -19,7 +19,7 @@ import seaborn as sns
 from lrmoe.systems import canonical
 from lrmoe.results import read_results
 
-from lrmoe.paper_figures import frontier_figures, run_figures, sim_figures, style
+from lrmoe.paper_figures import frontier_figures, run_figures, sim_figures, style, tq_figures
 from lrmoe.paper_figures.reading import CannotDraw, script
 
 
@@ -274,6 +274,8 @@ FIGURES = {
     "ablation_waterfall": ("ablate", ablation_waterfall),
     "bytes_memory": ("ablate", bytes_memory),
     "rank_load": ("layer_bench_constrained", rank_load),
+    "tq_protocol_pilot_claims": ("tq_protocol_pilot", tq_figures.claims),
+    "tq_protocol_sweep_claims": ("tq_protocol_sweep", tq_figures.claims),
 }
 
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from _tq_rows import rows_for
 from matplotlib.colors import to_hex
 
 from lrmoe.paper_figures import figures, style
@@ -45,10 +46,12 @@ SAMPLES = {
                for i, system in enumerate(["ep-dropless", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe",
                                            "lrmoe-no-memplace", "lrmoe-no-bwd-routing", "lrmoe-no-quotas",
                                            "lrmoe-padded"])],
+    "tq_protocol_pilot": rows_for(seeds=3),
+    "tq_protocol_sweep": [r | {"stage": "sweep"} for r in rows_for(seeds=3)],
 }
 
 
-DERIVED = {"ablation_waterfall", "layer_time"}
+DERIVED = {"ablation_waterfall", "layer_time", "tq_protocol_pilot_claims", "tq_protocol_sweep_claims"}  # own tests
 
 
 @pytest.mark.parametrize("name", sorted(figures.FIGURES))

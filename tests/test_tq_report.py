@@ -8,29 +8,9 @@ import pytest
 from lrmoe.analysis import time_to_quality as tq
 from lrmoe.analysis import tq_protocol as P
 from lrmoe.analysis import tq_report as R
+from lrmoe.paper_figures import tq_figures
 
-A, B = 1.2, -0.3  # log d(r) = A + B r
-
-
-def rows_for(seeds=10, ratio=0.85, r_arm=1.0, noise=0.002, time_noise=0.01, regime="weak"):
-    """Collected lines of ``seeds`` whole seeds: static EP's endpoints on the curve, every full-budget arm's loss
-    at the curve's value at ``r_arm``, its time ``ratio`` x the dropless systems' (2.0 s), with a little noise."""
-    rng = np.random.default_rng(1)
-    rows = []
-    for seed in range(2000, 2000 + seeds):
-        for arm, budget in P.SEED_RUNS:
-            r = budget if arm in ("static-ep", "symi-dropless") else r_arm
-            loss = float(np.exp(A + B * r) * (1 + noise * rng.standard_normal()))
-            row = {"stage": "pilot", "regime": regime, "seed": seed, "arm": arm, "budget": budget,
-                   "endpoint": loss, "val_loss": [loss + 0.01, loss, loss],
-                   "shape": {"rank_max_over_mean": 1.3, "gini": 0.3, "expert_max_over_mean": 2.5}}
-            if budget == 1.0:
-                dropless = arm in ("static-ep", "symi-dropless")
-                t = 2.0 if dropless else 2.0 * ratio * (1 + time_noise * rng.standard_normal())
-                row |= {"time_s": t, "time_corners": {"base|mb=8|dense=0.5": t, "low": t * 0.97,
-                                                      "high": t * (1.1 if arm not in tq.REFERENCES else 1.0)}}
-            rows.append(row)
-    return rows
+from _tq_rows import A, B, rows_for  # noqa: F401  (A, B: the constructed curve)
 
 
 def test_claims_hold_where_constructed_and_band_corner_turns_them():
@@ -68,9 +48,28 @@ def test_report_text_and_figure(tmp_path):
     text = R.regime_report(rows, "weak", planned_seeds=4, stage="pilot")
     assert "interim, 3 of 4 seeds" in text and "Robustness" in text and "Controls" in text
     table = tq.tq_table(tq.per_seed_table(*R.regime_frames(rows, "weak")))
-    R.claims_figure({"weak": table}).savefig(tmp_path / "f.png")
+    tq_figures.draw_claims({"weak": table})[0].savefig(tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 0
     assert "No whole seed yet" in R.regime_report(rows[:5], "weak", 4, "pilot")
     # the pilot's seeds complete are still no decision (§11.5); the sweep's are
     assert "pilot, not confirmatory" in R.regime_report(rows, "weak", 3, "pilot")
     assert "Claims (final;" in R.regime_report([r | {"stage": "sweep"} for r in rows], "weak", 3, "sweep")
+
+
+def test_the_claims_figure_is_drawn_from_the_results_file_alone(tmp_path):
+    import json
+
+    from lrmoe.paper_figures.reading import CannotDraw
+
+    path = tmp_path / "tq_protocol_pilot.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows_for(seeds=3)))
+    fig, axes = tq_figures.claims(path)
+    assert [ax.get_title() for ax in axes[0]] == ["regime weak (3 seeds)"]
+    assert len(axes[0][0].get_yticklabels()) == 8  # the family's eight claims
+    table = tq.tq_table(tq.per_seed_table(*R.regime_frames(rows_for(seeds=3), "weak")))
+    drawn = [x for line in axes[0][0].get_lines() for x in np.atleast_1d(line.get_xdata())]
+    assert set(np.round(table["estimate"], 9)) <= set(np.round(np.asarray(drawn, dtype=float), 9))
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(json.dumps(r) + "\n" for r in rows_for(seeds=3)[:5]))
+    with pytest.raises(CannotDraw, match="no whole seed"):
+        tq_figures.claims(few)

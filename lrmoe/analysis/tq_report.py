@@ -258,26 +258,3 @@ def regime_report(rows: list[dict], regime: str, planned_seeds: int, stage: str)
     if not ctrl.empty:
         lines += ["Controls (reported, not tested):", "", ctrl.to_markdown(index=False, floatfmt=".3f"), ""]
     return "\n".join(lines)
-
-
-def claims_figure(tables: dict[str, pd.DataFrame]):
-    """Each regime's eight claims: mean q with its 95 % interval, the −δ line and 0."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, max(1, len(tables)), figsize=(6 * max(1, len(tables)), 4), squeeze=False)
-    for ax, (regime, table) in zip(axes[0], tables.items()):
-        t = table[table["word"] != "too few seeds"] if "word" in table else table
-        if "estimate" in t and len(t):
-            y = np.arange(len(t))
-            ax.errorbar(t["estimate"], y, xerr=[t["estimate"] - t["ci_low"], t["ci_high"] - t["estimate"]],
-                        fmt="o", capsize=3)
-            ax.set_yticks(y, [f"{c} ({w})" for c, w in zip(t["claim"], t["word"])], fontsize=7)
-        ax.axvline(0, color="k", lw=0.8)
-        ax.axvline(-tq.DELTA, color="gray", ls="--", lw=0.8)
-        ax.set_xlabel("q (%): time to the arm's loss ÷ the dropless system's, − 1")
-        ax.set_title(f"regime {regime}")
-    fig.tight_layout()
-    return fig
