@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lrmoe.cli import StageFailed, run_entry, script_parser
+from lrmoe.integrations.tracking_args import folder_problem
 from lrmoe.results import Manifest, atomic_write_text, read_headers
 
 
@@ -182,14 +183,7 @@ def out_dir_problem(out: Path) -> str | None:
     """Why the job could not write in ``out`` (None: it can)."""
     if out.exists() and not out.is_dir():
         return f"--out-dir {out} is a file, not a folder"
-    folder = out
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        return f"--out-dir {out}: {folder} is a file, not a folder"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"--out-dir {out}: the folder {folder} is not writable"
-    return None
+    return folder_problem("--out-dir", out, out)
 
 
 def entry_point(stage: Stage) -> Callable[[list[str]], object]:

@@ -37,3 +37,28 @@ def expert_grads_used(ep) -> dict[str, torch.Tensor]:
         gate_up, down = reference_to_hf(*unflatten_experts(flat_EW, store.hidden, store.ffn))
         out[f"{name}.experts.gate_up_proj"], out[f"{name}.experts.down_proj"] = gate_up, down
     return out
+
+
+def tiny_hf_model(family: str, num_experts: int = 8):
+    """Hugging Face's own Qwen3-MoE ("qwen") or GLM-4.5 (with a shared expert) at :func:`tiny_config`'s shape, the
+    same weights in every run and on every rank."""
+    from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM
+
+    from lrmoe.integrations.hf import hf_config
+
+    tiny = tiny_config(num_experts)
+    torch.manual_seed(0)
+    if family == "qwen":
+        return Qwen3MoeForCausalLM(hf_config(tiny))
+    return Glm4MoeForCausalLM(hf_config(tiny.replace(router="sigmoid_bias", num_shared_experts=1, shared_ffn=16)))
+
+
+def weight_mismatches(got: dict, want: dict, **tolerance) -> dict[str, str]:
+    """{name: why} for every tensor of ``want`` that ``got`` does not match within ``tolerance``."""
+    out = {}
+    for name in want:
+        try:
+            torch.testing.assert_close(got[name], want[name], **tolerance)
+        except AssertionError as exc:
+            out[name] = str(exc)[:300]
+    return out

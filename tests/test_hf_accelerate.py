@@ -21,23 +21,16 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
-from lrmoe.integrations.hf import hf_config, swap_moe_blocks  # noqa: E402
+from lrmoe.integrations.hf import swap_moe_blocks  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
-from _hf_helpers import Rows, tiny_config  # noqa: E402
+from _hf_helpers import Rows, tiny_config, tiny_hf_model, weight_mismatches  # noqa: E402
 
 TINY = tiny_config()
 RANKS, BATCH, SEQ, MICRO, STEPS, LR = 4, 2, 8, 2, 3, 1e-2
 MAX_NORM = 0.5  # the mean loss's gradient norm is about 2-3 here: every step clips
 WEIGHTS = dict(rtol=1e-4, atol=LR / 100)  # DDP's average against lrmoe's sum: float noise, through Adam
 
-
-def tiny_model(family: str):
-    torch.manual_seed(0)  # the same weights in every run and on every rank
-    if family == "qwen":
-        return Qwen3MoeForCausalLM(hf_config(TINY))
-    return Glm4MoeForCausalLM(hf_config(TINY.replace(router="sigmoid_bias", num_shared_experts=1, shared_ffn=16)))
 
 
 def warmup(step: int) -> float:
@@ -46,7 +39,7 @@ def warmup(step: int) -> float:
 
 def own_loop(family: str, micro_batches: list[torch.Tensor]):
     """lrmoe's own loop (docs/hf.md) on this rank's micro-batches: the mean loss's gradient, clipped in the step."""
-    model = tiny_model(family)
+    model = tiny_hf_model(family)
     ep = swap_moe_blocks(model, "lrmoe-no-quotas")
     opt = ep.optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.0, max_grad_norm=MAX_NORM)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
@@ -67,7 +60,7 @@ def accelerated_against_own_loop(rank: int, family: str) -> dict:
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])  # what torchrun sets
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO)
     world = accelerator.num_processes
-    model = tiny_model(family)
+    model = tiny_hf_model(family)
     ep = swap_moe_blocks(model, "lrmoe-no-quotas")
     # accelerator.backward divides each micro-batch's loss by the window: only the ranks are left to average over
     opt = ep.optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.0, max_grad_norm=MAX_NORM, grad_scale=1.0 / world)
@@ -91,11 +84,7 @@ def accelerated_against_own_loop(rank: int, family: str) -> dict:
     want = ref.state_dict()
     out = {"world": world, "ddp": type(ddp).__name__, "seen": len(seen), "steps": steps,
            "norm": (float(opt.last_grad_norm), float(ref_opt.last_grad_norm)), "weights": {}}
-    for name in want:
-        try:
-            torch.testing.assert_close(got[name], want[name], **WEIGHTS)
-        except AssertionError as exc:
-            out["weights"][name] = str(exc)[:300]
+    out["weights"] = weight_mismatches(got, want, **WEIGHTS)
     return out
 
 

@@ -20,11 +20,10 @@ from torch import nn
 
 pytest.importorskip("transformers")
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
-from lrmoe.integrations.hf import DDP_REDUCES_EXPERTS, DataParallelError, hf_config, swap_moe_blocks  # noqa: E402
+from lrmoe.integrations.hf import DDP_REDUCES_EXPERTS, DataParallelError, swap_moe_blocks  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
-from _hf_helpers import tiny_config  # noqa: E402
+from _hf_helpers import tiny_config, tiny_hf_model, weight_mismatches  # noqa: E402
 
 TINY = tiny_config(6)
 BATCH, SEQ, MICRO, STEPS, LR = 2, 8, 2, 3, 1e-2
@@ -33,12 +32,6 @@ MAX_NORM = 0.5  # the mean loss's gradient norm is about 2-3 here: every step cl
 WEIGHTS = dict(rtol=1e-4, atol=LR / 100)
 LOSS = dict(rtol=1e-5, atol=1e-6)
 
-
-def tiny_model(family: str):
-    torch.manual_seed(0)  # the same weights on every rank
-    if family == "qwen":
-        return Qwen3MoeForCausalLM(hf_config(TINY))
-    return Glm4MoeForCausalLM(hf_config(TINY.replace(router="sigmoid_bias", num_shared_experts=1, shared_ffn=16)))
 
 
 def ids(step: int, m: int, rank: int) -> torch.Tensor:
@@ -65,7 +58,7 @@ class _Counting:
 
 def _ddp_trains_as_one_process(rank: int, family: str, system: str) -> dict:
     world = dist.get_world_size()
-    model = tiny_model(family)
+    model = tiny_hf_model(family, TINY.num_experts)
     ref = copy.deepcopy(model)
     ep = swap_moe_blocks(model, system)
     ddp = DistributedDataParallel(model)
@@ -101,12 +94,7 @@ def _ddp_trains_as_one_process(rank: int, family: str, system: str) -> dict:
         out["ref_loss"].append(float(ref_loss))
     got, want = model.state_dict(), ref.state_dict()  # collective: the experts gathered from every rank
     out["same_keys"] = got.keys() == want.keys()
-    out["weights"] = {}
-    for name in want:
-        try:
-            torch.testing.assert_close(got[name], want[name], **WEIGHTS)
-        except AssertionError as exc:
-            out["weights"][name] = str(exc)[:300]
+    out["weights"] = weight_mismatches(got, want, **WEIGHTS)
     return out
 
 
@@ -139,7 +127,7 @@ class _Above(nn.Module):
 
 
 def _ddp_above_the_model(rank: int) -> tuple:
-    model = tiny_model("qwen")
+    model = tiny_hf_model("qwen", TINY.num_experts)
     ep = swap_moe_blocks(model, "static-ep")
     ddp = DistributedDataParallel(_Above(model))
     x = ids(0, 0, rank)

@@ -22,23 +22,17 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
-from lrmoe.integrations.hf import hf_config, swap_moe_blocks  # noqa: E402
+from lrmoe.integrations.hf import swap_moe_blocks  # noqa: E402
 from lrmoe.integrations.hf.checkpoint import consolidate  # noqa: E402
 from lrmoe.integrations.hf.trainer import SHARDS, EPTrainerCallback, expert_state_file  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
-from _hf_helpers import Rows, tiny_config  # noqa: E402
+from _hf_helpers import Rows, tiny_config, tiny_hf_model, weight_mismatches  # noqa: E402
 
 TINY = tiny_config()
 BATCH, SEQ, MICRO, STEPS, LR = 2, 8, 2, 3, 1e-2
 MAX_NORM = 0.5  # the mean loss's gradient norm is about 2-3 here: every step clips
 WEIGHTS = dict(rtol=1e-4, atol=LR / 100)  # DDP's average against lrmoe's sum: float noise, through Adam
 
-
-def tiny_model(family: str):
-    torch.manual_seed(0)  # the same weights in every run and on every rank
-    if family == "qwen":
-        return Qwen3MoeForCausalLM(hf_config(TINY))
-    return Glm4MoeForCausalLM(hf_config(TINY.replace(router="sigmoid_bias", num_shared_experts=1, shared_ffn=16)))
 
 
 def warmup(step: int) -> float:
@@ -49,7 +43,7 @@ def run_trainer(family: str, folder: str, resume: str | None = None, sharded: bo
     """Trainer on this rank with the callback; returns (model, ep, optimizer, the token ids of its training
     forwards, Trainer's max_grad_norm after the run)."""
     os.environ.update(LOCAL_WORLD_SIZE=os.environ["WORLD_SIZE"], OMP_NUM_THREADS="1")  # what torchrun sets
-    model = tiny_model(family)
+    model = tiny_hf_model(family)
     ep = swap_moe_blocks(model, "lrmoe-no-quotas")
     seen = []
     model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["input_ids"].clone())
@@ -69,7 +63,7 @@ def run_trainer(family: str, folder: str, resume: str | None = None, sharded: bo
 
 def own_loop(family: str, micro_batches: list[torch.Tensor]) -> tuple:
     """lrmoe's own loop (docs/hf.md) on this rank's micro-batches: the mean loss's gradient, clipped in the step."""
-    model = tiny_model(family)
+    model = tiny_hf_model(family)
     ep = swap_moe_blocks(model, "lrmoe-no-quotas")
     opt = ep.optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.0, max_grad_norm=MAX_NORM)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
@@ -95,11 +89,7 @@ def _trainer_against_own_loop(rank: int, family: str, folder: str) -> dict:
            "state_files": sorted(os.listdir(f"{folder}/checkpoint-2")),
            "expert_state": os.path.isfile(expert_state_file(f"{folder}/checkpoint-2", rank, ep.num_ranks)),
            "resumed_unequal": [k for k in got if not torch.equal(got[k], again[k])], "weights": {}}
-    for name in want:
-        try:
-            torch.testing.assert_close(got[name], want[name], **WEIGHTS)
-        except AssertionError as exc:
-            out["weights"][name] = str(exc)[:300]
+    out["weights"] = weight_mismatches(got, want, **WEIGHTS)
     if rank == 0:  # the checkpoint is HF's: the unmodified class loads it, experts whole
         cls = Qwen3MoeForCausalLM if family == "qwen" else Glm4MoeForCausalLM
         loaded = cls.from_pretrained(f"{folder}/checkpoint-2")

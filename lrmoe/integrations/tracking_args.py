@@ -36,13 +36,18 @@ def output_problem(flag: str, path: str | os.PathLike, replace: bool) -> str | N
         return f"{flag} {path} is a folder, not a file"
     if path.exists() and not replace:
         return f"{flag} {path} exists; pass --overwrite to replace it"
-    folder = path.parent
+    return folder_problem(flag, path, path.parent)
+
+
+def folder_problem(flag: str, given: Path, folder: Path) -> str | None:
+    """Why ``folder`` (or the nearest of its parents that exists) cannot be written into, named after the flag's
+    value ``given`` (None: it can)."""
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():
-        return f"{flag} {path}: {folder} is a file, not a folder"
+        return f"{flag} {given}: {folder} is a file, not a folder"
     if not os.access(folder, os.W_OK | os.X_OK):
-        return f"{flag} {path}: the folder {folder} is not writable"
+        return f"{flag} {given}: the folder {folder} is not writable"
     return None
 
 
