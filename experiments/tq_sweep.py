@@ -8,12 +8,17 @@ curve, routing shape and, at the full budget, its modelled paper-scale iteration
 lrmoe.sim.replay); a run already collected with the same identity is skipped, one collected with other settings is
 an error, and an interrupted run resumes from its last checkpoint.
 
+A slice (--stop-after MINUTES) starts no run that its measured cost says cannot finish in time: a run's cost is the
+largest wall time collected for its arm (and budget) on this preset, in this results file or any other of the
+protocol's beside it (lrmoe.analysis.tq_protocol.run_costs); each run's --timeout is a multiple of that cost.
+
     python experiments/tq_sweep.py --stage model-pilot                        # seeds 2100-2101, static EP
     python experiments/tq_sweep.py --stage model-pilot --preset qwen3-30b-a3b-routing-h128-f32-l2
     python experiments/tq_sweep.py --stage pilot                              # seeds 2000-2003, weak first
     python experiments/tq_sweep.py --stage sweep --seeds-count 12             # seeds 3000-3011
     python experiments/tq_sweep.py --stage pilot --report outputs/tq_pilot.md  # no training: the report
     python experiments/tq_sweep.py --stage pilot --max-runs 1                 # one more run, then stop
+    python experiments/tq_sweep.py --stage pilot --stop-after 120             # a slice: only runs that fit 2 hours
     python experiments/tq_sweep.py --stage pilot --shard 0/2 & python experiments/tq_sweep.py --stage pilot --shard 1/2
 
 The report (--report FILE.md, never over an existing file; a figure beside it) holds per regime the per-seed table,
@@ -31,7 +36,7 @@ from pathlib import Path
 # The parser needs only these light modules (the protocol as data, lrmoe.cli): torch, pandas and train.py load in
 # the functions that train, collect and report, so --help comes back at once (tests/test_cli.py).
 from lrmoe.analysis import tq_protocol as P
-from lrmoe.cli import positive_int_arg, run_entry, script_parser
+from lrmoe.cli import positive_float_arg, positive_int_arg, run_entry, script_parser
 from lrmoe.results import append_record, read_headers, read_records, read_results
 
 
@@ -54,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shard", default=None, metavar="K/N",
                         help="train only the stage's runs whose place in its order is K modulo N (N processes, "
                              "one per core, share one results file; each appends under its lock)")
+    parser.add_argument("--stop-after", type=positive_float_arg, default=None, metavar="MINUTES",
+                        help="a slice: start no run that its measured cost says cannot end within this many "
+                             "minutes of the start, and return after collecting what finished")
     parser.add_argument("--report", default=None, help="train nothing; write the report to this Markdown file")
     parser.add_argument("--time-axis", action="store_true",
                         help="with --report: the runs' own time ratios beside the Zipf-matched ones")
@@ -127,10 +135,14 @@ def train(argv: list[str]) -> None:
     run_entry("tq_sweep.py", "train.py", train_script.cli, argv)
 
 
-def run_stage(args, trainer=train) -> int:
-    """Train and collect what is missing, in the protocol's order; returns the runs trained."""
+def run_stage(args, trainer=train, clock=time.monotonic) -> int:
+    """Train and collect what is missing, in the protocol's order; returns the runs trained. With
+    ``args.stop_after`` (minutes) a run whose measured cost does not fit in the time left is not started (nor is
+    any after it: the protocol's order is kept), and the stage returns."""
     work = Path(args.work)
     rows = check(args)
+    costs = P.run_costs([*rows, *P.sibling_rows(args.out)], args.preset)
+    deadline = None if args.stop_after is None else clock() + 60.0 * args.stop_after
     trained = 0
     for run in args.shard_runs:
         if any(P.same_run(r, run) for r in rows):
@@ -139,10 +151,17 @@ def run_stage(args, trainer=train) -> int:
         if not finished(run, work):
             if args.max_runs is not None and trained >= args.max_runs:
                 break
+            cost = P.run_cost(costs, run)
+            if deadline is not None and (cost is None or clock() + cost > deadline):
+                left = (deadline - clock()) / 60.0
+                print(f"{run.key}: not started: {left:.1f} min left of --stop-after, its measured cost is "
+                      + ("unknown" if cost is None else f"{cost / 60.0:.1f} min"), flush=True)
+                break
             resume = run.results(work).exists()
-            print(f"{run.key}: {'resuming' if resume else 'training'}", flush=True)
+            print(f"{run.key}: {'resuming' if resume else 'training'}"
+                  + ("" if cost is None else f" (measured cost {cost:.0f} s)"), flush=True)
             start = time.perf_counter()
-            trainer(run.train_argv(work, resume=resume))
+            trainer(run.train_argv(work, resume=resume, timeout_s=P.run_timeout(cost)))
             wall = time.perf_counter() - start
             trained += 1
             if not finished(run, work):
@@ -177,6 +196,7 @@ def report(args) -> str:
                       f"{'learns to route' if v['learns_to_route'] else 'does not pass'}.", ""]
         return "\n".join(lines)
     planned = len({r.seed for r in args.runs})
+    lines += [P.progress_table(rows, args.runs), ""]
     tables = {}
     for regime in args.regimes:
         lines.append(R.regime_report(rows, regime, planned, args.stage))

@@ -146,3 +146,31 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     (tmp_path / "r.md").write_text("x")
     with pytest.raises(SystemExit):
         tq_sweep.parse_args(["--stage", "pilot", "--report", str(tmp_path / "r.md")])
+
+
+def test_a_slice_starts_only_runs_that_fit(tmp_path):
+    """--stop-after: a run whose measured cost (the largest collected wall time of its arm) does not fit in the
+    time left is not started, nor is any after it; each started run gets --timeout from its cost."""
+    out, work = tmp_path / "tq_protocol_pilot.jsonl", tmp_path / "work"
+    runs = P.stage_runs("pilot", regimes=("weak",))
+    for run in runs[:2]:  # static EP at 0.85 and 0.90, measured at 100 s and 300 s
+        append_record(out, {**collected(run), "wall_s": 100.0 if run.budget == 0.85 else 300.0})
+    now = [0.0]
+    asked = []
+
+    def trainer(train_argv):
+        asked.append(train_argv)
+        now[0] += 250.0  # each run takes 250 s on the fake clock; none finishes (the stage stops at the check)
+        raise Stop
+
+    args = tq_sweep.parse_args(["--stage", "pilot", "--regimes", "weak", "--work", str(work), "--out", str(out),
+                                "--stop-after", "4"])
+    assert tq_sweep.run_stage(args, trainer=trainer, clock=lambda: now[0]) == 0  # 240 s left < 300 s: none
+    assert asked == []
+    args.stop_after = 6  # 360 s: static EP 0.95 costs the arm's largest, 300 s, and fits
+    with pytest.raises(Stop):
+        tq_sweep.run_stage(args, trainer=trainer, clock=lambda: now[0])
+    f = flags(asked[0])
+    assert f["--steps"] == "285" and float(f["--timeout"]) == max(P.TIMEOUT_FACTOR * 300.0, P.MIN_TIMEOUT_S)
+    text = P.progress_table([collected(r) for r in runs[:2]], runs)
+    assert "| static-ep-r0.85 | 1 of 4 |" in text and "**2 of 44**" in text

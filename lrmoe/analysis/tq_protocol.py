@@ -108,10 +108,12 @@ class TQRun:
                 "--aux-coef", repr(regime.aux_coef), "--extra-slots", str(spare), "--eps", repr(regime.eps),
                 "--gamma", repr(regime.gamma)]
 
-    def train_argv(self, work: Path, resume: bool = False) -> list[str]:
-        """The whole command line: the identity, the run's own files (results, trace, checkpoints), quiet, no W&B."""
+    def train_argv(self, work: Path, resume: bool = False, timeout_s: float | None = None) -> list[str]:
+        """The whole command line: the identity, the run's own files (results, trace, checkpoints), quiet, no W&B,
+        and ``timeout_s`` as train.py's --timeout (the emulated engine's bound on the whole run) when given."""
         return [*self.identity_argv(), "--out", str(self.results(work)), "--trace-out", str(self.trace(work)),
-                "--ckpt-every", str(CKPT_EVERY), "--quiet", "--no-wandb", *(["--resume"] if resume else [])]
+                "--ckpt-every", str(CKPT_EVERY), "--quiet", "--no-wandb", *(["--resume"] if resume else []),
+                *(["--timeout", f"{timeout_s:.0f}"] if timeout_s is not None else [])]
 
 
 def stage_runs(stage: str, seeds_count: int | None = None, regimes=REGIMES, preset: str = PRESET) -> list[TQRun]:
@@ -132,6 +134,64 @@ def stage_runs(stage: str, seeds_count: int | None = None, regimes=REGIMES, pres
         protocol.get_regime(regime)
     return [TQRun(stage, regime, seed, arm, budget, preset) for regime in regimes for seed in seeds
             for arm, budget in SEED_RUNS]
+
+
+TIMEOUT_FACTOR = 3.0  # a run's --timeout: this many times its measured cost (a loaded machine stays inside it)
+MIN_TIMEOUT_S = 1800.0
+
+
+def sibling_rows(out: Path) -> list[dict]:
+    """The collected lines of the protocol's other results files beside ``out`` (tq_protocol_*.jsonl): measured
+    costs of the same arms, for a stage that has collected none of its own yet."""
+    from lrmoe.results import read_records
+
+    out = Path(out)
+    rows = []
+    for path in sorted(out.parent.glob("tq_protocol_*.jsonl")):
+        if path.resolve() != out.resolve():
+            rows += [r for r in read_records(path) if "arm" in r]
+    return rows
+
+
+def run_costs(rows: list[dict], preset: str) -> dict:
+    """(arm, budget) -> the largest wall time (s) of a collected run of ``preset`` (``wall_s``, the runner's
+    measure; runs collected without it are left out), and (arm, None) -> the arm's largest over its budgets."""
+    costs: dict = {}
+    for r in rows:
+        if r.get("preset") != preset or not r.get("wall_s"):
+            continue
+        for key in ((r["arm"], r["budget"]), (r["arm"], None)):
+            costs[key] = max(costs.get(key, 0.0), float(r["wall_s"]))
+    return costs
+
+
+def run_cost(costs: dict, run: TQRun) -> float | None:
+    """A run's measured cost (s): its arm's at its budget, else its arm's at any budget; None when unmeasured."""
+    return costs.get((run.arm, run.budget), costs.get((run.arm, None)))
+
+
+def run_timeout(cost: float | None) -> float | None:
+    """A run's --timeout from its measured cost (None: train.py's default)."""
+    return None if cost is None else max(TIMEOUT_FACTOR * cost, MIN_TIMEOUT_S)
+
+
+def progress_table(rows: list[dict], runs: list[TQRun]) -> str:
+    """The interim state of a stage as Markdown: runs collected of runs planned, per regime and arm (and budget)."""
+    planned: dict = {}
+    for run in runs:
+        planned.setdefault((run.regime, run.name), [0, 0])[1] += 1
+        if any(same_run(r, run) for r in rows):
+            planned[(run.regime, run.name)][0] += 1
+    regimes = list(dict.fromkeys(k[0] for k in planned))
+    names = list(dict.fromkeys(k[1] for k in planned))
+    out = ["| run | " + " | ".join(regimes) + " |", "|---|" + "---:|" * len(regimes)]
+    for name in names:
+        out.append(f"| {name} | " + " | ".join(
+            "{} of {}".format(*planned[(g, name)]) if (g, name) in planned else "" for g in regimes) + " |")
+    done = {g: sum(v[0] for k, v in planned.items() if k[0] == g) for g in regimes}
+    total = {g: sum(v[1] for k, v in planned.items() if k[0] == g) for g in regimes}
+    out.append("| **all** | " + " | ".join(f"**{done[g]} of {total[g]}**" for g in regimes) + " |")
+    return "\n".join(out)
 
 
 def paper_scale():
