@@ -3,8 +3,10 @@
 * :func:`all_to_all_rows`: a differentiable ``all_to_all_single`` over the rows of a tensor with uneven (and zero)
   split sizes. The backward is the same exchange with the splits swapped. It is the only collective the MoE
   dispatch and combine use, because the list form ``all_to_all`` with uneven sizes fails on gloo.
-* :func:`exchange_rows`: point-to-point sends and receives of one flat buffer per peer, used for gradient
-  collection and weight redistribution.
+* :func:`exchange_flat`: one flat buffer per peer, every peer's in one ``all_to_all_single`` (one collective
+  however many peers): the replica substrate's exchanges (replica sync, gradient collection, redistribution, push).
+* :func:`exchange_rows`: the same exchange as point-to-point sends and receives, one message per pair of ranks (kept
+  for the CPU calibration, which times both).
 * :func:`init_process_group_from_env`: process-group setup under ``torchrun`` (NCCL on GPU, gloo on CPU).
 """
 
@@ -105,6 +107,32 @@ def exchange_rows(send: dict[int, torch.Tensor], recv_numel: dict[int, int], dty
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     return received
+
+
+def exchange_flat(send: dict[int, torch.Tensor], recv_numel: dict[int, int], dtype: torch.dtype,
+                  device: torch.device, group=None) -> dict[int, torch.Tensor]:
+    """:func:`exchange_rows`'s contract (``send[peer]`` to ``peer``, ``recv_numel[peer]`` elements from ``peer``, no
+    message to itself) in one variable ``all_to_all_single`` of the concatenated buffers: a constant number of
+    collectives per exchange instead of one send and one receive per peer. Every rank of ``group`` must call it.
+    The bytes on the wire are the same; a peer absent from ``send`` gets an empty split."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank in send or rank in recv_numel:
+        raise ValueError(f"exchange_flat: rank {rank} must not send to or receive from itself")
+    for peer, buf in send.items():
+        if buf.dtype != dtype or buf.dim() != 1:
+            raise ValueError(f"exchange_flat: buffer for rank {peer} must be flat {dtype}, got {buf.dtype} of "
+                             f"shape {tuple(buf.shape)}")
+    in_splits = [send[q].numel() if q in send else 0 for q in range(world)]
+    out_splits = [int(recv_numel.get(q, 0)) for q in range(world)]
+    parts = [send[q] for q in range(world) if in_splits[q]]
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
+    if world == 1:
+        return {}
+    out = torch.empty(sum(out_splits), dtype=dtype, device=device)
+    dist.all_to_all_single(out, flat.to(device), output_split_sizes=out_splits, input_split_sizes=in_splits,
+                           group=group)
+    pieces = out.split(out_splits)
+    return {q: pieces[q] for q in sorted(recv_numel)}
 
 
 def all_gather_rows(x_E: torch.Tensor, group=None) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The replica substrate (DESIGN.md §3, shared by SYMI and LRMoE): expert weights in slots, replica gradient
-sync, a statically sharded Adam, and point-to-point redistribution of the updated weights into the next placement.
+sync, a statically sharded Adam, and redistribution of the updated weights into the next placement.
 
 The N ranks are those of one expert-parallel (EP) group (:class:`RangeGroups`; the world by default). Every rank
 has S slots; slot j of rank n holds the weights of expert ``placement_NS[n, j]`` (-1: empty). One
@@ -12,8 +12,8 @@ One optimizer step (:meth:`ReplicaStore.step`), with the replica-gradient path c
 
 1. **replica sync**: each rank sums the gradients of its local slots of an expert (in fp32, sent in the slots'
    dtype). Then, in ``"range"`` mode (SYMI's), the ranks of the consecutive range spanned by the expert's hosts
-   all-reduce that sum, point to point inside the EP group (no process group per range: a group per range
-   would make N(N-1)/2 of them; a single-rank range needs no exchange), one expert after the other. Ranks inside
+   all-reduce that sum inside the EP group (no process group per range: a group per range would make N(N-1)/2 of
+   them; a single-rank range needs no exchange), every expert's in the same two exchanges. Ranks inside
    the range that host nothing join with zeros (correct, costs bytes; SYMI's contiguous placements never need it).
    In ``"shard"`` mode (ours) each host sends shard q of each of its sums straight to rank q, the shard's
    optimizer owner, for all hosted experts in one variable all-to-all; no groups;
@@ -25,7 +25,7 @@ One optimizer step (:meth:`ReplicaStore.step`), with the replica-gradient path c
    EP group owns the same shard, so this holds whatever each EP group's placement;
 3. **Adam** on the fp32 shards, element for element the update of ``torch.optim.Adam`` over the full parameters;
 4. **redistribution**: rank n sends its updated shard (in the slots' dtype) of each expert to every other rank
-   that hosts the expert in the *next* placement, one message per pair of ranks; each rank assembles the full
+   that hosts the expert in the *next* placement, every pair of ranks in one exchange; each rank assembles the full
    experts and copies them into its slots (several slots of one expert on one rank cost one transfer).
 
 **One summation order.** Every expert's gradient is the fp32 left fold of its hosts' local sums in ascending rank
@@ -63,7 +63,7 @@ from torch import nn
 from lrmoe.checks import check_placement
 from lrmoe.bytemodel.sync_model import (SyncPlan, check_replica_grad, hosted_experts, hosts_mask,
                                         push_rows, ring_allreduce_bytes, shard_bounds, shard_sizes, sync_plan)
-from lrmoe.runtime.distributed.comm import all_to_all_rows, exchange_rows
+from lrmoe.runtime.distributed.comm import all_to_all_rows, exchange_flat
 
 __all__ = ["AdamConfig", "RangeGroups", "ReplicaStore", "SyncPlan", "adam_update_", "check_placement",
            "flatten_experts", "hosted_experts", "ring_allreduce_bytes", "shard_bounds", "shard_sizes", "sync_plan",
@@ -141,7 +141,7 @@ class RangeGroups:
     the data-parallel (DP) group joining this rank with the ranks that hold the same shards in the other EP groups
     (None: one EP group). :mod:`lrmoe.runtime.distributed.mesh` builds both from a device mesh.
 
-    Range-mode replica sync needs no process group per range: it exchanges point to point inside the EP group
+    Range-mode replica sync needs no process group per range: it exchanges inside the EP group
     (DESIGN.md §3.4), so none is created. ``all_ranges=True`` creates the groups of every range of consecutive EP
     ranks [lo, hi], lo < hi, up front (N(N-1)/2 of them; collective over the world, every rank taking part), for
     code that times the backend's own all-reduce over a range (:meth:`get`)."""
@@ -248,6 +248,7 @@ class ReplicaStore(nn.Module):
         self._fresh_shards = False  # whether grad_shards_EW was collected since the last Adam step
         self._reduced: dict[int, torch.Tensor] = {}  # range mode: e -> reduced gradient, between sync and collect
         self._received: list[tuple[list[int], torch.Tensor]] | None = None  # shard mode: per host, its parts
+        self._sync_plan: SyncPlan | None = None  # range mode: the plan of the last sync, for its collection
 
     # -- views -------------------------------------------------------------------------------------------------
     @property
@@ -293,8 +294,9 @@ class ReplicaStore(nn.Module):
         return out
 
     def _p2p(self, phase: str, send: dict[int, torch.Tensor], recv_numel: dict[int, int]) -> dict[int, torch.Tensor]:
-        """:func:`exchange_rows` inside the EP group, counting the bytes that leave and reach this rank."""
-        got = exchange_rows(send, recv_numel, self.dtype, self.device, self.ep_group)
+        """:func:`exchange_flat` inside the EP group (one collective; every rank of the group calls it), counting
+        the bytes that leave and reach this rank."""
+        got = exchange_flat(send, recv_numel, self.dtype, self.device, self.ep_group)
         elem = torch.tensor([], dtype=self.dtype).element_size()
         self._bytes(phase, sum(b.numel() for b in send.values()) * elem, sum(recv_numel.values()) * elem)
         return got
@@ -327,35 +329,49 @@ class ReplicaStore(nn.Module):
                 self._sync_shard()
 
     def _sync_range(self) -> None:
-        plan = sync_plan(self.sync_placement(), self.num_experts)
-        hosts_NE = hosts_mask(self.sync_placement(), self.num_experts)
-        self._reduced = {}
-        for e in range(self.num_experts):  # the same order on every rank: collectives never cross
-            lo, hi = plan.span_E2[e].tolist()
-            if not lo <= self.rank <= hi:
-                continue
-            buf = self._local_sum(e)
-            if hi > lo:
-                buf = self._allreduce_in_order(buf, lo, hi, hosts_NE[lo:hi + 1, e].nonzero().flatten().tolist())
-            self._reduced[e] = buf
-
-    def _allreduce_in_order(self, buf: torch.Tensor, lo: int, hi: int, hosting: list[int]) -> torch.Tensor:
-        """All-reduce ``buf`` over the EP ranks [lo, hi], point to point (no process group per range): a direct
-        reduce-scatter, member i folding chunk i of the ``hosting`` members (range indices, ascending) left to
-        right in fp32 (the summation order of the shard mode), then an all-gather. Members that host nothing send
-        zeros that are not added: the bytes of SYMI's range all-reduce."""
-        h, me = hi - lo + 1, self.rank - lo
-        chunks = shard_sizes(self.numel, h)
-        pieces = buf.split(chunks)
-        others = [k for k in range(h) if k != me]
-        got = self._p2p("replica_sync", {lo + k: pieces[k] for k in others}, {lo + k: chunks[me] for k in others})
-        parts = [pieces[me] if k == me else got[lo + k] for k in range(h)]
-        acc = parts[hosting[0]].to(torch.float32, copy=True)
-        for k in hosting[1:]:
-            acc += parts[k].to(torch.float32)
-        mine = acc.to(self.dtype)
-        got = self._p2p("replica_sync", {lo + k: mine for k in others}, {lo + k: chunks[k] for k in others})
-        return torch.cat([mine if k == me else got[lo + k] for k in range(h)])
+        """Every expert's range all-reduce at once: a direct reduce-scatter (member i of e's range [lo, hi] folds
+        chunk i of the hosting members' sums, in ascending rank, in fp32) and an all-gather, each one exchange over
+        the EP group carrying every expert's messages (per pair of ranks, the experts in ascending order)."""
+        placement = self.sync_placement()
+        plan = self._sync_plan = sync_plan(placement, self.num_experts)
+        hosts_NE = hosts_mask(placement, self.num_experts)
+        me = self.rank
+        span_E2 = plan.span_E2
+        mine = ((span_E2[:, 0] <= me) & (me <= span_E2[:, 1])).nonzero().flatten().tolist()
+        self._reduced = {e: self._local_sum(e) for e in mine}
+        spans = {e: tuple(span_E2[e].tolist()) for e in mine if span_E2[e, 1] > span_E2[e, 0]}
+        chunks = {e: shard_sizes(self.numel, hi - lo + 1) for e, (lo, hi) in spans.items()}
+        pieces = {e: self._reduced[e].split(chunks[e]) for e in spans}
+        # 1. reduce-scatter: chunk k of my sum of e to member k; from every other member, its chunk of mine
+        send, recv = {}, {}
+        for e, (lo, hi) in spans.items():
+            for k in range(hi - lo + 1):
+                if lo + k != me:
+                    send.setdefault(lo + k, []).append(pieces[e][k])
+                    recv.setdefault(lo + k, []).append((e, chunks[e][me - lo]))
+        got = self._p2p("replica_sync", {q: torch.cat(b) for q, b in send.items()},
+                        {q: sum(n for _, n in r) for q, r in recv.items()})
+        parts = {q: dict(zip((e for e, _ in r), got[q].split([n for _, n in r]))) for q, r in recv.items()}
+        reduced = {}
+        for e, (lo, hi) in spans.items():
+            hosting = (lo + hosts_NE[lo:hi + 1, e].nonzero().flatten()).tolist()
+            acc = (pieces[e][me - lo] if hosting[0] == me else parts[hosting[0]][e]).to(torch.float32, copy=True)
+            for q in hosting[1:]:
+                acc += (pieces[e][me - lo] if q == me else parts[q][e]).to(torch.float32)
+            reduced[e] = acc.to(self.dtype)
+        # 2. all-gather: my reduced chunk of e to every other member; theirs back
+        send, recv = {}, {}
+        for e, (lo, hi) in spans.items():
+            for k in range(hi - lo + 1):
+                if lo + k != me:
+                    send.setdefault(lo + k, []).append(reduced[e])
+                    recv.setdefault(lo + k, []).append((e, chunks[e][k]))
+        got = self._p2p("replica_sync", {q: torch.cat(b) for q, b in send.items()},
+                        {q: sum(n for _, n in r) for q, r in recv.items()})
+        parts = {q: dict(zip((e for e, _ in r), got[q].split([n for _, n in r]))) for q, r in recv.items()}
+        for e, (lo, hi) in spans.items():
+            self._reduced[e] = torch.cat([reduced[e] if lo + k == me else parts[lo + k][e]
+                                          for k in range(hi - lo + 1)])
 
     def _sync_shard(self) -> None:
         hosted = [hosted_experts(self.sync_placement(), n) for n in range(self.num_ranks)]
@@ -384,11 +400,12 @@ class ReplicaStore(nn.Module):
                 dist.all_reduce(shards_EW, group=self.dp_group)
             shards_EW.mul_(grad_scale)
         self.grad_shards_EW, self._fresh_shards = shards_EW, True
-        self._reduced, self._received = {}, None
+        self._reduced, self._received, self._sync_plan = {}, None, None
         return shards_EW
 
     def _collect_range(self) -> torch.Tensor:
-        src_NE = sync_plan(self.sync_placement(), self.num_experts).source_NE
+        plan = self._sync_plan if self._sync_plan is not None else sync_plan(self.sync_placement(), self.num_experts)
+        src_NE = plan.source_NE
         elem = torch.tensor([], dtype=self.dtype).element_size()
         send, recv_numel, recv_experts = {}, {}, {}
         for peer in range(self.num_ranks):
@@ -402,7 +419,7 @@ class ReplicaStore(nn.Module):
             if need:
                 recv_numel[peer] = len(need) * self.shard_numel
                 recv_experts[peer] = need
-        got = exchange_rows(send, recv_numel, self.dtype, self.device, self.ep_group)
+        got = exchange_flat(send, recv_numel, self.dtype, self.device, self.ep_group)
         lo, hi = self.bounds[self.rank]
         shards_EW = torch.zeros(self.num_experts, hi - lo, dtype=torch.float32, device=self.device)
         for e in (src_NE[self.rank] == self.rank).nonzero().flatten().tolist():
@@ -446,7 +463,7 @@ class ReplicaStore(nn.Module):
     # -- 4. redistribution -------------------------------------------------------------------------------------
     def redistribute(self, next_placement_NS: torch.Tensor | None = None) -> None:
         """Fill the slots with the current master weights of the experts of ``next_placement_NS`` (default: the
-        current placement), by point-to-point transfer of the shards. Clears the slot gradients."""
+        current placement), the shards in one exchange over the EP group. Clears the slot gradients."""
         nxt = self.placement_NS if next_placement_NS is None else next_placement_NS.clone().cpu()
         check_placement(nxt, self.num_experts, self.num_ranks, "next_placement_NS")
         if nxt.shape[1] != self.slots_per_rank:
@@ -460,7 +477,7 @@ class ReplicaStore(nn.Module):
                     if m != self.rank and es}
             recv_numel = {q: len(mine) * (hi - lo) for q, (lo, hi) in enumerate(self.bounds)
                           if q != self.rank and mine and hi > lo}
-            got = exchange_rows(send, recv_numel, self.dtype, self.device, self.ep_group)
+            got = exchange_flat(send, recv_numel, self.dtype, self.device, self.ep_group)
             full = torch.empty(len(mine), self.numel, dtype=self.dtype, device=self.device)
             for q, (lo, hi) in enumerate(self.bounds):
                 if q == self.rank:
@@ -514,7 +531,7 @@ class ReplicaStore(nn.Module):
                 got = rows[(rows[:, 0] == m) & (rows[:, 1] == me), 2]
                 if len(got):
                     recv_numel[m] = len(got) * self.numel
-            got = exchange_rows(send, recv_numel, self.dtype, self.device, self.ep_group)
+            got = exchange_flat(send, recv_numel, self.dtype, self.device, self.ep_group)
             for j in range(S):
                 g = me * S + j
                 if not bool(pushed_G[g]):
