@@ -2,7 +2,8 @@
 #   make reproduce   set up (if needed) and run the main job
 #   make test        set up (if needed) and run the tests
 #   make test-browser  the explorer notebook driven in a real browser (CI runs it after `make test`)
-# Setup is idempotent: it reinstalls only when pyproject.toml or the constraints change.
+# Setup is idempotent: it reinstalls only when pyproject.toml or the constraints change, or when the .venv runs
+# another checkout's lrmoe (a .venv copied from elsewhere).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -28,6 +29,16 @@ links: $(STAMP)
 	@cmp -s $(LINKED).new $(LINKED) || { $(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps \
 	    -C editable_mode=strict -e . && mv $(LINKED).new $(LINKED); }
 	@rm -f $(LINKED).new
+
+# A .venv copied from another checkout would keep importing that checkout's files (its editable install links to
+# them): when the installed lrmoe is not this checkout's, the stamp goes and setup installs this checkout again.
+ifneq ($(wildcard $(STAMP)),)
+INSTALLED := $(shell $(PY) -c "import importlib.util as u, os; print(os.path.realpath(u.find_spec('lrmoe').origin))" 2>/dev/null)
+ifneq ($(INSTALLED),$(realpath $(CURDIR))/lrmoe/__init__.py)
+$(info $(VENV) runs lrmoe from $(or $(INSTALLED),nowhere), not from this checkout ($(realpath $(CURDIR))): reinstalling)
+$(shell rm -f $(STAMP) $(LINKED))
+endif
+endif
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

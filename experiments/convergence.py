@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--activation-checkpointing", action="store_true", help="train.py's: recompute activations")
     parser.add_argument("--eval-every", type=positive_int_arg, default=20, help="steps between validation losses")
     parser.add_argument("--eval-batches", type=positive_int_arg, default=4,
-                        help="validation batches per rank per evaluation (the frontier protocol's 16: DESIGN.md §10.3)")
+                        help="validation batches per rank per evaluation (the frontier protocol's 16: "
+                             "docs/protocols/frontier.md §10.3)")
     parser.add_argument("--seed", type=int, default=0, help="one seed (ignored when --seeds is given)")
     parser.add_argument("--seeds", type=non_negative_int_arg, nargs="+", default=None,
                         help="several seeds, one run each")
@@ -196,9 +197,9 @@ def parse_args(argv=None):
 
 
 def protocol_claims(curves: pd.DataFrame) -> pd.DataFrame | None:
-    """The claim table of DESIGN.md §10.4 over these runs (each run's endpoint: the mean validation loss over its
-    last three evaluations; the reference: the mean of static EP and SYMI-dropless, seed by seed; whole seeds
-    only), or None without both references. Claims whose arms did not run are listed as "not run"."""
+    """The claim table of docs/protocols/frontier.md §10.4 over these runs (each run's endpoint: the mean validation
+    loss over its last three evaluations; the reference: the mean of static EP and SYMI-dropless, seed by seed; whole
+    seeds only), or None without both references. Claims whose arms did not run are listed as "not run"."""
     from lrmoe.analysis.claims import claim_table, gap_table
     from lrmoe.analysis.protocol import REFERENCES, endpoint
 
@@ -268,8 +269,8 @@ def main(argv=None) -> pd.DataFrame:
                      "last20_drop_pct", "hot_rank_bwd_cut_pct", "dropped_pct", "modelled_ms_per_step"]]
               .to_markdown(index=False, floatfmt=".3f"))
         if claims is not None:
-            print("\nClaims (DESIGN.md §10.4; endpoint: mean of the last three evaluations; gaps to the mean of static "
-                  "EP and SYMI-dropless; estimates in points, 95 % intervals, Holm-adjusted p)\n")
+            print("\nClaims (docs/protocols/frontier.md §10.4; endpoint: mean of the last three evaluations; gaps to "
+                  "the mean of static EP and SYMI-dropless; estimates in points, 95 % intervals, Holm-adjusted p)\n")
             cols = ["claim", "seeds", "estimate", "ci_low", "ci_high", "bound_high", "p_holm", "word"]
             print(claims[[c for c in cols if c in claims.columns]].to_markdown(index=False, floatfmt=".3f"))
         print(f"results: {out}; figure: {figure[0]}; recorded traces in {work}")

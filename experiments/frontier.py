@@ -1,16 +1,16 @@
 """Time against quality: the retention budget's frontier.
 
-With ``--regime`` (DESIGN.md §10), the protocol's frontier of one regime: loss from the protocol's training runs
-(experiments/frontier_sweep.py: gaps to the mean of static EP and SYMI-dropless, seed by seed), time from the
-simulator at paper scale with the regime's own settings (slots per home slot, eps, gamma; a system the memory model
+With ``--regime`` (docs/protocols/frontier.md §10), the protocol's frontier of one regime: loss from the protocol's
+training runs (experiments/frontier_sweep.py: gaps to the mean of static EP and SYMI-dropless, seed by seed), time from
+the simulator at paper scale with the regime's own settings (slots per home slot, eps, gamma; a system the memory model
 gives other slots is an error) on synthetic traces whose Zipf skew is matched to the runs' static-EP slowest rank ÷
 mean (both shown; a mismatch over 5 % is an error). Writes the frontier's points with 95 % intervals on both axes
 (training seeds; trace seeds), the claim table (estimate, interval, Holm-adjusted p, holds / fails / undecided),
 the time claim, and a figure and a Markdown report. ``--time-only``: the time axis alone.
 
 Without it, the earlier frontier from two scales: loss from a convergence sweep, time from the simulator at a
-chosen skew, joined by system name only (kept to read the earlier results; DESIGN.md §10 says why it cannot decide
-a claim).
+chosen skew, joined by system name only (kept to read the earlier results; docs/protocols/frontier.md §10 says why it
+cannot decide a claim).
 
     python experiments/frontier.py --regime production --runs paper_figures/results/frontier_protocol_sweep.jsonl
     python experiments/frontier.py --regime weak --time-only --runs paper_figures/results/frontier_protocol_pilot.jsonl
@@ -153,8 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-extra", type=int, default=None, help="the most spare slots per rank (default E/N)")
     parser.add_argument("--quick", action="store_true", help="4 simulated layers, 2 iterations")
     parser.add_argument("--regime", choices=list(protocol.REGIMES), default=None,
-                        help="the protocol's frontier of this regime (DESIGN.md §10) from --runs, instead of the "
-                             "two-scale frontier of --convergence")
+                        help="the protocol's frontier of this regime (docs/protocols/frontier.md §10) from --runs, "
+                             "instead of the two-scale frontier of --convergence")
     parser.add_argument("--runs", nargs="+", default=["paper_figures/results/frontier_protocol_sweep.jsonl"],
                         help="--regime: the protocol's collected runs (experiments/frontier_sweep.py)")
     parser.add_argument("--sim-seeds", type=int, default=protocol.SIM_SEEDS,
@@ -175,7 +175,8 @@ def parse_args(argv=None):
     check_tracking_args(parser, args, "frontier", report=True)  # its report beside it: never an unrelated file
     if args.quick:
         args.layers, args.sim_steps = args.layers or 4, 2
-    if args.tokens_per_rank is None:  # the protocol's scale under --regime (DESIGN.md §10.1), else the ablation's
+    # the protocol's scale under --regime (docs/protocols/frontier.md §10.1), else the ablation's
+    if args.tokens_per_rank is None:
         args.tokens_per_rank = (protocol.SIM_TOKENS_PER_RANK if args.regime and args.model == protocol.SIM_MODEL
                                 else TOKENS.get(args.model, 2048))
     if args.sim_steps < 2:

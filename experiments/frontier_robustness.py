@@ -1,6 +1,6 @@
-"""How robust the frontier protocol's decided claims are (DESIGN.md §10.8): every claim of a regime re-decided
-with one of the protocol's choices changed (the endpoint, the reference, the test, the family), and what the 1 %
-loss margin is worth in training steps. Reads the protocol's collected runs; writes one record per (regime,
+"""How robust the frontier protocol's decided claims are (docs/protocols/frontier.md §10.8): every claim of a regime
+re-decided with one of the protocol's choices changed (the endpoint, the reference, the test, the family), and what the
+1 % loss margin is worth in training steps. Reads the protocol's collected runs; writes one record per (regime,
 variant, claim), one per (regime, seed) of the margin's worth, and a Markdown report beside the results file.
 
     python experiments/frontier_robustness.py --runs paper_figures/results/frontier_protocol_sweep.jsonl \
@@ -42,7 +42,7 @@ def parse_args(argv=None):
 def report(tables: dict, worth: dict) -> str:
     from lrmoe.analysis.robustness import VARIANTS  # pandas and SciPy: loaded for the work, not for --help
 
-    lines = ["# The frontier protocol's claims under changed choices (DESIGN.md §10.8)", "",
+    lines = ["# The frontier protocol's claims under changed choices (docs/protocols/frontier.md §10.8)", "",
              "Holm-adjusted p and the decision word of every claim, per variant (one choice of §10.3-10.4 changed "
              "at a time; `protocol` is the decided table).", ""]
     for regime, table in tables.items():

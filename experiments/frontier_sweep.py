@@ -1,4 +1,5 @@
-"""The frontier protocol's training runs (DESIGN.md §10): the variance pilot, then the sweep, resumable.
+"""The frontier protocol's training runs (docs/protocols/frontier.md §10): the variance pilot, then the sweep,
+resumable.
 
 Runs experiments/convergence.py (its command line, in this process) once per (seed, regime) with the protocol's settings
 (lrmoe.analysis.protocol: every arm of the regime on that seed, the larger evaluation sample), seed-major, so that
@@ -44,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (light modules only: tests/test_cli.py)."""
     parser = script_parser(__doc__)
     parser.add_argument("--stage", choices=("pilot", "sweep"), required=True,
-                        help="the protocol's stage (DESIGN.md §10): the pilot's seeds and arms, or the sweep's")
+                        help="the protocol's stage (docs/protocols/frontier.md §10): the pilot's seeds and arms, "
+                             "or the sweep's")
     parser.add_argument("--regimes", nargs="+", default=list(protocol.REGIMES), choices=list(protocol.REGIMES),
                         help="the regimes to run (lrmoe.analysis.protocol.REGIMES)")
     parser.add_argument("--seeds-count", type=int, default=protocol.SWEEP_SEEDS,
@@ -160,7 +162,8 @@ def report(args) -> str:
                   gaps.round(3).to_markdown(), ""]
         if args.stage == "pilot":
             try:
-                lines += ["Power calculation (DESIGN.md §10.4):", "", seed_plan(gaps).to_markdown(index=False), ""]
+                lines += ["Power calculation (docs/protocols/frontier.md §10.4):", "",
+                          seed_plan(gaps).to_markdown(index=False), ""]
             except ValueError as exc:
                 lines += [f"No power calculation yet: {exc}.", ""]
         else:
@@ -169,7 +172,8 @@ def report(args) -> str:
             lines += [f"Claims ({label}):", "", claim_table(gaps).to_markdown(index=False, floatfmt=".3f"), ""]
             if early is not None:
                 label = "final" if len(early) >= planned else f"interim, {len(early)} of {planned} seeds"
-                lines += [f"Early selection's claims (DESIGN.md §10.6, a Holm family of their own; {label}):", "",
+                lines += [f"Early selection's claims (docs/protocols/frontier.md §10.6, a Holm family of their own; "
+                          f"{label}):", "",
                           claim_table(early, early_family()).to_markdown(index=False, floatfmt=".3f"), ""]
     return "\n".join(lines)
 

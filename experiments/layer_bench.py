@@ -4,7 +4,7 @@ gradient error against the full gradient. Ends with the three LRMoE targets of D
 
     python experiments/layer_bench.py                               # 4 forked gloo ranks (CPU), a few minutes
     python experiments/layer_bench.py --quick                       # about a minute
-    python experiments/layer_bench.py --regime weak                 # the frontier protocol's settings (DESIGN.md §10)
+    python experiments/layer_bench.py --regime weak  # the frontier protocol's (docs/protocols/frontier.md §10)
     torchrun --standalone --nproc-per-node 4 experiments/layer_bench.py  # NCCL on GPUs, gloo on CPU
 
 Traces: synthetic Zipf popularity with AR(1) drift and per-token Gumbel-top-k (``lrmoe.integrations.traces``), one per
@@ -25,9 +25,9 @@ Before each timed iteration an untimed one computes the *full* gradient at the s
 routed pair computed and kept, on the policy's placement): the reference for the gradient error. The counted
 bytes and pairs are checked against the formulas of ``lrmoe.runtime.distributed.accounting`` every iteration.
 
-Regimes (``--regime production|weak``, DESIGN.md §10.1): the frontier protocol's system settings at this layer's
-scale: the regime's replica slots per home slot (``Regime.spare_slots``), its eps and gamma, its arms as the policies
-(the budget systems at its ρ grid, SYMI-dropless and SYMI's random trim, static EP as the reference;
+Regimes (``--regime production|weak``, docs/protocols/frontier.md §10.1): the frontier protocol's system settings at
+this layer's scale: the regime's replica slots per home slot (``Regime.spare_slots``), its eps and gamma, its arms as
+the policies (the budget systems at its ρ grid, SYMI-dropless and SYMI's random trim, static EP as the reference;
 ``protocol.SWEEP_ARMS``), and one synthetic Zipf trace whose s is matched to the regime's static-EP training runs
 (``--runs``): the s at which this benchmark's own trace (its ranks, experts, tokens, steps and seed) gives static
 EP the runs' per-rank load, slowest rank ÷ mean (``lrmoe.analysis.skew``). The trace the layer replays is checked
@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=fraction_arg, default=None,
                    help="LRMoE's per-expert floor (default 0.1, with --regime the regime's)")
     p.add_argument("--regime", choices=list(protocol.REGIMES), default=None,
-                   help="the frontier protocol's settings at this layer's scale (DESIGN.md §10.1): its spare slots, "
-                        "eps, gamma and arms, and the Zipf s matched to its static-EP runs (--runs)")
+                   help="the frontier protocol's settings at this layer's scale (docs/protocols/frontier.md §10.1): "
+                        "its spare slots, eps, gamma and arms, and the Zipf s matched to its static-EP runs (--runs)")
     p.add_argument("--runs", default=RUNS,
                    help="--regime: the protocol's collected runs (experiments/frontier_sweep.py) whose static-EP "
                         "slowest rank ÷ mean the trace is matched to")
@@ -156,9 +156,9 @@ def world_size(args: argparse.Namespace) -> int:
 
 
 def apply_regime(args: argparse.Namespace) -> None:
-    """Set the regime's settings on ``args`` (DESIGN.md §10.1), at this benchmark's scale: spare slots, eps, gamma,
-    its arms (unless --policies), one Zipf trace at the s matched to the regime's static-EP runs. A flag that
-    contradicts the regime is a ValueError; the match is recorded in ``args.regime_match``."""
+    """Set the regime's settings on ``args`` (docs/protocols/frontier.md §10.1), at this benchmark's scale: spare slots,
+    eps, gamma, its arms (unless --policies), one Zipf trace at the s matched to the regime's static-EP runs. A flag
+    that contradicts the regime is a ValueError; the match is recorded in ``args.regime_match``."""
     from lrmoe.analysis.skew import Scale, match_zipf, runs_imbalance
 
     regime = protocol.get_regime(args.regime)

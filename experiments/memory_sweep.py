@@ -10,9 +10,9 @@ and with the retention budget rho side by side.
     python experiments/memory_sweep.py --resume        # continue a killed sweep from its last finished group
     python experiments/memory_sweep.py --skews zipf:0.2 zipf:0.8   # the earlier record's skews instead
 
-Skews: by default (``--regimes``) the frontier protocol's regimes (DESIGN.md §10.1), each at the Zipf s matched to
-its static-EP training runs (``--runs``, default the protocol's sweep) by lrmoe.analysis.skew.regime_zipf, the skew
-the frontier's time axis uses (over the sweep's 16 seeds: production 0.146, weak 0.419); only the skew is the
+Skews: by default (``--regimes``) the frontier protocol's regimes (docs/protocols/frontier.md §10.1), each at the Zipf s
+matched to its static-EP training runs (``--runs``, default the protocol's sweep) by lrmoe.analysis.skew.regime_zipf,
+the skew the frontier's time axis uses (over the sweep's 16 seeds: production 0.146, weak 0.419); only the skew is the
 regime's (the slots stay memory-sized: that is what the sweep varies). The headline's quality column is each arm's
 gap claim in that regime, decided from the same runs (lrmoe.analysis.claims.arm_quality), and a third headline row
 names the fastest arm whose claim holds: LRMoE's time at equal quality where memory binds. ``--skews`` takes
@@ -274,9 +274,9 @@ NOT_TRAINED = f"not measured: the protocol trains {protocol.SIM_MODEL}'s shape o
 
 
 def quality(system: str | None, claims: dict[str, dict] | None) -> str:
-    """The system's quality under the frontier protocol (DESIGN.md §10) in the skew's regime: its gap claim's word
-    and estimate, final once the sweep's planned seeds are in (``claims``: lrmoe.analysis.claims.arm_quality; None
-    for a model the protocol does not train)."""
+    """The system's quality under the frontier protocol (docs/protocols/frontier.md §10) in the skew's regime: its gap
+    claim's word and estimate, final once the sweep's planned seeds are in (``claims``:
+    lrmoe.analysis.claims.arm_quality; None for a model the protocol does not train)."""
     from lrmoe.analysis.claims import quality_text
 
     if system is None:

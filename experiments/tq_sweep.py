@@ -1,5 +1,5 @@
-"""The time-to-quality protocol's runs (DESIGN.md §11): the model pilot, the variance pilot, the sweep; resumable;
-and its report.
+"""The time-to-quality protocol's runs (docs/protocols/time_to_quality.md §11): the model pilot, the variance pilot, the
+sweep; resumable; and its report.
 
 Each run is experiments/train.py on the emulated engine with the protocol's arguments (lrmoe.analysis.tq_protocol:
 the eleven runs of a seed, their step budgets, evaluation every 15 steps, the run's own trace), called in-process
@@ -23,8 +23,10 @@ protocol's beside it (lrmoe.analysis.tq_protocol.run_costs); each run's --timeou
 
 The report (--report FILE.md, never over an existing file; a figure beside it) holds per regime the per-seed table,
 the eight claims with their words (interim below the planned seeds), the six robustness checks of §11.4, power
-after the fact and the controls; for the model pilot, the rule of §11.1 per preset; with --time-axis, the time
-ratios from the runs' own traces beside a Zipf matched on static EP's slowest rank.
+after the fact, the controls and what §11.6 Record 3 adds (check 6 at every micro-batch count with each claim's
+break-even count, the r* flags, the selection's price as a sensitivity, the replica-gradient mode); for the model
+pilot, the rule of §11.1 per preset; with --time-axis, the time ratios from the runs' own traces beside a Zipf
+matched on static EP's slowest rank.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (lrmoe.cli's formatter: every flag's default in its help; tests/test_cli.py)."""
     parser = script_parser(__doc__)
     parser.add_argument("--stage", choices=P.STAGES, required=True,
-                        help="the protocol's stage: the model pilot, the variance pilot or the sweep (DESIGN.md §11)")
+                        help="the protocol's stage: the model pilot, the variance pilot or the sweep "
+                             "(docs/protocols/time_to_quality.md §11)")
     parser.add_argument("--preset", default=P.PRESET, choices=P.LADDER,
                         help=f"the model (default {P.PRESET}; the model pilot's record names the one chosen)")
     parser.add_argument("--regimes", nargs="+", default=list(P.REGIMES), choices=list(P.REGIMES),
@@ -114,7 +117,7 @@ def check(args) -> list[dict]:
     """Before anything trains: every collected line of this stage's runs has the protocol's identity, and every
     per-run file not yet collected holds the run the protocol asks for. SystemExit naming what differs."""
     try:
-        rows = read_records(args.out)
+        rows = P.collected_rows(args.out)
     except ValueError as exc:
         raise SystemExit(f"tq_sweep.py: error: {exc}") from None
     for run in args.runs:
@@ -184,9 +187,12 @@ def report(args) -> str:
     from lrmoe.analysis import tq_report as R
     from lrmoe.analysis import time_to_quality as tq
 
-    rows = [r for r in read_records(args.out) if any(P.same_run(r, run) for run in args.runs)]
-    lines = [f"# Time-to-quality protocol (DESIGN.md §11), stage {args.stage}: {len(rows)} of {len(args.runs)} runs "
-             f"collected in {args.out.name}", ""]
+    try:
+        rows = [r for r in P.collected_rows(args.out) if any(P.same_run(r, run) for run in args.runs)]
+    except ValueError as exc:
+        raise SystemExit(f"tq_sweep.py: error: {exc}") from None
+    lines = [f"# Time-to-quality protocol (docs/protocols/time_to_quality.md §11), stage {args.stage}: "
+             f"{len(rows)} of {len(args.runs)} runs collected in {args.out.name}", ""]
     if args.stage == "model-pilot":
         if rows:
             v = P.model_pilot_verdict(rows)

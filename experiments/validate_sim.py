@@ -17,9 +17,9 @@
    (trace, policy, phase) cell, then its median over cells per phase and over all cells (target 4 of DESIGN.md §5.8:
    median |error| <= 20 %).
 
-Measured points of the frontier protocol (``--regimes``, DESIGN.md §10): per regime, ``layer_bench.py --regime R``
-(the regime's arms at its settings, the skew matched to its training runs), one calibration for all, and the same
-replay and prediction, now of every phase the model prices; the table: per arm, the slowest rank's CPU time per
+Measured points of the frontier protocol (``--regimes``, docs/protocols/frontier.md §10): per regime, ``layer_bench.py
+--regime R`` (the regime's arms at its settings, the skew matched to its training runs), one calibration for all, and
+the same replay and prediction, now of every phase the model prices; the table: per arm, the slowest rank's CPU time per
 step (forward + backward, the bench's headline; also the covered phases alone, and the iteration with the optimizer
 step), median over steps, ÷ SYMI-dropless's, measured beside modelled on the same plans, their difference, and where
 the time goes per group of phases. A Markdown report beside the results file.

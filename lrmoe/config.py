@@ -224,8 +224,8 @@ _MODELS = {
         router="softmax_topk", num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=256, seq_len=128,
         dtype="float32"),
 }
-# The model pilot's ladder of DESIGN.md §11.1 (ours): the routing-shape preset at hidden 64 / 128, expert width
-# 32 / 64, layers 2 / 4 (the smallest rung is qwen3-30b-a3b-routing-debug itself).
+# The model pilot's ladder of docs/protocols/time_to_quality.md §11.1 (ours): the routing-shape preset at hidden 64 /
+# 128, expert width 32 / 64, layers 2 / 4 (the smallest rung is qwen3-30b-a3b-routing-debug itself).
 _MODELS.update({
     f"qwen3-30b-a3b-routing-h{h}-f{f}-l{n}": _MODELS["qwen3-30b-a3b-routing-debug"].replace(
         name=f"qwen3-30b-a3b-routing-h{h}-f{f}-l{n}", hidden=h, expert_ffn=f, num_layers=n)

@@ -396,7 +396,7 @@ SYSTEMS: dict[str, SystemSpec] = dict([
     *[_system(f"symi-dropless-rho{rho:g}", TrimmedFactory(SymiFactory(), rho), f"SYMI-dropless, random trim ρ={rho:g}",
               backward=BackwardConfig(metric="random"), recalibrated=True) for rho in RHOS],
     # the same trim drawn with equal inclusion probabilities and kept pairs scaled by 1/p (Horvitz-Thompson): the
-    # reweighted control, which separates "the metric" from "the 1/p reweighting" (DESIGN.md §10)
+    # reweighted control, which separates "the metric" from "the 1/p reweighting" (docs/protocols/frontier.md §10)
     *[_system(f"symi-dropless-rho{rho:g}-unbiased", TrimmedFactory(SymiFactory(), rho),
               f"SYMI-dropless, random trim ρ={rho:g}, 1/p",
               backward=BackwardConfig(metric="random", mode="unbiased"), recalibrated=True) for rho in RHOS],
@@ -444,7 +444,8 @@ SYSTEMS: dict[str, SystemSpec] = dict([
                lrmoe(quota_mode="budget", rho=rho), mode="unbiased"),
         _lrmoe(f"lrmoe-rho{rho:g}-random", f"LRMoE ρ={rho:g}, random",
                lrmoe(quota_mode="budget", rho=rho), metric="random"),
-        # uniform inclusion at the quota, kept pairs scaled by 1/p: the control of m2 unbiased (DESIGN.md §10)
+        # uniform inclusion at the quota, kept pairs scaled by 1/p: the control of m2 unbiased
+        # (docs/protocols/frontier.md §10)
         _lrmoe(f"lrmoe-rho{rho:g}-random-unbiased", f"LRMoE ρ={rho:g}, random, 1/p",
                lrmoe(quota_mode="budget", rho=rho), metric="random", mode="unbiased"))],
     # Early selection (DESIGN.md §4): the gate chooses in the forward, which saves activations for the kept pairs

@@ -1,5 +1,5 @@
 """The frontier's figures as experiments/frontier.py draws them, from its results file alone: the protocol's
-frontier of one regime (``--regime``, DESIGN.md §10) and the earlier frontier from two scales."""
+frontier of one regime (``--regime``, docs/protocols/frontier.md §10) and the earlier frontier from two scales."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The time-to-quality protocol's figure (DESIGN.md §11), from its results file alone: each regime's eight claims,
-the mean q with its 95 % interval over seeds. experiments/tq_sweep.py's report draws it with this function, and
-``make figures`` redraws it from the same file."""
+"""The time-to-quality protocol's figure (docs/protocols/time_to_quality.md §11), from its results file alone: each
+regime's eight claims, the mean q with its 95 % interval over seeds. experiments/tq_sweep.py's report draws it with this
+function, and ``make figures`` redraws it from the same file."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from lrmoe.analysis import time_to_quality as tq
 from lrmoe.analysis import tq_protocol as P
 from lrmoe.analysis import tq_report as R
 from lrmoe.paper_figures.reading import CannotDraw
-from lrmoe.results import read_records
 
 
 def claim_tables(rows: list[dict]) -> dict[str, pd.DataFrame]:
@@ -48,7 +47,7 @@ def draw_claims(tables: dict[str, pd.DataFrame]):
 
 def claims(path: str | Path):
     """The claims of every regime of a protocol results file (tq_protocol_pilot.jsonl, tq_protocol_sweep.jsonl)."""
-    rows = [r for r in read_records(Path(path)) if r.get("stage") in ("pilot", "sweep")]
+    rows = [r for r in P.collected_rows(Path(path)) if r.get("stage") in ("pilot", "sweep")]
     tables = claim_tables(rows)
     if not tables:
         raise CannotDraw(f"{path} holds no whole seed of the pilot or the sweep")

@@ -103,8 +103,8 @@ def test_frontier_axes_carry_intervals_and_the_time_claim_takes_the_deepest_rho_
 
 
 def test_early_family_is_its_own_and_never_costs_the_main_table_a_seed():
-    """DESIGN.md §10.6: the early arm (added after seed 0 ran) is read over its own whole seeds, in a Holm family of
-    two; the main family keeps every seed whose ten arms finished."""
+    """docs/protocols/frontier.md §10.6: the early arm (added after seed 0 ran) is read over its own whole seeds, in a
+    Holm family of two; the main family keeps every seed whose ten arms finished."""
     from lrmoe.analysis.claims import early_family, family_gaps
     from lrmoe.analysis.protocol import EARLY_ARMS, SWEEP_ARMS
 

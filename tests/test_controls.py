@@ -1,5 +1,5 @@
-"""The frontier's reweighted random controls (DESIGN.md §10.2): the registry's "-random-unbiased" and SYMI's
-"-unbiased" trim are uniform inclusion at the quota with kept pairs scaled by 1/p (Horvitz-Thompson), beside the
+"""The frontier's reweighted random controls (docs/protocols/frontier.md §10.2): the registry's "-random-unbiased" and
+SYMI's "-unbiased" trim are uniform inclusion at the quota with kept pairs scaled by 1/p (Horvitz-Thompson), beside the
 random top-k controls (uniform subset, no reweighting), on the same quotas as the systems they control."""
 
 import pytest

@@ -24,6 +24,40 @@ def test_split_is_by_file_and_stable(tmp_path):
     assert f"file {val_files[0][1:-4]}\n" in decode(a.val) and f"file {val_files[0][1:-4]}\n" not in decode(a.train)
 
 
+def test_a_corpus_of_one_or_a_few_files_is_split_by_bytes_and_one_of_many_files_as_before(tmp_path):
+    """A single file, or a few files none of which hashes to validation, has a validation split: each file's last
+    val_fraction of bytes (train.py trains on a one-file --data); a corpus the split by file serves keeps it."""
+    from lrmoe.experiments import train
+
+    one = tmp_path / "one.txt"
+    one.write_text("".join(f"line {i}\n" for i in range(400)))
+    corpus = load_corpus(str(one))
+    text = one.read_bytes()
+    assert corpus.split == "bytes" and corpus.num_files == (1, 1)
+    assert decode(corpus.train) + decode(corpus.val) == text.decode()  # train, then its tail
+    assert corpus.val.numel() == round(0.05 * len(text))
+    args = train.parse_args(["--data", str(one), "--ranks", "2", "--seq-len", "32", "--out", "", "--ckpt-every", "0"])
+    train.check_args(args)  # no "too small to split"
+
+    few = tmp_path / "few"
+    few.mkdir()
+    names = [n for n in (f"f{i}.txt" for i in range(20)) if not is_validation(n, 0.05)][:3]
+    for name in names:
+        (few / name).write_text(f"{name}\n" * 50)
+    corpus = load_corpus(str(few))
+    assert corpus.split == "bytes" and corpus.num_files == (3, 3)
+    assert all(f"{name}\n" in decode(corpus.val) for name in names)
+
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(40):
+        (many / f"f{i}.txt").write_text(f"file {i}\n" * 20)
+    corpus = load_corpus(str(many), val_fraction=0.25)
+    val = sorted(f"f{i}.txt" for i in range(40) if is_validation(f"f{i}.txt", 0.25))
+    assert corpus.split == "file" and corpus.num_files == (40 - len(val), len(val))
+    assert decode(corpus.val) == "\n".join((many / n).read_text() for n in val)
+
+
 def test_a_process_reads_a_corpus_once(tmp_path):
     for i in range(8):
         (tmp_path / f"f{i}.txt").write_text(f"file {i}\n" * 20)

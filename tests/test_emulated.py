@@ -3,6 +3,9 @@ all-reduce's summation order included), it fails fast instead of hanging, and tr
 the same losses and weights as the distributed runtime (fork launcher, gloo) on the same seed and data."""
 
 import math
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -21,7 +24,8 @@ from lrmoe.runtime.inprocess.group import ring_chunk
 train = load_experiment("train")
 pytestmark = [pytest.mark.timeout(900)]
 
-# every system DESIGN.md §11.2 runs (the references, early selection and m2 unbiased at rho 0.75 and m2 unbiased at
+# every system docs/protocols/time_to_quality.md §11.2 runs (the references, early selection and m2 unbiased at rho 0.75
+# and m2 unbiased at
 # 0.9, cap mode, random 1/p and SYMI's random trim with 1/p at rho 0.75), and §10.2's random trim without 1/p
 ARMS = ("static-ep", "symi-dropless", "lrmoe-rho0.75-early-unbiased", "lrmoe-rho0.9-unbiased",
         "lrmoe-rho0.75-unbiased", "lrmoe", "lrmoe-rho0.75-random-unbiased", "symi-dropless-rho0.75-unbiased",
@@ -116,11 +120,33 @@ def test_a_failing_rank_and_a_deadlock_raise_at_once_and_the_next_launch_runs():
     assert launch(_default_world, 2, timeout_s=60)[1][:2] == (1, 2)  # the fork launcher is unaffected
 
 
+def _rank_1_is_slow(rank: int):
+    dist.barrier()
+    if rank == 1:
+        time.sleep(2.0)  # holds the turn: the others wait for it at the barrier
+    dist.barrier()
+    return rank
+
+
+def test_a_timed_out_launch_names_the_slow_rank_and_stops_its_threads_and_hooks_are_restored():
+    """Past its timeout a launch raises a LaunchError naming the rank that held the turn, only once every rank's
+    thread has stopped (no rank thread alive at interpreter exit, which aborted the process); and the per-rank
+    exception hooks that torch's init_process_group installs ("[rankN]: " prefixes) do not outlive a launch."""
+    hook = sys.excepthook
+    with pytest.raises(LaunchError, match=r"rank\(s\) \[1\] held the turn.*ranks \[0, 2\] waited") as exc:
+        launch_inprocess(_rank_1_is_slow, 3, timeout_s=0.5)
+    assert "did not stop" not in str(exc.value)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("lrmoe-rank")]
+    assert sys.excepthook is hook
+    assert launch_inprocess(_default_world, 2)[1][:2] == (1, 2) and sys.excepthook is hook
+
+
 # -- train.py: the engines against each other -------------------------------------------------------------------------
 def _run(tmp, engine: str, policy: str, steps: int, ranks: int = 4, preset: str = "qwen3-30b-a3b-debug",
          extra_slots: int = 1, batch: int = 4, seq_len: int = 64, eval_batches: int = 2):
-    """One train.py run at the protocol's settings (DESIGN.md §10.2: cosine with warm-up, aux 0.1, ε 0.1, 1 spare
-    slot per 4 home slots), its per-step records and its checkpoint of the last step (every tensor whole)."""
+    """One train.py run at the protocol's settings (docs/protocols/frontier.md §10.2: cosine with warm-up, aux 0.1, ε
+    0.1, 1 spare slot per 4 home slots), its per-step records and its checkpoint of the last step (every tensor
+    whole)."""
     out = tmp / f"{engine}-{policy}.jsonl"
     history = train.main(["--preset", preset, "--policy", policy, "--engine", engine, "--ranks", str(ranks),
                           "--steps", str(steps), "--batch", str(batch), "--seq-len", str(seq_len),

@@ -13,6 +13,7 @@ then gives the same logits on every rank.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -26,7 +27,7 @@ from safetensors import safe_open  # noqa: E402
 from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
 from lrmoe.integrations.hf import hf_config, load_safetensors_, swap_moe_blocks  # noqa: E402
-from lrmoe.integrations.hf.checkpoint import DENSE_FILE, expert_shard_file, save_sharded  # noqa: E402
+from lrmoe.integrations.hf.checkpoint import DENSE_FILE, consolidate, expert_shard_file, save_sharded  # noqa: E402
 from lrmoe.runtime.distributed.launch import launch  # noqa: E402
 from _hf_helpers import tiny_config  # noqa: E402
 
@@ -166,3 +167,26 @@ def test_a_bf16_model_resumes_from_its_fp32_masters(family, tmp_path):
     keys = outs[0]["model_keys"]
     assert any(k.endswith("mlp.gate.weight") for k in keys), keys  # the dense part is there, the experts not
     assert not [k for k in keys if ".experts." in k], keys
+
+
+def _saved_twice(rank: int, folder: str) -> None:
+    cls, config = family_config("qwen", dist.get_world_size())
+    torch.manual_seed(0)
+    model = cls(config)
+    swap_moe_blocks(model, "lrmoe-no-quotas")
+    save_sharded(model, os.path.join(folder, "a"), step=1)
+    save_sharded(model, os.path.join(folder, "b"), step=2)
+
+
+def test_consolidate_refuses_shards_of_different_saves_naming_the_files(tmp_path):
+    """Each file of a save carries the save's identity (save id, step, world size): a folder where one rank's shard
+    is another save's (here step 1's, beside step 2's manifest, dense part and rank 0 shard) is refused, naming that
+    file and what it holds, and nothing is written."""
+    launch(_saved_twice, 2, str(tmp_path), timeout_s=120)
+    stale = expert_shard_file(1, 2)
+    shutil.copy(tmp_path / "a" / stale, tmp_path / "b" / stale)  # rank 1's file left by the earlier save
+    with pytest.raises(ValueError, match="mixes files of different saves") as exc:
+        consolidate(str(tmp_path / "b"), str(tmp_path / "hf"))
+    assert f"{stale} (save_id " in str(exc.value) and "step 1, num_ranks 2)" in str(exc.value)
+    assert expert_shard_file(0, 2) not in str(exc.value) and DENSE_FILE not in str(exc.value)
+    assert not (tmp_path / "hf").exists()

@@ -2,6 +2,7 @@
 rank that never arrives at a collective; a healthy run is bounded by its collectives' waits, not by its length."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -116,6 +117,26 @@ def test_a_rank_that_never_arrives_at_a_collective_is_named_within_the_collectiv
     assert message.startswith("rank 1 of 3 did not arrive at a collective: ranks [0, 2] failed waiting"), message
     assert "rank 0 in all_reduce" in message and "rank 2 in all_reduce" in message
     assert "rank 1: not in a collective, at" in message and "in _sleep_instead_of_all_reduce" in message
+
+
+def _stop_instead_of_all_reduce(rank, stopped):
+    if rank == stopped:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: it can neither arrive nor say where it is
+    dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def test_a_stopped_rank_is_named_not_the_peer_that_waited_for_it():
+    """A rank frozen by SIGSTOP never arrives and cannot answer the request for its stack: the launcher finds it
+    stopped (/proc/<pid>/stat) and names it (before: "rank 0 of 2 failed", the peer's collective timeout)."""
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(_stop_instead_of_all_reduce, 2, 1, timeout_s=60, pg_timeout_s=2)
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert info.value.ranks == [1], message
+    assert message.startswith("rank 1 of 2 did not arrive at a collective: rank 0 failed waiting"), message
+    assert "rank 1: stopped (process" in message
 
 
 def test_a_rank_that_hangs_after_its_peers_returned_is_named():

@@ -18,3 +18,28 @@ def test_every_package_folder_is_installed():
             found.add(".".join((name, *rel)))
     assert found - listed == set(), f"package folders missing from pyproject's packages: {sorted(found - listed)}"
     assert listed - found == set(), f"pyproject lists packages with no folder: {sorted(listed - found)}"
+
+
+def test_setup_reinstalls_a_venv_whose_lrmoe_is_another_checkouts(tmp_path):
+    """`make setup` with a .venv copied from another checkout (its editable install links to that checkout's files)
+    drops the stamp and installs this checkout again; a .venv that runs this checkout's lrmoe is left as it is. The
+    .venv here is a stand-in whose python answers where lrmoe lies; make only prints what it would run (-n)."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    for where, reinstalled in (("/elsewhere/checkout/lrmoe/__init__.py", True), (f"{ROOT}/lrmoe/__init__.py", False)):
+        venv = tmp_path / ("foreign" if reinstalled else "own")
+        (venv / "bin").mkdir(parents=True)
+        (venv / "bin" / "python").write_text(f"#!/bin/sh\necho {where}\n")
+        (venv / "bin" / "python").chmod(0o755)
+        stamp = venv / ".lrmoe-installed"
+        stamp.touch()
+        run = subprocess.run(["make", "-n", "setup", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert ("setting up" in run.stdout) is reinstalled and stamp.exists() is not reinstalled, run.stdout
+        assert ("not from this checkout" in run.stdout) is reinstalled

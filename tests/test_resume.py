@@ -9,6 +9,7 @@ named and the one before it resumed from; a run resumes on another number of ran
 The mechanism these rely on (the tracker's rewrite on resume) is tested in test_tracking.py; the sharded state's
 re-sharding, tensor by tensor, in test_checkpoint.py."""
 
+import json
 import math
 import os
 import re
@@ -262,6 +263,54 @@ def test_a_checkpoint_folder_keeps_the_newest_checkpoints_and_each_record_once(t
     resumed = train_run(*base, "--resume")
     assert [h["step"] for h in resumed] == list(range(1, 6))
     assert step_folders(ckpt) == ["step000004", "step000005"] and record_steps(ckpt) == list(range(1, 6))
+
+
+@pytest.mark.timeout(120)
+def test_resume_refuses_another_cost_model_or_evaluation_naming_the_flag_and_both_values(tmp_path, capsys):
+    """Every argument but the few that change nothing a run computes or records (resume.NOT_RUN_ARGS) defines the
+    run: --resume with another --cost-model, --eval-every or --eval-batches would mix two definitions in one results
+    file and is refused, naming the flag and both values, the file untouched; a changed --timeout or --ckpt-keep is
+    not. A checkpoint older than an argument is judged by the value its run's header recorded."""
+    out, ckpt = tmp_path / "r.jsonl", tmp_path / "r.ckpt"
+    base = ["--ranks", "1", "--policy", "symi-cf1", "--steps", "2", "--ckpt-every", "1", "--out", str(out)]
+    train_run(*base, "--stop-after", "1")
+    before = out.read_text()
+    for flag, value, there in (("--cost-model", "", "'h200x8'"), ("--eval-every", "5", "100"),
+                               ("--eval-batches", "2", "1")):
+        err = refused(capsys, *base, "--resume", flag, value)
+        assert f"{flag} {there} there, {value if value else repr(value)} here" in err, err
+    assert out.read_text() == before
+    manifest = ckpt / "step000001" / "complete.json"  # as a version that did not record --eval-every wrote it
+    saved = json.loads(manifest.read_text())
+    del saved["identity"]["args"]["eval_every"]
+    manifest.write_text(json.dumps(saved))
+    resumed = train_run(*base, "--resume", "--timeout", "60", "--ckpt-keep", "3")
+    assert [h["step"] for h in resumed] == [1, 2]
+
+
+@pytest.mark.timeout(120)
+def test_resume_restores_the_rows_a_results_file_lost_from_the_checkpoints_records(tmp_path, capsys):
+    """A finished run's results file that lost rows outside the run (a step's row deleted by hand, then the file cut
+    to fewer rows): --resume writes each lost row back, as it was, from the records its checkpoint holds, and the file
+    holds every step once. Where the checkpoint does not hold a lost step either, --resume refuses naming it."""
+    out, ckpt = tmp_path / "r.jsonl", tmp_path / "r.ckpt"
+    base = ["--ranks", "1", "--policy", "symi-cf1", "--steps", "4", "--ckpt-every", "2", "--out", str(out)]
+    train_run(*base)
+    whole = read_results(out)
+    assert [r["step"] for r in whole] == [1, 2, 3, 4]
+    lines = out.read_text().splitlines(keepends=True)  # the header, then steps 1-4
+    for cut in (lines[:2] + lines[3:], lines[:2]):  # step 2's row deleted; the file cut to step 1
+        out.write_text("".join(cut))
+        train_run(*base, "--resume")
+        assert read_results(out) == whole
+
+    out.write_text("".join(lines[:2] + lines[3:]))
+    manifest = ckpt / "step000004" / "complete.json"  # a checkpoint without the records of steps 1-2
+    saved = json.loads(manifest.read_text())
+    saved["records"] = [seg for seg in saved["records"] if seg["first"] > 2]
+    manifest.write_text(json.dumps(saved))
+    err = refused(capsys, *base, "--resume")
+    assert "lacks the records of steps 2," in err and str(out) in err, err
 
 
 @pytest.mark.timeout(300)

@@ -1,6 +1,6 @@
-"""lrmoe.analysis.time_to_quality and lrmoe.traces.rescale (DESIGN.md §11.3): the step fraction read off a dropless
-curve whose answer is known, the time-to-quality quantity's sign, the claims' decision, and a recorded trace at
-paper scale keeping every row's expert shares."""
+"""lrmoe.analysis.time_to_quality and lrmoe.traces.rescale (docs/protocols/time_to_quality.md §11.3): the step fraction
+read off a dropless curve whose answer is known, the time-to-quality quantity's sign, the claims' decision, and a
+recorded trace at paper scale keeping every row's expert shares."""
 
 import numpy as np
 import pandas as pd

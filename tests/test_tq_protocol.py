@@ -1,6 +1,6 @@
 """The time-to-quality protocol as data and its runner (lrmoe.analysis.tq_protocol, experiments/tq_sweep.py;
-DESIGN.md §11): the train.py arguments of every arm and budget, and a resumed stage skipping exactly the runs
-already collected with the protocol's identity."""
+docs/protocols/time_to_quality.md §11): the train.py arguments of every arm and budget, and a resumed stage skipping
+exactly the runs already collected with the protocol's identity."""
 
 import json
 
@@ -174,3 +174,27 @@ def test_a_slice_starts_only_runs_that_fit(tmp_path):
     assert f["--steps"] == "285" and float(f["--timeout"]) == max(P.TIMEOUT_FACTOR * 300.0, P.MIN_TIMEOUT_S)
     text = P.progress_table([collected(r) for r in runs[:2]], runs)
     assert "| static-ep-r0.85 | 1 of 4 |" in text and "**2 of 44**" in text
+
+
+def test_a_repeated_collected_line_counts_once_and_two_versions_of_a_run_are_refused(tmp_path):
+    """A copy of a collected line appended again is one run to the report (its counts and verdict), the figure and
+    the runner (lrmoe.analysis.tq_protocol.unique_rows); two different lines of one run are refused, naming the run
+    and the fields they differ in."""
+    out = tmp_path / "tq.jsonl"
+    runs = P.stage_runs("model-pilot")
+    rows = [{**collected(run), "eval_steps": [25, P.STEPS], "val_loss": [3.0, 2.0], "gini_first_last": [0.3, 0.2]}
+            for run in runs]
+    for row in [*rows, rows[0]]:  # the first line appended again
+        append_record(out, row)
+    argv = ["--stage", "model-pilot", "--out", str(out), "--report", str(tmp_path / "r.md")]
+    text = tq_sweep.report(tq_sweep.parse_args(argv))
+    assert f"{len(runs)} of {len(runs)} runs collected" in text and f"{len(runs)} seeds" in text, text
+    assert P.collected_rows(out) == rows
+
+    append_record(out, {**rows[1], "endpoint": 2.5})  # another version of the second run
+    with pytest.raises(SystemExit, match=f"'seed': {runs[1].seed}.*differ in endpoint"):
+        tq_sweep.report(tq_sweep.parse_args(argv))
+    from lrmoe.paper_figures import tq_figures
+
+    with pytest.raises(ValueError, match="differ in endpoint"):
+        tq_figures.claims(out)

@@ -1,6 +1,6 @@
-"""A run's whole iteration priced from its own recorded routing (lrmoe.sim.replay, DESIGN.md §11.3): the dense part
-is the same for every system and is what its FLOPs say; the MoE layers' time is the simulator's on the same
-rescaled trace, every paper layer simulated."""
+"""A run's whole iteration priced from its own recorded routing (lrmoe.sim.replay, docs/protocols/time_to_quality.md
+§11.3): the dense part is the same for every system and is what its FLOPs say; the MoE layers' time is the simulator's
+on the same rescaled trace, every paper layer simulated."""
 
 import numpy as np
 import pytest
@@ -75,7 +75,8 @@ def test_band_corners_and_bad_input():
     trace = recorded_trace(steps=3, layers=1)
     t = price_run(trace, "symi-dropless", MODEL, CLUSTER, 2048, 8, spare_slots=2, eps=0.1, gamma=0.1,
                   warmup_steps=2)
-    assert len(t.corners) == 9 * 3 * 3  # (base + 8 cost corners) x 3 micro-batch counts x 3 dense efficiencies
+    # (base + 8 cost corners) x 6 micro-batch counts (1, 2, 4, 8, 16, 32: Record 3) x 3 dense efficiencies
+    assert len(t.corners) == 9 * 6 * 3
     assert t.corners["base|mb=8|dense=0.5"] == pytest.approx(t.time_s, rel=1e-12)
     assert min(t.corners.values()) < t.time_s < max(t.corners.values())
     with pytest.raises(ValueError, match="warmup_steps"):

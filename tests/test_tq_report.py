@@ -1,6 +1,6 @@
-"""The time-to-quality report over collected lines (lrmoe.analysis.tq_report, DESIGN.md §11.4): on runs whose answer
-is known (a dropless curve, arms whose loss sits at a chosen r*, times at a chosen ratio) the claims, the six
-robustness checks, power and the controls come out as constructed."""
+"""The time-to-quality report over collected lines (lrmoe.analysis.tq_report, docs/protocols/time_to_quality.md §11.4):
+on runs whose answer is known (a dropless curve, arms whose loss sits at a chosen r*, times at a chosen ratio) the
+claims, the six robustness checks, power and the controls come out as constructed."""
 
 import numpy as np
 import pytest

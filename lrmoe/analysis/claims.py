@@ -1,6 +1,6 @@
-"""The frontier's claims decided from the protocol's runs (DESIGN.md §10.4): per-seed gaps to the two-run reference,
-the family of claims of a regime, their tests with Holm's adjustment and decision words, and the seed count a
-pilot's variance asks for.
+"""The frontier's claims decided from the protocol's runs (docs/protocols/frontier.md §10.4): per-seed gaps to the
+two-run reference, the family of claims of a regime, their tests with Holm's adjustment and decision words, and the seed
+count a pilot's variance asks for.
 
     gaps = gap_table(rows)                  # seeds x arms, % above the reference, whole seeds only
     table = claim_table(gaps)               # one row per claim: estimate, 95 % interval, Holm p, word
@@ -43,7 +43,7 @@ class Claim:
 
 
 def family(rho: float = protocol.CLAIM_RHO, rhos=(0.9, 0.75, 0.5)) -> list[Claim]:
-    """The claims of one regime (DESIGN.md §10.4), in the protocol's order."""
+    """The claims of one regime (docs/protocols/frontier.md §10.4), in the protocol's order."""
     m2, rnd = f"lrmoe-rho{rho:g}-unbiased", f"lrmoe-rho{rho:g}-random-unbiased"
     return [
         Claim("C1", f"m2 unbiased beats random 1/p selection at ρ {rho:g}", "superior", m2, rnd),
@@ -58,7 +58,8 @@ def family(rho: float = protocol.CLAIM_RHO, rhos=(0.9, 0.75, 0.5)) -> list[Claim
 
 
 def early_family(rho: float = protocol.CLAIM_RHO) -> list[Claim]:
-    """Early selection's claims (DESIGN.md §10.6): a family of their own, Holm-adjusted between themselves."""
+    """Early selection's claims (docs/protocols/frontier.md §10.6): a family of their own, Holm-adjusted between
+    themselves."""
     early, late = f"lrmoe-rho{rho:g}-early-unbiased", f"lrmoe-rho{rho:g}-unbiased"
     return [
         Claim("E1", f"LRMoE early selection (gate, unbiased) at ρ {rho:g}: loss gap ≤ {MARGIN:g} %", "noninferior",
@@ -70,14 +71,14 @@ def early_family(rho: float = protocol.CLAIM_RHO) -> list[Claim]:
 
 def early_arms(rho: float = protocol.CLAIM_RHO) -> list[str]:
     """The arms early selection's family reads: the references, late selection (m2 unbiased) and the early arm. Its
-    gap table is taken over its own whole seeds, so that the arm added later (DESIGN.md §10.6) never removes a seed
-    from the main family's table."""
+    gap table is taken over its own whole seeds, so that the arm added later (docs/protocols/frontier.md §10.6) never
+    removes a seed from the main family's table."""
     return [*protocol.REFERENCES, f"lrmoe-rho{rho:g}-unbiased", *protocol.EARLY_ARMS]
 
 
 def family_gaps(rows, arms) -> tuple[pd.DataFrame, pd.DataFrame | None]:
-    """The gap tables of a regime's two families (DESIGN.md §10.6), each over its own whole seeds: the main
-    family's over ``arms`` less the early arms, and early selection's over :func:`early_arms` when every early arm
+    """The gap tables of a regime's two families (docs/protocols/frontier.md §10.6), each over its own whole seeds: the
+    main family's over ``arms`` less the early arms, and early selection's over :func:`early_arms` when every early arm
     is among ``arms`` (else None)."""
     main = gap_table(rows, [a for a in arms if a not in protocol.EARLY_ARMS])
     early = gap_table(rows, early_arms()) if set(protocol.EARLY_ARMS) <= set(arms) else None
@@ -86,8 +87,8 @@ def family_gaps(rows, arms) -> tuple[pd.DataFrame, pd.DataFrame | None]:
 
 def gap_table(rows, arms=None, references=protocol.REFERENCES) -> pd.DataFrame:
     """Seeds x arms: each arm's endpoint as % above the seed's reference (the mean of the ``references``' endpoints,
-    DESIGN.md §10.3). Only whole seeds: those with a finite endpoint for every one of ``arms`` (default: every arm
-    present in ``rows``)."""
+    docs/protocols/frontier.md §10.3). Only whole seeds: those with a finite endpoint for every one of ``arms``
+    (default: every arm present in ``rows``)."""
     frame = pd.DataFrame(list(rows))
     if frame.empty:
         raise ValueError("no runs")
@@ -141,9 +142,9 @@ def claim_table(gaps: pd.DataFrame, claims: list[Claim] | None = None, alpha: fl
 
 def decide_regime(rows, regime: str | None = None) -> dict:
     """Both families of one regime decided from collected runs, as frontier.py reports them: ``gaps`` and
-    ``claims`` (the main family, over its whole seeds), ``early_gaps`` and ``early_claims`` (DESIGN.md §10.6; None
-    without two whole seeds of the early arms). ``rows``: the protocol's collected runs; only the sweep's count
-    (the pilot's never enter a claim), and only ``regime``'s when given. ValueError without two whole seeds."""
+    ``claims`` (the main family, over its whole seeds), ``early_gaps`` and ``early_claims`` (docs/protocols/frontier.md
+    §10.6; None without two whole seeds of the early arms). ``rows``: the protocol's collected runs; only the sweep's
+    count (the pilot's never enter a claim), and only ``regime``'s when given. ValueError without two whole seeds."""
     rows = [r for r in rows if r.get("stage") == "sweep" and (regime is None or r.get("regime") == regime)]
     if not rows:
         raise ValueError(f"no sweep run{'' if regime is None else f' of regime {regime!r}'}")
@@ -160,8 +161,8 @@ def decide_regime(rows, regime: str | None = None) -> dict:
 def arm_quality(rows, regime: str, planned: int = protocol.SWEEP_SEEDS) -> dict[str, dict]:
     """Per arm whose own gap to the reference has a non-inferiority claim in ``regime`` (C4 at each ρ, C4 cap, E1):
     that claim's row of :func:`decide_regime` (claim, word, estimate, interval, bound, Holm p, seeds) and ``final``,
-    whether its seeds reached the ``planned`` count (before that the word is interim, DESIGN.md §10.5). The
-    references (static EP, SYMI-dropless: the same maths) map to ``{"word": "reference"}``. Empty when the runs
+    whether its seeds reached the ``planned`` count (before that the word is interim, docs/protocols/frontier.md §10.5).
+    The references (static EP, SYMI-dropless: the same maths) map to ``{"word": "reference"}``. Empty when the runs
     hold no two whole seeds of the regime."""
     try:
         decided = decide_regime(rows, regime)
@@ -191,9 +192,9 @@ def quality_text(quality: dict | None) -> str:
 
 def seed_plan(pilot_gaps: pd.DataFrame, claims: list[Claim] | None = None, alpha: float | None = None,
               effect: float = EFFECT, target: float = POWER, max_seeds: int = MAX_SEEDS) -> pd.DataFrame:
-    """The power calculation of DESIGN.md §10.4: per claim, the pilot's sd of its per-seed quantity (a claim whose
-    arms the pilot did not run takes the largest sd measured), and the seeds whose power reaches ``target`` at
-    ``alpha`` (default 0.05 ÷ the family's size, Holm's first step) for a true difference of ``effect`` points
+    """The power calculation of docs/protocols/frontier.md §10.4: per claim, the pilot's sd of its per-seed quantity (a
+    claim whose arms the pilot did not run takes the largest sd measured), and the seeds whose power reaches ``target``
+    at ``alpha`` (default 0.05 ÷ the family's size, Holm's first step) for a true difference of ``effect`` points
     (non-inferiority: a true gap of margin - effect). ``capped``: the sweep's cap leaves the claim underpowered."""
     claims = family() if claims is None else claims
     alpha = 0.05 / len(claims) if alpha is None else alpha
@@ -240,8 +241,8 @@ def time_ratios(times_ms: pd.DataFrame, reference: str = "symi-dropless") -> pd.
 
 
 def time_claim(claims: pd.DataFrame, ratios: pd.DataFrame) -> list[dict]:
-    """C5 of DESIGN.md §10.4: LRMoE ÷ SYMI-dropless time at the deepest ρ whose non-inferiority holds, or at every
-    ρ when none does (each row says which)."""
+    """C5 of docs/protocols/frontier.md §10.4: LRMoE ÷ SYMI-dropless time at the deepest ρ whose non-inferiority holds,
+    or at every ρ when none does (each row says which)."""
     ni = claims[claims.claim.str.startswith("C4 ρ")].copy()
     ni["rho"] = ni.claim.str.removeprefix("C4 ρ").astype(float)
     held = ni[ni.word == "holds"]

@@ -1,7 +1,7 @@
-"""The retention budget's frontier, time against quality (DESIGN.md §10): the systems' modelled paper-scale time per
-iteration (the simulator on a synthetic trace, as the ablation builds a cell's systems) joined with the loss of their
-training runs, the headline rule read off that table, and the protocol's time axis of one regime at the Zipf s
-matched to its runs. experiments/frontier.py is the command line around it (arguments, results file, figure).
+"""The retention budget's frontier, time against quality (docs/protocols/frontier.md §10): the systems' modelled
+paper-scale time per iteration (the simulator on a synthetic trace, as the ablation builds a cell's systems) joined with
+the loss of their training runs, the headline rule read off that table, and the protocol's time axis of one regime at
+the Zipf s matched to its runs. experiments/frontier.py is the command line around it (arguments, results file, figure).
 
 Errors a caller can name to a user (a scale where a system runs out of memory, a regime whose slots the memory
 model cuts, traces that miss the runs' skew) are :class:`FrontierError`.
@@ -256,7 +256,8 @@ def markdown_report(table: pd.DataFrame, h: dict, scale: dict, curves: pd.DataFr
     ])
 
 
-# -- the protocol's frontier (DESIGN.md §10): one regime, both axes at its settings, the claims decided -----------
+# -- the protocol's frontier (docs/protocols/frontier.md §10): one regime, both axes at its settings, the claims decided
+# -----------
 def regime_times(arms: list[str], regime, zipf_s: float, args) -> tuple[pd.DataFrame, list[dict]]:
     """Modelled paper-scale time per iteration of each arm (ms; rows: trace seed, columns: arms) at the regime's
     settings (its slots per home slot, eps, gamma) and the matched Zipf s, on ``args.sim_seeds`` trace seeds. Every
@@ -292,11 +293,13 @@ def protocol_report(regime, claims: pd.DataFrame, c5: list[dict], points: pd.Dat
     label = "final" if seeds >= planned else f"interim: {seeds} of {planned} planned seeds"
     cols = ["claim", "text", "seeds", "estimate", "ci_low", "ci_high", "bound_high", "p", "p_holm", "word"]
     early = [] if early_claims is None else [
-        "Early selection's claims (DESIGN.md §10.6: their own Holm family, over their own whole seeds):", "",
+        "Early selection's claims (docs/protocols/frontier.md §10.6: their own Holm family, over their own whole "
+        "seeds):", "",
         early_claims[[c for c in cols if c in early_claims.columns]].to_markdown(index=False, floatfmt=".3f"), ""]
     return "\n".join([
         f"# Frontier, regime {regime.name} ({label})", "", f"![frontier]({figure})", "",
-        f"Protocol: DESIGN.md §10. Regime: {regime.description}; both axes at {regime.spare_per_home:g} spare slots "
+        f"Protocol: docs/protocols/frontier.md §10. Regime: {regime.description}; both axes at "
+        f"{regime.spare_per_home:g} spare slots "
         f"per home slot, ε {regime.eps:g}, γ {regime.gamma:g}. Loss: the debug model on 4 CPU ranks, {seeds} whole "
         f"seeds. Time: the simulator at paper scale, Zipf s {zipf_s:.3f}, matched to the runs' static-EP slowest "
         "rank ÷ mean.", "",

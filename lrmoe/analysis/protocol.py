@@ -1,4 +1,5 @@
-"""The frontier protocol of DESIGN.md §10 as data: regimes, arms, seeds, the training settings, and the endpoint.
+"""The frontier protocol of docs/protocols/frontier.md §10 as data: regimes, arms, seeds, the training settings, and the
+endpoint.
 
 A :class:`Regime` fixes one set of system settings that both axes of a frontier use: the training runs that give
 the loss (aux-loss coefficient, replica slots, balance slack, the retention budgets) and the simulator that gives
@@ -26,13 +27,15 @@ EVAL_BATCHES = 16  # per rank: 16 x 4 sequences x 64 bytes x 4 ranks = 16,384 by
 ENDPOINT_EVALS = 3  # the endpoint: mean validation loss over the last three evaluations (steps 250, 275, 300)
 CKPT_EVERY = 100
 
-# the time axis (DESIGN.md §10.1): Qwen3-30B-A3B on 2 x 8 A100-40GB, 8 micro-batches of 2,048 tokens per rank
+# the time axis (docs/protocols/frontier.md §10.1): Qwen3-30B-A3B on 2 x 8 A100-40GB, 8 micro-batches of 2,048 tokens
+# per rank
 SIM_MODEL, SIM_CLUSTER, SIM_NODES, SIM_TOKENS_PER_RANK, SIM_MICRO_BATCHES = "qwen3-30b-a3b", "a100-40gb-x8", 2, 2048, 8
 SIM_SEEDS = 5
 
 PILOT_SEEDS = (100, 101, 102, 103)  # the variance pilot: fresh seeds, never part of the confirmatory analysis
 SWEEP_SEED0 = 1000  # the sweep's seeds are 1000, 1001, ...: fresh, not 0-2 (which generated the hypotheses)
-MAX_SEEDS = 16  # the most seeds the sweep runs per regime, whatever the power calculation asks (DESIGN.md §10.4)
+# the most seeds the sweep runs per regime, whatever the power calculation asks (docs/protocols/frontier.md §10.4)
+MAX_SEEDS = 16
 SWEEP_SEEDS = MAX_SEEDS  # the sweep's planned seeds per regime: the pilot's power calculation, capped
 
 REFERENCES = ("static-ep", "symi-dropless")  # the same maths: the reference is their mean, seed by seed
@@ -45,8 +48,8 @@ ARMS = (
     "symi-dropless-rho0.75-unbiased",  # the same trim, 1/p scaled
     "lrmoe",  # cap mode
 )
-# DESIGN.md §10.6 (an amendment registered before any of its runs): early selection joins the sweep, one arm per
-# regime and seed, with a family of claims of its own, so that the Holm family of §10.4 is unchanged
+# docs/protocols/frontier.md §10.6 (an amendment registered before any of its runs): early selection joins the sweep,
+# one arm per regime and seed, with a family of claims of its own, so that the Holm family of §10.4 is unchanged
 EARLY_ARMS = ("lrmoe-rho0.75-early-unbiased",)
 SWEEP_ARMS = ARMS + EARLY_ARMS  # what experiments/frontier_sweep.py runs per regime and seed
 PILOT_ARMS = ("static-ep", "symi-dropless", "lrmoe-rho0.75-unbiased", "lrmoe-rho0.75-random-unbiased")
@@ -55,7 +58,7 @@ CLAIM_RHO = 0.75  # the budget at which the controls run
 
 @dataclass(frozen=True)
 class Regime:
-    """One frontier's system settings, the same on both axes (DESIGN.md §10.1).
+    """One frontier's system settings, the same on both axes (docs/protocols/frontier.md §10.1).
 
     aux_coef        the load-balancing loss weight of the training runs (the regime's routing skew).
     spare_per_home  replica slots per rank per home slot, for SYMI and LRMoE alike: the debug model's 16 experts

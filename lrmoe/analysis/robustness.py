@@ -1,6 +1,6 @@
 """How much a decided claim depends on the choices the protocol fixed: the endpoint, the reference, the test and the
-family (DESIGN.md §10.8). Each variant re-decides every claim of a regime from the same collected runs; a claim
-whose word moves under a variant is fragile in that direction.
+family (docs/protocols/frontier.md §10.8). Each variant re-decides every claim of a regime from the same collected runs;
+a claim whose word moves under a variant is fragile in that direction.
 
     table = robustness_table(rows, "production")     # one row per (variant, claim): p, Holm p, word
     worth = steps_per_loss_margin(rows, "production")  # per seed: the share of the steps that 1 % of loss is worth
@@ -23,7 +23,7 @@ from lrmoe.analysis import protocol
 from lrmoe.analysis.claims import MARGIN, Claim, claim_table, early_family, family, gap_table, per_seed
 from lrmoe.analysis.stats import decide, holm, paired_test
 
-# the variants, each a change of one choice from the protocol's (DESIGN.md §10.3-10.4)
+# the variants, each a change of one choice from the protocol's (docs/protocols/frontier.md §10.3-10.4)
 VARIANTS = ("protocol", "endpoint step 300", "reference symi-dropless", "reference static-ep", "sign-flip test",
             "wilcoxon test", "one family of all claims")
 
@@ -59,8 +59,8 @@ def wilcoxon_p(values, kind: str, direction: int = -1, margin: float = 0.0) -> f
 
 def _decided(gaps: pd.DataFrame, claims: list[Claim], test: str) -> pd.DataFrame:
     """The claim table of ``claims`` on ``gaps`` with the p values of ``test`` ("t", "sign-flip" or "wilcoxon"),
-    Holm-adjusted over ``claims``; the decision words of DESIGN.md §10.4 on the adjusted p (the intervals stay the
-    t intervals, which decide a claim's failure)."""
+    Holm-adjusted over ``claims``; the decision words of docs/protocols/frontier.md §10.4 on the adjusted p (the
+    intervals stay the t intervals, which decide a claim's failure)."""
     if test == "t":
         return claim_table(gaps, claims)
     tests, p = {}, {}
@@ -95,9 +95,9 @@ def _at_last_eval(rows: list[dict]) -> list[dict]:
 
 
 def robustness_table(rows, regime: str) -> pd.DataFrame:
-    """Every claim of ``regime`` (both families, DESIGN.md §10.4 and §10.6) decided under each of :data:`VARIANTS`:
-    one row per (variant, claim) with its estimate, p, Holm-adjusted p and word. ``rows``: the protocol's collected
-    runs (the sweep's only count)."""
+    """Every claim of ``regime`` (both families, docs/protocols/frontier.md §10.4 and §10.6) decided under each of
+    :data:`VARIANTS`: one row per (variant, claim) with its estimate, p, Holm-adjusted p and word. ``rows``: the
+    protocol's collected runs (the sweep's only count)."""
     rows = [r for r in rows if r.get("stage") == "sweep" and r.get("regime") == regime]
     if not rows:
         raise ValueError(f"no sweep run of regime {regime!r}")

@@ -1,4 +1,4 @@
-"""The time axis's skew matched to the training runs' routing (DESIGN.md §10.1).
+"""The time axis's skew matched to the training runs' routing (docs/protocols/frontier.md §10.1).
 
 The statistic matched is static expert parallelism's per-rank load, slowest rank ÷ mean, per layer and iteration,
 averaged (``load_stats``' ``rank_max_over_mean``): the straggler ratio I_S of DESIGN.md §5.5. The runs measure it
@@ -120,8 +120,8 @@ def side_by_side(runs: dict, simulated: dict) -> list[dict]:
 
 
 def protocol_scale() -> Scale:
-    """The frontier's time axis (DESIGN.md §10.1): its model's experts and top-k on its cluster's ranks, its tokens
-    per rank."""
+    """The frontier's time axis (docs/protocols/frontier.md §10.1): its model's experts and top-k on its cluster's
+    ranks, its tokens per rank."""
     m = model_preset(protocol.SIM_MODEL)
     c = cluster_preset(protocol.SIM_CLUSTER, protocol.SIM_NODES)
     return Scale(c.num_ranks, m.num_experts, m.top_k, protocol.SIM_TOKENS_PER_RANK)

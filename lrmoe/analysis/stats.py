@@ -1,5 +1,5 @@
-"""The statistics that decide a frontier claim (DESIGN.md §10.4): paired t intervals, non-inferiority bounds, Holm's
-adjustment, the decision word, and the number of seeds a claim needs (noncentral t power).
+"""The statistics that decide a frontier claim (docs/protocols/frontier.md §10.4): paired t intervals, non-inferiority
+bounds, Holm's adjustment, the decision word, and the number of seeds a claim needs (noncentral t power).
 
 Every claim is a one-sample test on per-seed differences (paired design): superiority ("the mean is below 0"),
 two-sided ("the mean is not 0") or non-inferiority ("the mean is below the margin"). Distributions come from
@@ -113,8 +113,8 @@ def holm(p_values) -> np.ndarray:
 
 
 def decide(test: PairedTest, adjusted_p: float, delta: float = 0.5) -> str:
-    """The decision word of DESIGN.md §10.4 for one claim, given its Holm-adjusted p and the smallest difference
-    of interest ``delta`` (superiority and two-sided claims)."""
+    """The decision word of docs/protocols/frontier.md §10.4 for one claim, given its Holm-adjusted p and the smallest
+    difference of interest ``delta`` (superiority and two-sided claims)."""
     if adjusted_p < test.alpha:
         return "holds"
     if test.kind == "superior":

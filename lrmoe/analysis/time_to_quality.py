@@ -21,7 +21,7 @@ import pandas as pd
 
 from lrmoe.analysis.stats import decide, holm, paired_test
 
-BUDGETS = (0.85, 0.90, 0.95, 1.0)  # the dropless maths' step budgets (DESIGN.md §11.2)
+BUDGETS = (0.85, 0.90, 0.95, 1.0)  # the dropless maths' step budgets (docs/protocols/time_to_quality.md §11.2)
 DELTA = 2.0  # percent of time: the smallest saving of interest (a claim fails when none of it is left)
 R_RANGE = (0.70, 1.15)  # r* outside it is an extrapolation too far to trust: reported, and clipped to the range
 REFERENCES = ("symi-dropless", "static-ep")  # the dropless systems Y of the claims
@@ -62,9 +62,10 @@ def r_star(loss: float, fit: CurveFit) -> float:
 
 
 def r_star_interpolated(loss: float, budgets_B, endpoints_B) -> float:
-    """Robustness check (3) of DESIGN.md §11.4: r* by piecewise-linear interpolation of the endpoints between the
-    budgets, extended linearly beyond the end budgets from the two nearest, clipped to :data:`R_RANGE`. The curve is
-    made monotone first (a running minimum from the smallest budget), so a noisy budget cannot make r* ambiguous."""
+    """Robustness check (3) of docs/protocols/time_to_quality.md §11.4: r* by piecewise-linear interpolation of the
+    endpoints between the budgets, extended linearly beyond the end budgets from the two nearest, clipped to
+    :data:`R_RANGE`. The curve is made monotone first (a running minimum from the smallest budget), so a noisy budget
+    cannot make r* ambiguous."""
     order = np.argsort(np.asarray(budgets_B, dtype=float))
     r = np.asarray(budgets_B, dtype=float)[order]
     d = np.minimum.accumulate(np.asarray(endpoints_B, dtype=float)[order])
@@ -91,10 +92,10 @@ def per_seed_table(endpoints: pd.DataFrame, times: pd.DataFrame, interpolate: bo
     """Seeds x (arm, reference) q values, with each arm's r*.
 
     ``endpoints``: one row per (seed, arm, budget) with ``endpoint``; the dropless curve is static EP's at budgets
-    < 1 and, at 1, the mean of static EP's and SYMI-dropless's endpoints (DESIGN.md §11.3). ``times``: one row per
-    (seed, arm) with ``time`` (the modelled iteration time from the run's own routing, at the full budget). Returns
-    one row per seed with columns ``r_star/<arm>`` and ``q/<arm>/<reference>``; only seeds whose every arm, budget
-    and time is there."""
+    < 1 and, at 1, the mean of static EP's and SYMI-dropless's endpoints (docs/protocols/time_to_quality.md §11.3).
+    ``times``: one row per (seed, arm) with ``time`` (the modelled iteration time from the run's own routing, at the
+    full budget). Returns one row per seed with columns ``r_star/<arm>`` and ``q/<arm>/<reference>``; only seeds whose
+    every arm, budget and time is there."""
     rows = []
     for seed, group in endpoints.groupby("seed"):
         full = group[group.budget == 1.0].set_index("arm")["endpoint"]
@@ -128,7 +129,8 @@ class TQClaim:
 
 
 def tq_family() -> list[TQClaim]:
-    """The eight claims of a regime (DESIGN.md §11.4): T1 against SYMI-dropless, T2 against static EP."""
+    """The eight claims of a regime (docs/protocols/time_to_quality.md §11.4): T1 against SYMI-dropless, T2 against
+    static EP."""
     return [TQClaim(f"T{1 + REFERENCES.index(ref)} {arm}", arm, ref) for ref in REFERENCES for arm in ARMS]
 
 

@@ -1,6 +1,6 @@
-"""The time-to-quality protocol of DESIGN.md §11 as data: stages, seeds, regimes, the eleven runs of a seed, the
-train.py arguments of each run, and what a finished run is collected as (its endpoint, curve and, at the full
-budget, its modelled iteration time from its own routing, :mod:`lrmoe.sim.replay`).
+"""The time-to-quality protocol of docs/protocols/time_to_quality.md §11 as data: stages, seeds, regimes, the eleven
+runs of a seed, the train.py arguments of each run, and what a finished run is collected as (its endpoint, curve and, at
+the full budget, its modelled iteration time from its own routing, :mod:`lrmoe.sim.replay`).
 
     runs = stage_runs("pilot")                       # [TQRun], regime-major (weak first), seed by seed
     argv = run.train_argv(work)                      # experiments/train.py's arguments, --engine emulated
@@ -20,7 +20,8 @@ import numpy as np
 from lrmoe.analysis import protocol
 from lrmoe.config import cluster_preset, model_preset
 
-# DESIGN.md §11.1: the emulated engine, Qwen3-30B-A3B's routing shape (128 experts, top-8, 16 ranks)
+# docs/protocols/time_to_quality.md §11.1: the emulated engine, Qwen3-30B-A3B's routing shape (128 experts, top-8, 16
+# ranks)
 ENGINE = "emulated"
 RANKS = 16
 PRESET = "qwen3-30b-a3b-routing-debug"  # the ladder's smallest rung; the model pilot's record names the one chosen
@@ -36,13 +37,14 @@ ENDPOINT_EVALS = 3
 CKPT_EVERY = 75  # a stopped run resumes from its last checkpoint (75 divides none of the shorter budgets' ends)
 BUDGETS = {0.85: 255, 0.90: 270, 0.95: 285, 1.0: 300}  # step fraction -> steps, each with its own schedule
 
-# DESIGN.md §11.1: the model pilot's rule, read at steps 25 and 300 (its evaluation every 25 steps has both)
+# docs/protocols/time_to_quality.md §11.1: the model pilot's rule, read at steps 25 and 300 (its evaluation every 25
+# steps has both)
 MODEL_PILOT_SEEDS = (2100, 2101)
 MODEL_PILOT_EVAL_EVERY = 25
 MODEL_PILOT_REGIME = "weak"  # aux-loss 1e-3
 MODEL_PILOT_LOSS_DROP = 0.20
 MODEL_PILOT_GINI_MOVE = 0.02
-# DESIGN.md §11.5
+# docs/protocols/time_to_quality.md §11.5
 PILOT_SEEDS = (2000, 2001, 2002, 2003)
 SWEEP_SEED0 = 3000
 MAX_SEEDS = 32
@@ -98,7 +100,7 @@ class TQRun:
         return self.folder(work) / f"{self.name}.trace.npz"
 
     def identity_argv(self) -> list[str]:
-        """train.py's arguments that decide what the run computes (DESIGN.md §11.1-11.2)."""
+        """train.py's arguments that decide what the run computes (docs/protocols/time_to_quality.md §11.1-11.2)."""
         regime = protocol.get_regime(self.regime)
         spare = regime.spare_slots(model_preset(self.preset).num_experts, RANKS)
         return ["--engine", ENGINE, "--preset", self.preset, "--policy", self.arm, "--ranks", str(RANKS),
@@ -223,10 +225,13 @@ def shape_stats(trace, warmup: int = WARMUP) -> dict:
 def collect(run: TQRun, work: Path, band: bool = True, wall_s: float | None = None) -> dict:
     """One finished run as one results line: its identity (key and train.py arguments), endpoint over its last
     three evaluations, validation curve, routing-shape statistics of its trace, its training steps' seconds (and
-    ``wall_s``, the whole run's as its runner measured it), and at the full budget its modelled iteration time
-    (central, MoE, dense, the constants band's corners)."""
+    ``wall_s``, the whole run's as its runner measured it), the replica-gradient mode it trained in
+    (``train_replica_grad``, its results header's; docs/protocols/time_to_quality.md §11.6 Record 3), and at the full
+    budget its modelled iteration time (central, MoE, dense, the constants band's corners at every micro-batch count of
+    the band, and ``time_select``: at the selection's charge times 0.5, 1, 2, 4) with the mode it is priced in
+    (``replica_grad``)."""
     from lrmoe.analysis.skew import trace_imbalance
-    from lrmoe.results import read_results
+    from lrmoe.results import read_headers, read_results
     from lrmoe.traces.trace import load_trace
 
     records = {r["step"]: r for r in read_results(run.results(work))}  # a resumed step: the later record wins
@@ -244,12 +249,14 @@ def collect(run: TQRun, work: Path, band: bool = True, wall_s: float | None = No
            "val_loss": val, "shape": shape_stats(trace),
            "train_s": float(sum(BATCH * SEQ_LEN * RANKS / r["tokens_per_s"] for r in rows if r.get("tokens_per_s"))),
            **({"wall_s": wall_s} if wall_s is not None else {})}
+    headers = read_headers(run.results(work))
+    row["train_replica_grad"] = ((headers[-1].get("config") or {}) if headers else {}).get("replica_grad", "range")
     if run.stage == "model-pilot":
         row["gini_first_last"] = [trace_imbalance(trace.counts_ILNE[i:i + 1])["gini"] for i in (24, run.steps - 1)]
     elif run.budget == 1.0:
         t = price(trace, run, band=band)
         row |= {"time_s": t.time_s, "moe_s": t.moe_s, "dense_s": t.dense_s, "replica_grad": t.replica_grad,
-                "steps_priced": t.steps_priced, "time_corners": t.corners,
+                "steps_priced": t.steps_priced, "time_corners": t.corners, "time_select": t.select_times,
                 "sim": {k: t.summary[k] for k in ("drop_rate", "fwd_imbalance", "rho", "slots_per_rank",
                                                   "peak_mem_bytes")}}
     return row
@@ -266,9 +273,41 @@ def clashing(rows: list[dict], run: TQRun) -> dict | None:
                  r.get("argv") != run.identity_argv()), None)
 
 
+RUN_KEY = ("stage", "regime", "seed", "arm", "budget", "preset")  # a collected run's key (TQRun.key)
+
+
+def unique_rows(rows: list[dict], where: str = "the collected lines") -> list[dict]:
+    """Each collected run once, as every report and figure counts them: a line that repeats an earlier one exactly
+    (a copy of a collected line appended again) is dropped; two different lines of one run (:data:`RUN_KEY`) are a
+    ValueError naming the run and the fields they differ in. Lines that are no collected run pass as they are."""
+    first: dict[tuple, dict] = {}
+    out = []
+    for row in rows:
+        if "arm" not in row:
+            out.append(row)
+            continue
+        key = tuple(row.get(k) for k in RUN_KEY)
+        if key not in first:
+            first[key] = row
+            out.append(row)
+        elif first[key] != row:
+            fields = sorted(k for k in first[key].keys() | row.keys() if first[key].get(k) != row.get(k))
+            raise ValueError(f"{where} holds two different lines of run {dict(zip(RUN_KEY, key))} (they differ in "
+                             f"{', '.join(fields)}): keep the one that is right")
+    return out
+
+
+def collected_rows(path: str | Path) -> list[dict]:
+    """The lines of a protocol results file, each collected run once (:func:`unique_rows`)."""
+    from lrmoe.results import read_records
+
+    return unique_rows(read_records(path), str(path))
+
+
 def model_pilot_verdict(rows: list[dict]) -> dict:
-    """DESIGN.md §11.1's rule on one rung's collected model-pilot runs: the validation loss falls by at least 20 %
-    from step 25 to step 300, and the per-expert Gini moves by at least 0.02 between them (means over the seeds)."""
+    """docs/protocols/time_to_quality.md §11.1's rule on one rung's collected model-pilot runs: the validation loss
+    falls by at least 20 % from step 25 to step 300, and the per-expert Gini moves by at least 0.02 between them (means
+    over the seeds)."""
     drops, moves = [], []
     for r in rows:
         val = dict(zip(r["eval_steps"], r["val_loss"]))

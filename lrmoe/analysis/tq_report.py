@@ -1,6 +1,6 @@
-"""The time-to-quality protocol's report over collected runs (DESIGN.md §11.3-11.5): per regime the per-seed table,
-the family of eight claims with its words, the six robustness checks of §11.4, power after the fact, the controls,
-and the time axis from the runs' own routing beside a Zipf matched on static EP's slowest rank.
+"""The time-to-quality protocol's report over collected runs (docs/protocols/time_to_quality.md §11.3-11.5): per regime
+the per-seed table, the family of eight claims with its words, the six robustness checks of §11.4, power after the fact,
+the controls, and the time axis from the runs' own routing beside a Zipf matched on static EP's slowest rank.
 
     frames = regime_frames(rows, "weak")            # endpoints (seed, arm, budget) and times (seed, arm)
     table = tq_table(per_seed_table(*frames))       # lrmoe.analysis.time_to_quality
@@ -18,9 +18,10 @@ from lrmoe.analysis import tq_protocol as P
 from lrmoe.analysis.robustness import sign_flip_p, wilcoxon_p
 from lrmoe.analysis.stats import decide, holm, paired_test, power, seeds_needed
 
+REGISTERED_MB = (8, 1, 32)  # check (6)'s micro-batch counts: the protocol's central 8 and the band's ends (§5.3)
 CHECKS = ("protocol", "(1) last evaluation alone", "(2) reference SYMI-dropless alone", "(3) r* interpolated",
           "(4) sign-flip test", "(5) Wilcoxon test", "(6) least favourable band corner")
-TRUE_Q = -5.0  # the power calculation's true q, % (DESIGN.md §11.5)
+TRUE_Q = -5.0  # the power calculation's true q, % (docs/protocols/time_to_quality.md §11.5)
 FULL_ARMS = ("static-ep", "symi-dropless", *P.LRMOE_ARMS, *P.CONTROLS)
 
 
@@ -71,10 +72,19 @@ def sign_flip(values) -> float:
     return float(np.mean(signs @ np.abs(d) / len(d) <= d.mean() + 1e-12 * max(1.0, np.abs(d).max())))
 
 
+def corner_mb(key: str) -> int | None:
+    """The micro-batch count of a band corner's key (``"...|mb=<k>|..."``), None for a key without one."""
+    part = next((p for p in key.split("|") if p.startswith("mb=")), None)
+    return None if part is None else int(part[3:])
+
+
 def least_favourable(rows: list[dict], regime: str) -> pd.DataFrame:
-    """Check (6): each claim's per-seed q at the band corner whose mean q is the largest (least favourable to X)."""
+    """Check (6): each claim's per-seed q at the band corner whose mean q is the largest (least favourable to X).
+    The corners are the registered ones: the band's micro-batch ends and the central count (:data:`REGISTERED_MB`);
+    the counts between them that rows priced since Record 3 carry are its own section (:func:`micro_batch_check`)."""
     full = [r for r in regime_rows(rows, regime) if r["budget"] == 1.0 and "time_corners" in r]
     keys = sorted(set.intersection(*(set(r["time_corners"]) for r in full))) if full else []
+    keys = [k for k in keys if corner_mb(k) in (None, *REGISTERED_MB)]
     tables = {k: tq.per_seed_table(*regime_frames(rows, regime, corner=k)) for k in keys}
     base = tq.per_seed_table(*regime_frames(rows, regime))
     if base.empty or not tables:
@@ -87,7 +97,8 @@ def least_favourable(rows: list[dict], regime: str) -> pd.DataFrame:
 
 
 def robustness(rows: list[dict], regime: str) -> pd.DataFrame:
-    """Claim x check -> word (DESIGN.md §11.4's six checks, each re-deciding the whole family), with "robust"."""
+    """Claim x check -> word (docs/protocols/time_to_quality.md §11.4's six checks, each re-deciding the whole family),
+    with "robust"."""
     base = tq.per_seed_table(*regime_frames(rows, regime))
     tables = {"protocol": tq.tq_table(base)}
     if base.empty:
@@ -111,7 +122,7 @@ def robustness(rows: list[dict], regime: str) -> pd.DataFrame:
 
 def power_after(table: pd.DataFrame, alpha: float = 0.05) -> pd.DataFrame:
     """Per claim: its per-seed sd, the power its seeds had for a true q of −5 % at α ÷ 8 (Holm's first step), and
-    the seeds that power 0.8 would need (DESIGN.md §11.5; capped at 32)."""
+    the seeds that power 0.8 would need (docs/protocols/time_to_quality.md §11.5; capped at 32)."""
     out = []
     for r in table.to_dict("records"):
         if not r.get("seeds") or not r.get("sd", 0) > 0:
@@ -233,7 +244,8 @@ def time_axis_text(rows: list[dict], regime: str, **zipf_kw) -> str:
 
 def regime_report(rows: list[dict], regime: str, planned_seeds: int, stage: str) -> str:
     """One regime's section (Markdown): the per-seed table, the claims (interim below the planned seeds), the
-    robustness checks, power after the fact, the controls."""
+    robustness checks, power after the fact, the controls, and what docs/protocols/time_to_quality.md §11.6 Record 3
+    adds (:mod:`lrmoe.analysis.tq_amendments`)."""
     mine = regime_rows(rows, regime, stage)
     lines = [f"## Regime {regime} ({stage}): {len(mine)} collected runs", ""]
     per_seed = tq.per_seed_table(*regime_frames(mine, regime))
@@ -249,12 +261,16 @@ def regime_report(rows: list[dict], regime: str, planned_seeds: int, stage: str)
     lines += ["Per seed: r* and q (%):", "", per_seed.set_index("seed").T.to_markdown(floatfmt=".3f"), "",
               f"Claims ({label}; Holm over the eight, δ = {tq.DELTA:g} %):", "",
               table.to_markdown(index=False, floatfmt=".4g"), ""]
-    if len(per_seed) >= 2:
+    checks = robustness(mine, regime) if len(per_seed) >= 2 else None
+    if checks is not None:
         lines += ["Robustness (each check re-decides the family):", "",
-                  robustness(mine, regime).to_markdown(index=False), "",
+                  checks.to_markdown(index=False), "",
                   f"Power after the fact (true q {TRUE_Q:g} %, α 0.05 ÷ 8):", "",
                   power_after(table).to_markdown(index=False, floatfmt=".3f"), ""]
     ctrl = controls(mine, regime)
     if not ctrl.empty:
         lines += ["Controls (reported, not tested):", "", ctrl.to_markdown(index=False, floatfmt=".3f"), ""]
+    from lrmoe.analysis.tq_amendments import amendments_text  # it builds on this module
+
+    lines.append(amendments_text(mine, regime, checks))
     return "\n".join(lines)

@@ -3,7 +3,9 @@
 The default corpus is the running Python's standard-library source: real text, present on every machine,
 offline and deterministic for a given Python version. Any folder or glob of text files works instead.
 The split is by file, decided by a hash of the file's path relative to the corpus root, so it is stable across
-machines and independent of listing order.
+machines and independent of listing order. A corpus of one file, or of so few that no file (or every file) hashes
+to the validation split, is split by bytes instead: the last ``val_fraction`` of each file's bytes is validation
+text, the rest training text. A corpus the file split serves keeps exactly the split it always had.
 """
 
 from __future__ import annotations
@@ -91,13 +93,15 @@ class Corpus:
     train: torch.Tensor  # long [n_train]: byte ids of the training files, concatenated
     val: torch.Tensor  # long [n_val]
     source: str
-    num_files: tuple[int, int]  # (train, validation)
+    num_files: tuple[int, int]  # (train, validation): the files read into each split
+    split: str = "file"  # "file": by a hash of each file's path; "bytes": each file's tail is validation text
 
 
 @functools.lru_cache(maxsize=4)
 def load_corpus(source: str | None = None, val_fraction: float = 0.05, max_bytes: int | None = 8_000_000,
                 exclude: tuple[str, ...] = ("test", "idlelib", "site-packages")) -> Corpus:
-    """Read a corpus, split it by file and tokenise it. ``max_bytes`` caps each split (in file order).
+    """Read a corpus, split it by file (by bytes within each file when it has too few files for that: module doc)
+    and tokenise it. ``max_bytes`` caps each split (in file order).
 
     The excluded folders are never listed (the standard library's site-packages and tests are most of its tree:
     listing it whole took about a second, pruned a fiftieth), and a process reads a corpus once: later calls with
@@ -120,6 +124,9 @@ def load_corpus(source: str | None = None, val_fraction: float = 0.05, max_bytes
         parts[split].append(data)
         sizes[split] += len(data)
         counts[split] += 1
+    how = "file"
+    if not parts[False] or not parts[True]:  # too few files for the hash to give each split one: split by bytes
+        how, parts, counts = "bytes", *_split_bytes(root, files, exclude, val_fraction, max_bytes)
     if not parts[False] or not parts[True]:
         raise ValueError(f"corpus {source!r} is too small to split: {counts[False]} train and {counts[True]} "
                          f"validation files")
@@ -130,7 +137,26 @@ def load_corpus(source: str | None = None, val_fraction: float = 0.05, max_bytes
             blob = blob[:max_bytes]
         return torch.frombuffer(bytearray(blob), dtype=torch.uint8).long()
 
-    return Corpus(tokens(parts[False]), tokens(parts[True]), source, (counts[False], counts[True]))
+    return Corpus(tokens(parts[False]), tokens(parts[True]), source, (counts[False], counts[True]), how)
+
+
+def _split_bytes(root: Path, files: list[Path], exclude: tuple[str, ...], val_fraction: float,
+                 max_bytes: int | None) -> tuple[dict[bool, list[bytes]], dict[bool, int]]:
+    """The split of a corpus of too few files for the split by file: each file's last ``val_fraction`` of bytes
+    (at least one) to validation, the rest to training, in file order, ``max_bytes`` capping each split. (chunks,
+    files read) per split, keyed as :func:`load_corpus`'s (True: validation)."""
+    parts: dict[bool, list[bytes]] = {False: [], True: []}
+    counts = {False: 0, True: 0}
+    for path in files:
+        if any(part in exclude for part in Path(path.relative_to(root).as_posix()).parts):
+            continue
+        data = path.read_bytes()
+        cut = len(data) - max(1, round(len(data) * val_fraction)) if len(data) > 1 else len(data)
+        for split, chunk in ((False, data[:cut]), (True, data[cut:])):
+            if chunk and (max_bytes is None or sum(map(len, parts[split])) < max_bytes):
+                parts[split].append(chunk)
+                counts[split] += 1
+    return parts, counts
 
 
 def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor,

@@ -82,17 +82,31 @@ def check_resumable(path: Path, name: str, headers: list[dict], has_lines: bool)
                          f"--out")
 
 
+def step_ranges(steps: list[int]) -> str:
+    """Sorted steps as runs: [1, 2, 3, 7] -> '1-3, 7'."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
 class Tracker:
     """Log an experiment's records to a JSON-lines results file and to W&B. Use as a context manager.
 
     ``resume=True`` continues the run in an existing results file from ``resume_step`` (the step of the checkpoint
-    the script resumed from; ``None``: the script starts its work again): see the module docstring.
+    the script resumed from; ``None``: the script starts its work again): see the module docstring. ``restore``: the
+    records of steps 1..``resume_step`` as the script holds them (its checkpoint's, step i's at index i - 1); a step
+    among them that the file lost (a row deleted, the file cut short) is written back in its place.
     """
 
     def __init__(self, name: str, config: dict | None = None, results: str | os.PathLike | None = None,
                  *, seed: int | None = None, overwrite: bool = False, resume: bool = False,
                  resume_step: int | None = None, wandb: bool = True, project: str | None = None,
-                 group: str | None = None, quiet: bool = False, run_id: str | None = None):
+                 group: str | None = None, quiet: bool = False, run_id: str | None = None,
+                 restore: list[dict] | None = None):
         if overwrite and resume:
             raise ValueError("Tracker: overwrite=True and resume=True contradict each other; choose one")
         self.name = name
@@ -118,7 +132,7 @@ class Tracker:
             self._step = 0
             self._last_step = 0
             if resume and self.results.exists():
-                self._supersede(resume_step)
+                self._supersede(resume_step, restore)
             self._mode = "a" if resume else "w"
             self._header = {"kind": "run", "run_id": self.run_id, "name": name, "config": self.config, "seed": seed,
                       "git_commit": git_commit(), "versions": package_versions(), "device": device_description(),
@@ -142,8 +156,10 @@ class Tracker:
             self.manifest.add(self.results, *(p for p in figures if Path(p).is_file()), tag=self.name)
 
     # -- resuming -----------------------------------------------------------------------------------------
-    def _supersede(self, resume_step: int | None) -> None:
-        """Continue the file's run: rewrite it (atomically) without the records past ``resume_step``."""
+    def _supersede(self, resume_step: int | None, restore: list[dict] | None = None) -> None:
+        """Continue the file's run: rewrite it (atomically) without the records past ``resume_step``, and with the
+        records of ``restore`` (:class:`Tracker`) that it lost up to ``resume_step``. ValueError naming the steps
+        lost that ``restore`` does not hold."""
         lines = files.complete_lines(self.results)
         records = files.parse_lines(self.results, lines)
         headers = [r for r in records if r.get("kind") == "run"]
@@ -162,6 +178,8 @@ class Tracker:
                     and step <= resume_step)
 
         keep = [line for (_, line), rec in zip(lines, records) if kept(rec)]
+        if restore is not None and resume_step:
+            keep = self._restored(keep, resume_step, restore)
         steps = [r["step"] for r in records if r.get("kind") == "record" and isinstance(r.get("step"), (int, float))]
         self._wandb_logged_to = int(max(steps)) if steps and self.attempt > 1 else -1
         self.resumed_from_step = resume_step
@@ -173,6 +191,25 @@ class Tracker:
             where = "the start" if resume_step is None else f"step {resume_step}"
             print(f"resuming run {self.run_id} (attempt {self.attempt}) from {where}: {dropped} superseded "
                   f"line(s) removed from {self.results}", flush=True)
+
+    def _restored(self, keep: list[str], resume_step: int, restore: list[dict]) -> list[str]:
+        """``keep`` (the lines kept) with the records of steps 1..``resume_step`` it lacks taken from ``restore``,
+        each after the record of the step before it."""
+        steps = [rec.get("step") if rec.get("kind") == "record" else None for rec in map(json.loads, keep)]
+        lost = sorted(set(range(1, resume_step + 1)) - set(steps))
+        if missing := [s for s in lost if s > len(restore) or restore[s - 1].get("step", s) != s]:
+            raise ValueError(f"--resume: results file {self.results} lacks the records of steps "
+                             f"{step_ranges(missing)}, and the checkpoint of step {resume_step} does not hold them")
+        for step in lost:
+            before = [i for i, s in enumerate(steps) if s is not None and s < step]
+            at = before[-1] + 1 if before else steps.index(None) + 1 if None in steps else 0
+            line = json.dumps(_jsonable({"kind": "record", "run_id": self.run_id, "step": step, **restore[step - 1]}))
+            keep.insert(at, line)
+            steps.insert(at, step)
+        if lost and not self.quiet:
+            print(f"restored the records of steps {step_ranges(lost)} of run {self.run_id} to {self.results} from its "
+                  f"checkpoint", flush=True)
+        return keep
 
     # -- W&B ----------------------------------------------------------------------------------------------
     def _init_wandb(self, project: str | None, group: str | None) -> None:

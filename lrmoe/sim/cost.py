@@ -401,6 +401,7 @@ class CostModel:
     quota_stage: bool = False  # the plans add LRMoE's quota stage to the planner (trimmed plans)
     metric: str = "m2"  # what a selecting plan scores with (lrmoe.recal.scoring), and its selection mode
     mode: str = "topk"
+    selection_scale: float = 1.0  # the scoring and selection's charge times this (a sensitivity; 1: as measured)
 
     def __post_init__(self) -> None:
         if self.gemm is None:
@@ -420,7 +421,7 @@ class CostModel:
         if self.capacity_cf is not None and not self.capacity_cf > 0:
             raise ValueError(f"CostModel.capacity_cf must be positive or None, got {self.capacity_cf!r}")
         non_negative_fields(self, "grad_bytes", "state_bytes_per_param", "optimizer_traffic_per_param",
-                            "recompute_fraction", "mem_budget_bytes")
+                            "recompute_fraction", "mem_budget_bytes", "selection_scale")
 
     # -- memory (lrmoe.bytemodel.memory): what LRMoE's placement MemoryModel is given
     # ---------------------------------------
@@ -482,10 +483,12 @@ class CostModel:
 
     # -- sensitivity ---------------------------------------------------------------------------------------------
     def variant(self, eff_max: float | None = None, m_half: float | None = None,
-                bw_scale: float | None = None, replica_grad: str | None = None) -> "CostModel":
+                bw_scale: float | None = None, replica_grad: str | None = None,
+                selection_scale: float | None = None) -> "CostModel":
         """The same model with other uncertain constants: the GEMM curve's ``eff_max`` and ``m_half``, and every
         link's bandwidth times ``bw_scale`` (1: the datasheet's); or in the other ``replica_grad`` mode (the work of a
-        plan holds the step's bytes in both, so a variant prices either from the same work)."""
+        plan holds the step's bytes in both, so a variant prices either from the same work); or with the scoring and
+        selection's charge times ``selection_scale``."""
         g = self.gemm
         gemm = GemmCurve(eff_max=g.eff_max if eff_max is None else eff_max,
                          m_half=g.m_half if m_half is None else m_half, launch_s=g.launch_s,
@@ -494,7 +497,8 @@ class CostModel:
         if bw_scale is not None:
             c = c.replace(intra_bw=c.intra_bw * bw_scale, inter_bw=c.inter_bw * bw_scale)
         mode = self.replica_grad if replica_grad is None else check_replica_grad(replica_grad)
-        return dataclasses.replace(self, gemm=gemm, cluster=c, replica_grad=mode)
+        scale = self.selection_scale if selection_scale is None else float(selection_scale)
+        return dataclasses.replace(self, gemm=gemm, cluster=c, replica_grad=mode, selection_scale=scale)
 
     # -- building blocks ---------------------------------------------------------------------------------------
     def a2a_seconds(self, bytes_NM: torch.Tensor) -> torch.Tensor:
@@ -622,7 +626,7 @@ class CostModel:
             time_NH[:, _P["shared_fwd"]] = self.gemm.seconds(w.tokens_N, shared_f, c.peak_flops)
             time_NH[:, _P["shared_bwd"]] = self.gemm.seconds(w.tokens_N, 2 * shared_f, c.peak_flops)
         launch = self.gemm.launch_s
-        recal_N = selection_seconds(w.select_pairs_N, self.metric, self.mode, c.hbm_bw, launch)
+        recal_N = self.selection_scale * selection_seconds(w.select_pairs_N, self.metric, self.mode, c.hbm_bw, launch)
         if c.hbm_bw > 0:  # the expert-side ‖h‖ of the metric, in the forward
             time_NH[:, _P["expert_fwd"]] += w.expert_norm_bytes_N / c.hbm_bw + (w.expert_norm_bytes_N > 0) * launch
         if c.hbm_bw > 0:

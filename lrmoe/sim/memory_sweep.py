@@ -31,7 +31,7 @@ GB = 1e9
 PLACEMENTS = {"LRMoE": ("lrmoe", "lrmoe-rho0.75"), "online": ("online", "online-rho0.75"),
               "SYMI": ("symi-dropless", "symi-dropless-rho0.75")}
 # LRMoE's placement with early selection at the same ρ (the gate chooses in the forward): top-k, and with 1/p
-# reweighting (the frontier protocol's early arm, DESIGN.md §10.6)
+# reweighting (the frontier protocol's early arm, docs/protocols/frontier.md §10.6)
 EARLY = {"LRMoE + ρ early": "lrmoe-rho0.75-early", "LRMoE + ρ early unbiased": "lrmoe-rho0.75-early-unbiased"}
 
 

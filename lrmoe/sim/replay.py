@@ -1,4 +1,5 @@
-"""One training run's whole iteration priced at paper scale from its own recorded routing (DESIGN.md §11.3).
+"""One training run's whole iteration priced at paper scale from its own recorded routing
+(docs/protocols/time_to_quality.md §11.3).
 
 The run's trace (experiments/train.py ``--trace-out``) is replayed at the paper's tokens and layers
 (:func:`lrmoe.traces.rescale.to_paper_scale`) and every step after the warm-up is planned and priced by the
@@ -10,6 +11,7 @@ LM head), which is the same for every system (:func:`dense_seconds`).
     t = price_run(trace, "lrmoe-rho0.75-unbiased", model, cluster, tokens_per_rank=2048, micro_batches=8,
                   spare_slots=2, eps=0.1, gamma=0.1, warmup_steps=10)
     t.time_s, t.moe_s, t.dense_s, t.corners      # seconds per iteration; the constants band (§5.3)
+    t.select_times                               # the selection's charge at 0.5, 1, 2, 4 x (§11.6 Record 3)
 
 Paper layer l replays recorded layer ⌊l · L_run / L⌋, so every paper layer that replays the same recorded layer
 sees the same counts and gets the same plans: each recorded layer is simulated once and weighted by the paper
@@ -38,6 +40,11 @@ DENSE_EFFICIENCY = 0.5
 DENSE_EFFICIENCY_BAND = (0.35, 0.65)
 # The cost model's uncertain constants (DESIGN.md §5.3): GEMM efficiency, half-efficiency rows, link bandwidth as a
 # fraction of the datasheet's; and micro-batches per iteration. The same ranges as experiments/ablate.py's band.
+# Every micro-batch count of the band is priced, not only its ends (docs/protocols/time_to_quality.md §11.6 Record 3:
+# check (6) at every count); and the recalibration selection's charge at these multiples of its measured value (a named
+# sensitivity).
+MICRO_BATCH_COUNTS = (1, 2, 4, 8, 16, 32)
+SELECTION_SCALES = (0.5, 1.0, 2.0, 4.0)
 
 
 def dense_flops_per_token(model: MoEConfig, seq_len: int) -> float:
@@ -78,7 +85,11 @@ def dense_seconds(model: MoEConfig, cluster: ClusterConfig, tokens_per_rank: int
 class RunTime:
     """One run's modelled iteration at paper scale: seconds (whole, MoE layers, dense part), the replica-gradient
     mode it is priced in (the faster of range and shard), the steps priced, and the whole iteration's seconds at
-    every corner of the constants band (``"<cost corner or base>|mb=<k>|dense=<eff>"``, ``k`` micro-batches)."""
+    every corner of the constants band (``"<cost corner or base>|mb=<k>|dense=<eff>"``, ``k`` micro-batches, every
+    count of :data:`MICRO_BATCH_COUNTS`), and at the central constants with the selection's charge scaled
+    (``"select=<f>"`` for each ``f`` of :data:`SELECTION_SCALES`, in the same replica-gradient mode; 1 is ``time_s``).
+    A corner's seconds reuse the simulated per-micro-batch phase times: the sync phases once, the rest ``k`` times,
+    and the dense part ``k`` times, so at fixed other constants a corner is exactly affine in ``k``."""
 
     system: str
     time_s: float
@@ -88,6 +99,7 @@ class RunTime:
     steps_priced: int
     layer_weights: list[int]
     corners: dict[str, float] = field(default_factory=dict)
+    select_times: dict[str, float] = field(default_factory=dict)
     summary: dict = field(default_factory=dict)  # the simulator's summary (drops, imbalance, memory, slots)
 
 
@@ -113,7 +125,7 @@ def check_top_k(trace: Trace, top_k: int) -> None:
         raise ValueError("the trace says neither its top_k nor its tokens per rank: its pairs per token are unknown")
     if k != top_k:
         raise ValueError(f"the trace routes {k:g} experts per token, the paper's model {top_k}: a recorded trace is "
-                         f"replayed at its own routing shape (DESIGN.md §11.1)")
+                         f"replayed at its own routing shape (docs/protocols/time_to_quality.md §11.1)")
 
 
 def price_run(trace: Trace, system: str, model: MoEConfig, cluster: ClusterConfig, tokens_per_rank: int,
@@ -143,7 +155,9 @@ def price_run(trace: Trace, system: str, model: MoEConfig, cluster: ClusterConfi
     replayed = Trace(paper.counts_ILNE[1:], paper.meta)
     variants = {"shard": {"replica_grad": "shard"}}
     if band:
-        variants |= {**corners(), **{f"{k}|shard": {**v, "replica_grad": "shard"} for k, v in corners().items()}}
+        scaled = {f"select={f:g}": {"selection_scale": f} for f in SELECTION_SCALES if f != 1.0}
+        variants |= {**corners(), **scaled,
+                     **{f"{k}|shard": {**v, "replica_grad": "shard"} for k, v in {**corners(), **scaled}.items()}}
     res = simulate(replayed, systems[system], model, cluster, cost_kwargs=cost_kwargs(system, cell, rules),
                    warmup=1, variants=variants)
     s = res.summary()
@@ -164,9 +178,13 @@ def price_run(trace: Trace, system: str, model: MoEConfig, cluster: ClusterConfi
     if band:
         for corner in [None, *corners()]:
             priced = corner + suffix if corner else (suffix[1:] or None)
-            for mb in (micro_batches, *MICRO_BATCH_BAND):
+            for mb in dict.fromkeys((micro_batches, *MICRO_BATCH_BAND, *MICRO_BATCH_COUNTS)):
                 moe = weighted_seconds(res, weights_L, priced, mb)
                 for eff in (dense_efficiency, *DENSE_EFFICIENCY_BAND):
                     key = f"{corner or 'base'}|mb={mb}|dense={eff:g}"
                     out.corners[key] = moe + dense_seconds(model, cluster, tokens_per_rank, mb, eff)
+        for f in SELECTION_SCALES:
+            scaled = None if f == 1.0 else f"select={f:g}" + suffix
+            moe = by_mode[mode] if f == 1.0 else weighted_seconds(res, weights_L, scaled)
+            out.select_times[f"select={f:g}"] = moe + dense
     return out

@@ -1,5 +1,6 @@
-"""A recorded trace replayed at paper scale (DESIGN.md §11.3): the run's own routing, its per-(step, layer, source
-rank) shares of the experts kept, scaled to the paper's tokens and spread over the paper's layers.
+"""A recorded trace replayed at paper scale (docs/protocols/time_to_quality.md §11.3): the run's own routing, its
+per-(step, layer, source rank) shares of the experts kept, scaled to the paper's tokens and spread over the paper's
+layers.
 
     paper = to_paper_scale(run_trace, num_layers=48, tokens_per_rank=2048, micro_batches=8)
 
@@ -41,7 +42,7 @@ def to_paper_scale(trace: Trace, num_layers: int, tokens_per_rank: int, micro_ba
         raise ValueError("the trace holds no step to rescale")
     if num_experts is not None and num_experts != E:
         raise ValueError(f"the trace routes over {E} experts, the paper's model has {num_experts}: a recorded trace "
-                         f"is replayed at its own E (DESIGN.md §11.1)")
+                         f"is replayed at its own E (docs/protocols/time_to_quality.md §11.1)")
     if num_ranks is not None and num_ranks != N:
         raise ValueError(f"the trace has {N} source ranks, the paper's scale {num_ranks}")
     for name, value in (("num_layers", num_layers), ("tokens_per_rank", tokens_per_rank),

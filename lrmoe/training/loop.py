@@ -45,7 +45,8 @@ def worker(rank: int, args) -> list[dict]:
 
         tracker = Tracker("train", vars(args), results=args.out, seed=args.seed, overwrite=args.overwrite,
                           resume=args.resume, resume_step=start,  # records past the checkpoint are redone
-                          wandb=not args.no_wandb, group=args.preset, quiet=args.quiet, run_id=args.run_id)
+                          wandb=not args.no_wandb, group=args.preset, quiet=args.quiet, run_id=args.run_id,
+                          restore=history if start else None)  # rows the file lost, from the checkpoint
     progress = None
     if rank == 0 and not args.quiet:
         from tqdm import tqdm

@@ -10,7 +10,12 @@ writes its own fp32 master shard of every swapped layer's experts (columns ``bou
     config.json                                  the model's config (rank 0)
     dense.safetensors                            the dense part (rank 0)
     experts-rank{r:05d}-of-{N:05d}.safetensors   rank r's master shards, one tensor per swapped layer
-    lrmoe-shards.json                            the manifest: class, ranks, per layer its name, shape, bounds
+    lrmoe-shards.json                            the manifest: class, ranks, the save, per layer its name, shape,
+                                                 bounds
+
+Every file of one save carries that save's identity (``save_id``, drawn once per save; ``step``; the world size, in
+the manifest and in each safetensors file's metadata), so :func:`consolidate` refuses a folder whose files come from
+different saves (a rank's shard left by an earlier save, or by a save on another number of ranks), naming the files.
 
 :func:`consolidate` (one process, no process group; also ``python -m lrmoe.integrations.hf.checkpoint SRC DST
 [--max-shard-size 5GB]``) joins each layer's shards, one layer at a time, casts them to the experts' dtype, puts
@@ -75,10 +80,13 @@ def _dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def save_sharded(model: nn.Module, folder: str) -> list[str]:
+def save_sharded(model: nn.Module, folder: str, step: int | None = None) -> list[str]:
     """Write ``model`` (swapped; or the DistributedDataParallel around it) to ``folder`` as per-rank shards (module
-    doc): rank 0 the config, the dense part and the manifest, every rank its own master shards. Collective (every
-    rank calls it; it returns when every rank has written). Returns the files this rank wrote."""
+    doc): rank 0 the config, the dense part and the manifest, every rank its own master shards, each file marked
+    with this save's identity (a save id rank 0 draws, ``step``: the training step saved, and the world size).
+    Collective (every rank calls it; it returns when every rank has written). Returns the files this rank wrote."""
+    import uuid
+
     from safetensors.torch import save_file
 
     model = _unwrapped(model)
@@ -91,18 +99,23 @@ def save_sharded(model: nn.Module, folder: str) -> list[str]:
         raise ValueError("save_sharded writes one expert-parallel group over the whole world; this model's experts "
                          "are sharded over a sub-group")
     os.makedirs(folder, exist_ok=True)
+    chosen = [uuid.uuid4().hex if rank == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(chosen, src=0)  # one id for every rank's files of this save
+    save = {"save_id": chosen[0], "step": step, "num_ranks": world}
+    meta = {k: str(v) for k, v in save.items()}
     written = []
     shards = {f"{name}.master_EW": s.master_EW.detach().contiguous().cpu() for (name, _), s in zip(experts, stores)}
     path = os.path.join(folder, expert_shard_file(rank, world))
-    save_file(shards, path + ".tmp", metadata={"rank": str(rank), "num_ranks": str(world)})
+    save_file(shards, path + ".tmp", metadata={"rank": str(rank), **meta})
     os.replace(path + ".tmp", path)
     written.append(path)
     if rank == 0:
         dense = os.path.join(folder, DENSE_FILE)
-        save_file(_dense_state(model), dense + ".tmp")
+        save_file(_dense_state(model), dense + ".tmp", metadata=meta)
         os.replace(dense + ".tmp", dense)
         model.config.save_pretrained(folder)
-        manifest = {"format": FORMAT, "class": type(model).__name__, "num_ranks": world,
+        manifest = {"format": FORMAT, "class": type(model).__name__, "num_ranks": world, "save": save,
                     "layers": [{"name": name, "num_experts": s.num_experts, "hidden": s.hidden, "ffn": s.ffn,
                                 "dtype": str(s.dtype).removeprefix("torch."),
                                 "bounds": [list(b) for b in s.bounds]}
@@ -132,6 +145,21 @@ def _joined_experts(handles: list, layer: dict) -> tuple[torch.Tensor, torch.Ten
     return reference_to_hf(*unflatten_experts(flat_EW, layer["hidden"], layer["ffn"]))
 
 
+def _check_one_save(folder: str, save: dict, paths: list[str], handles: list) -> None:
+    """ValueError naming the files among ``paths`` (open as ``handles``) that another save wrote than the one the
+    manifest records (``save``: save id, step, world size), with what each holds."""
+    want = {k: str(v) for k, v in save.items()}
+    other = []
+    for path, f in zip(paths, handles):
+        got = {k: (f.metadata() or {}).get(k) for k in want}
+        if got != want:
+            other.append(f"{os.path.basename(path)} ({', '.join(f'{k} {v}' for k, v in got.items())})")
+    if other:
+        raise ValueError(f"{folder} mixes files of different saves: its manifest {MANIFEST} records save "
+                         f"{want['save_id']} of step {want['step']} on {want['num_ranks']} ranks, but "
+                         f"{'; '.join(other)}; save the model again into an empty folder")
+
+
 @torch.no_grad()
 def consolidate(folder: str, out: str, max_shard_size: int | str = "5GB") -> str:
     """Join a :func:`save_sharded` folder into ``out``, a checkpoint of the unmodified transformers class (its own
@@ -153,10 +181,12 @@ def consolidate(folder: str, out: str, max_shard_size: int | str = "5GB") -> str
     if absent:
         raise FileNotFoundError(f"{folder} was saved by {N} ranks; missing {absent}")
     state: dict[str, torch.Tensor] = {}
-    with safe_open(os.path.join(folder, DENSE_FILE), framework="pt") as f:
-        for key in f.keys():
-            state[key] = f.get_tensor(key)
     handles = [safe_open(p, framework="pt") for p in files]
+    with safe_open(os.path.join(folder, DENSE_FILE), framework="pt") as dense:
+        if "save" in manifest:  # a folder saved before save ids has nothing to compare
+            _check_one_save(folder, manifest["save"], [os.path.join(folder, DENSE_FILE), *files], [dense, *handles])
+        for key in dense.keys():
+            state[key] = dense.get_tensor(key)
     for layer in manifest["layers"]:
         gate_up, down = _joined_experts(handles, layer)
         state[f"{layer['name']}.gate_up_proj"], state[f"{layer['name']}.down_proj"] = gate_up, down

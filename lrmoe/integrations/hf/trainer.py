@@ -98,7 +98,7 @@ class EPTrainerCallback(TrainerCallback):
         if self.sharded:  # each rank its own master shards; Trainer's model file the dense part alone
             from lrmoe.integrations.hf.checkpoint import save_sharded
 
-            save_sharded(model, os.path.join(folder, SHARDS))  # collective: every rank is here
+            save_sharded(model, os.path.join(folder, SHARDS), step=state.global_step)  # collective: every rank
             self._held.enter_context(without_experts(model))
         else:
             self._held.enter_context(hold_gathered_weights(model))  # collective: every rank is here

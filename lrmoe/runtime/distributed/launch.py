@@ -9,7 +9,9 @@ remaining rank is killed and :class:`LaunchError` is raised carrying the root ca
 A hung rank is named, not its peers: when a rank's collective fails (a peer that never arrives makes it time out), the
 launcher asks every rank that has not reported where it is (``faulthandler`` dumps its Python stack into the launch
 folder on SIGUSR1); the live ranks that are not inside a ``torch.distributed`` call are the ones that did not arrive,
-and the error names them with their stacks. The process-group timeout is thus the bound on inactivity: a healthy run
+and the error names them with their stacks. A rank that cannot answer, because it is stopped (SIGSTOP, a debugger: state
+``T`` in ``/proc/<pid>/stat``) or does not answer in time, did not arrive either, and is named as such. The
+process-group timeout is thus the bound on inactivity: a healthy run
 of any length, whose collectives complete, is never stopped by it.
 
 Fork is used because it starts in milliseconds (spawn re-imports torch in every child, ~50x slower). For the same
@@ -227,6 +229,7 @@ class _Collector:
         self.procs, self.conns, self.folder, self.pg_timeout_s = procs, conns, folder, pg_timeout_s
         self.world_size = len(procs)
         self.results: dict[int, object] = {}
+        self.stopped: set[int] = set()  # the ranks found stopped when asked where they are
 
     def collect(self, timeout_s: float | None) -> list:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -300,8 +303,9 @@ class _Collector:
             raise LaunchError(f"rank {dead} of {self.world_size} died with exit code {self.procs[dead].exitcode} "
                               f"without reporting a result; then rank {cause} failed:\n{tb}{note}", rank=dead)
         if not outside:
-            stacks = self.stacks([r for r in unreported if self.procs[r].is_alive()])
-            missing = [r for r, stack in stacks.items() if stack.collective is None]
+            alive = [r for r in unreported if self.procs[r].is_alive()]
+            stacks = self.stacks(alive)
+            missing = [r for r in alive if r not in stacks or stacks[r].collective is None]  # silent ones too
             if missing:
                 _kill(self.procs)
                 waited = "".join(f"\n  rank {r} in {collective}: {_last_line(t)}"
@@ -332,14 +336,19 @@ class _Collector:
                           ranks=missing if waiting else pending)
 
     def stacks(self, ranks: list[int]) -> dict[int, RankStack]:
-        return read_stacks({r: self.procs[r].pid for r in ranks}, self.folder, entry=_child.__name__)
+        """The stacks of ``ranks`` that answer; a stopped rank cannot, and is not waited for."""
+        self.stopped = {r for r in ranks if _stopped(self.procs[r].pid)}  # before the ranks are killed
+        asked = {r: self.procs[r].pid for r in ranks if r not in self.stopped}
+        return read_stacks(asked, self.folder, entry=_child.__name__)
 
     def places(self, stacks: dict[int, RankStack], ranks: list[int]) -> str:
         """Where each of ``ranks`` is, with the stack of each that is not in a collective."""
         lines = []
         for r in ranks:
             stack = stacks.get(r)
-            if stack is None:
+            if stack is None and r in self.stopped:
+                lines.append(f"rank {r}: stopped (process {self.procs[r].pid} in state T: SIGSTOP or a debugger)")
+            elif stack is None:
                 lines.append(f"rank {r}: did not answer the request for its stack")
             elif stack.collective is not None:
                 lines.append(f"rank {r}: waits in {stack.collective}")
@@ -347,6 +356,15 @@ class _Collector:
                 lines.append(f"rank {r}: not in a collective, at {stack.where}; its stack, most recent call first:"
                              f"{_indented(stack.frames)}")
         return "\n".join(lines)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, SIGTSTP, a tracer: state T or t in /proc/<pid>/stat; Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -14,6 +14,7 @@ time in a process.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import traceback
@@ -71,6 +72,7 @@ class _ThreadWorlds:
 
 _local = threading.local()  # in a rank's thread: .cluster (the launch it belongs to)
 _one_launch = threading.Lock()
+STOP_S = 30.0  # how long a timed-out launch waits for its ranks to stop at their next wait
 
 
 def _create_group(opts, backend_options=None):
@@ -85,11 +87,12 @@ if BACKEND.upper() not in dist.Backend._plugins:
 
 
 def _rank_main(cluster: Cluster, rank: int, rng: torch.Tensor, worlds: _ThreadWorlds, fn, args, kw,
-               results: dict) -> None:
+               results: dict, started: set) -> None:
     _local.cluster = cluster
     worlds._local.world = _RankWorld()
     baton = cluster.baton
     baton.start(rank, rng)
+    started.add(rank)
     failure = None
     try:
         dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=cluster.world_size)
@@ -108,13 +111,42 @@ def _rank_main(cluster: Cluster, rank: int, rng: torch.Tensor, worlds: _ThreadWo
         baton.finish(rank, failure)
 
 
+def _stop(cluster: Cluster, threads: list[threading.Thread], started: set[int], timeout_s: float) -> str:
+    """End a launch past its timeout: the launch's failure set, the waiting ranks woken, every rank's thread joined
+    (each stops at its next wait, the computing one too, for at most ``STOP_S``); what happened, naming the rank
+    that held the turn (the slow one: alive, started and not waiting for its peers) and any that did not stop."""
+    baton = cluster.baton
+    waiting = set(baton.waiting)  # read before the failure wakes them
+    alive = [r for r, t in enumerate(threads) if t.is_alive()]
+    slow = [r for r in alive if r in started and r not in waiting]
+    if baton.failure is None:  # set without the baton, which the slow rank holds while it computes
+        baton.failure = f"launch timed out after {timeout_s:g} s"
+    if baton.lock.acquire(timeout=1.0):
+        for cond in baton.turn:
+            cond.notify_all()
+        baton.lock.release()
+    deadline = time.monotonic() + STOP_S
+    for t in threads:
+        t.join(timeout=max(deadline - time.monotonic(), 0.0))
+    what = f"launch_inprocess timed out after {timeout_s:g} s: "
+    what += (f"rank(s) {slow} held the turn (computing, not waiting for their peers)" if slow else
+             "no rank held the turn")
+    if others := [r for r in alive if r not in slow]:
+        what += f"; ranks {others} {'waited for them' if slow else 'had not finished'}"
+    if stuck := [r for r, t in enumerate(threads) if t.is_alive()]:
+        what += f"; ranks {stuck} did not stop within {STOP_S:g} s"
+    return what
+
+
 def launch_inprocess(fn, world_size: int, *args, timeout_s: float = 60.0, **kw) -> list:
     """Run ``fn(rank, *args, **kw)`` on ``world_size`` in-process ranks and return their results in rank order.
 
     The ranks run one at a time (see :mod:`lrmoe.runtime.inprocess.group`), on one intra-op thread each turn as the
     fork launcher's ranks do. A rank that raises ends the launch: :class:`LaunchError` carries its traceback (the
     ranks waiting for it stop at their next wait). ``timeout_s`` bounds the whole launch; a launch that outlives it
-    is reported, and its threads stop at their next wait.
+    ends with a LaunchError naming the rank that held the turn (computing, not waiting for its peers), once every
+    rank has stopped at its next wait (:func:`_stop`, at most ``STOP_S`` more). The exception hook each rank's
+    ``init_process_group`` installs (torch's, prefixing "[rankN]:") is the caller's again when the launch ends.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -127,13 +159,15 @@ def launch_inprocess(fn, world_size: int, *args, timeout_s: float = 60.0, **kw) 
     worlds = _ThreadWorlds(outside)
     cluster = Cluster(world_size)
     results: dict[int, object] = {}
+    started: set[int] = set()  # the ranks that have had their first turn
     rng = torch.get_rng_state()
+    hook = sys.excepthook  # torch's init_process_group wraps it in a per-rank one, process-wide
     try:
         torch.set_num_threads(1)
         torch._C._distributed_c10d._set_thread_isolation_mode(True)
         c10d._world = worlds
         threads = [threading.Thread(target=_rank_main, name=f"lrmoe-rank{r}", daemon=True,
-                                    args=(cluster, r, rng.clone(), worlds, fn, args, kw, results))
+                                    args=(cluster, r, rng.clone(), worlds, fn, args, kw, results, started))
                    for r in range(world_size)]
         for t in threads:
             t.start()
@@ -141,18 +175,12 @@ def launch_inprocess(fn, world_size: int, *args, timeout_s: float = 60.0, **kw) 
         for t in threads:
             t.join(timeout=max(deadline - time.monotonic(), 0.0))
         if any(t.is_alive() for t in threads):
-            if cluster.baton.lock.acquire(timeout=10.0):  # the ranks stop at their next wait
-                if cluster.baton.failure is None:
-                    cluster.baton.failure = f"launch timed out after {timeout_s:.0f} s"
-                for cond in cluster.baton.turn:
-                    cond.notify_all()
-                cluster.baton.lock.release()
-            raise LaunchError(f"launch_inprocess timed out after {timeout_s:.0f} s; ranks "
-                              f"{[r for r, t in enumerate(threads) if t.is_alive()]} had not finished")
+            raise LaunchError(_stop(cluster, threads, started, timeout_s))
         if cluster.baton.failure is not None:
             raise LaunchError(cluster.baton.failure)
         return [results[r] for r in range(world_size)]
     finally:
+        sys.excepthook = hook
         c10d._world = outside
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
         torch.set_num_threads(threads_before)
