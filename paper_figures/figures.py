@@ -291,6 +291,7 @@ RUN_FIGURES = {
     "convergence.curves": run_figures.curves,
     "bench_planner.planner_time": run_figures.planner_time,
     "bench_scoring.select_time": run_figures.select_time,
+    "bench_step.phases": run_figures.step_phases,
     "layer_bench.policies": run_figures.policies,
     "layer_bench.phases": run_figures.phases,
     "metric_fidelity.fidelity": run_figures.fidelity_grid,

@@ -67,6 +67,36 @@ def planner_time(path: str | Path):
     return fig, frame
 
 
+def step_phases(path: str | Path):
+    """bench_step: seconds per training step by phase, this checkout's code beside the baseline's (when run), per
+    engine and system, with the dense single-process floor."""
+    from lrmoe.harness.step_bench import PHASE_ORDER
+
+    frame = rows(path, need=("engine", "system", "phase_s", "step_s"))
+    runs = frame[frame["engine"] != "floor"]
+    floor = frame[frame["engine"] == "floor"]["step_s"]
+    bars = []
+    for _, r in runs.iterrows():
+        for side, column in (("now", "phase_s"), ("baseline", "baseline_phase_s")):
+            if column in r and isinstance(r[column], dict):
+                bars.append((f"{r['system']} ({r['engine']} {r['ranks']}) {side}", r[column]))
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(bars) + 1.5))
+    left = [0.0] * len(bars)
+    for k, phase in enumerate(PHASE_ORDER):
+        widths = [b[1].get(phase, 0.0) for b in bars]
+        ax.barh(range(len(bars)), widths, left=left, color=f"C{k}", label=phase)
+        left = [a + w for a, w in zip(left, widths)]
+    if len(floor):
+        ax.axvline(float(floor.iloc[0]), color="k", ls="--", lw=1, label="floor (dense, one process)")
+    ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=6)
+    ax.invert_yaxis()
+    ax.set(xlabel="seconds per step (ranks' thread CPU by phase; hand-off: the emulated engine's rest of the wall)",
+           title="One training step by phase")
+    ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    return fig, runs
+
+
 def curves(path: str | Path):
     """convergence: validation loss (mean over seeds, band: spread) at equal steps and at equal modelled time."""
     val = rows(path, need=("policy", "step", "val_loss", "time_s")).dropna(subset=["val_loss"])

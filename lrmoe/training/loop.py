@@ -66,8 +66,11 @@ def worker(rank: int, args) -> list[dict]:
                 dist.all_reduce(loss_sum)
             counts.append(counts_LNE)
             evaluating = (step + 1) % args.eval_every == 0 or step + 1 == args.steps
+            # the row (its pricing and load statistics) is rank 0's alone: every rank holds the same plans, and only
+            # rank 0's records reach the results file and the checkpoint; the others keep the step and its loss
             record = step_record(args, step + 1, float(loss_sum), plans, counts_LNE, elapsed, world, cost,
-                                 per_layer=evaluating)
+                                 per_layer=evaluating) if rank == 0 else \
+                {"policy": args.policy, "step": step + 1, "loss": float(loss_sum) / world}
             if run.grad_norm is not None:  # --clip-grad: the global norm before clipping (the same on every rank)
                 record["grad_norm"] = float(run.grad_norm)
             if args.record_peak_rss:  # the step's peak resident memory above its start, the largest rank's

@@ -339,6 +339,8 @@ class ReplicaStore(nn.Module):
         span_E2 = plan.span_E2
         mine = ((span_E2[:, 0] <= me) & (me <= span_E2[:, 1])).nonzero().flatten().tolist()
         self._reduced = {e: self._local_sum(e) for e in mine}
+        if not bool((span_E2[:, 1] > span_E2[:, 0]).any()):  # every expert on one rank (the same on every rank):
+            return  # nothing to all-reduce, no exchange
         spans = {e: tuple(span_E2[e].tolist()) for e in mine if span_E2[e, 1] > span_E2[e, 0]}
         chunks = {e: shard_sizes(self.numel, hi - lo + 1) for e, (lo, hi) in spans.items()}
         pieces = {e: self._reduced[e].split(chunks[e]) for e in spans}

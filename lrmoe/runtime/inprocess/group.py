@@ -43,6 +43,7 @@ class Baton:
         self.lock = threading.Lock()
         self.turn = [threading.Condition(self.lock) for _ in range(world_size)]
         self.waiting: dict[int, object] = {}  # rank -> the condition it waits for
+        self.runnable: deque[int] = deque()  # ranks whose wait may have ended, in the order they were woken
         self.alive = set(range(world_size))
         self.failure: str | None = None
         self.rng: dict[int, torch.Tensor] = {}
@@ -62,11 +63,30 @@ class Baton:
         if self.failure is not None:
             for cond in self.turn:
                 cond.notify_all()
+        else:
+            self._pass()
         self.lock.release()
 
     def wake(self, ranks) -> None:
-        for r in ranks:
-            self.turn[r].notify()
+        """Mark ``ranks`` as possibly able to go on (a round they wait for completed, a message arrived): the baton
+        passes to one of them when its holder next waits (:meth:`_pass`), so no other thread wakes only to find
+        the baton held."""
+        self.runnable.extend(ranks)
+
+    def _pass(self) -> None:
+        """Wake the one waiting rank that takes the baton next: the first woken whose wait has ended, else any
+        whose has (a rank woken before its condition held is looked at again here). Called with the lock held,
+        right before the holder gives it up."""
+        while self.runnable:
+            r = self.runnable.popleft()
+            ready = self.waiting.get(r)
+            if ready is not None and ready():
+                self.turn[r].notify()
+                return
+        for r, ready in self.waiting.items():
+            if ready():
+                self.turn[r].notify()
+                return
 
     def wait_for(self, rank: int, ready) -> None:
         """Give the baton up until ``ready()`` holds (the caller holds it, and holds it again on return)."""
@@ -81,6 +101,7 @@ class Baton:
                     for cond in self.turn:
                         cond.notify_all()
                     raise PeerFailed(self.failure)
+                self._pass()
                 self.turn[rank].wait(timeout=5.0)  # a wake-up is targeted; the timeout only re-checks failure
         finally:
             del self.waiting[rank]
