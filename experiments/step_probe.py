@@ -4,7 +4,8 @@ lrmoe.harness.step_bench, which runs it).
     python experiments/step_probe.py --out-dir DIR --probe-warmup 3 -- <train.py arguments>
 
 Each phase is the CPU time of the rank's own thread (``time.thread_time``) inside the functions named in
-:data:`PHASES`, charged to the innermost phase open (a phase nested in another is not counted twice); the time a rank
+:data:`PHASES`, charged to the innermost phase open (a phase nested in another is not counted twice; inside the
+evaluation, everything is the evaluation's); the time a rank
 spends waiting for its peers is no rank's CPU, and shows as the step's wall time less the ranks' CPU. Each rank writes
 ``DIR/rank<r>.json``: its phase seconds over the measured steps, its step start times (wall clock and thread
 CPU; the last entry is the run's end) and, on rank 0, the losses. Run by its file path, the probe measures whatever
@@ -63,7 +64,8 @@ class _Clock:
 
     def enter(self, phase: str) -> None:
         self._charge()
-        self.stack.append(phase)
+        # inside the evaluation every call is the evaluation's (its forwards plan and exchange too)
+        self.stack.append("evaluation" if "evaluation" in self.stack else phase)
 
     def leave(self) -> None:
         self._charge()
@@ -86,7 +88,7 @@ def _timed(phase: str, fn):
             return fn(*args, **kwargs)
         finally:
             clock.leave()
-            if clock.measuring:
+            if clock.measuring and (phase == "evaluation" or "evaluation" not in clock.stack):
                 clock.walls[phase] = clock.walls.get(phase, 0.0) + time.perf_counter() - start
                 clock.calls[phase] = clock.calls.get(phase, 0) + 1
     return wrapper

@@ -87,11 +87,11 @@ def step_phases(path: str | Path):
         ax.barh(range(len(bars)), widths, left=left, color=f"C{k}", label=phase)
         left = [a + w for a, w in zip(left, widths)]
     if len(floor):
-        ax.axvline(float(floor.iloc[0]), color="k", ls="--", lw=1, label="floor (dense, one process)")
+        ax.axvline(float(floor.iloc[0]), color="k", ls="--", lw=1, label="floor: dense, one process, the emulated runs' tokens")
     ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=6)
     ax.invert_yaxis()
-    ax.set(xlabel="seconds per step (ranks' thread CPU by phase; hand-off: the emulated engine's rest of the wall)",
-           title="One training step by phase")
+    ax.set(xlabel="seconds per step by phase (thread CPU: the ranks' sum on the emulated engine, the mean rank's on "
+                  "the distributed one)", title="One training step by phase (evaluation at one per 15 steps)")
     ax.legend(fontsize=6, loc="lower right")
     fig.tight_layout()
     return fig, runs

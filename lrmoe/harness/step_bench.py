@@ -9,8 +9,9 @@ two alternate, run by run, on the same machine. A run's numbers, medians over it
 
 * ``step_s``: the median of rank 0's step-to-step wall times (a training step with its records);
   ``step_amortized_s`` adds the evaluation at the protocol's rate (one every 15 steps), what a run pays per step;
-* ``phase_s``: each phase's thread CPU per step, summed over the ranks (the emulated engine runs one rank at a time,
-  so these add up to its wall time less the hand-offs between ranks; ``handoff_s`` is that rest);
+* ``phase_s``: each phase's thread CPU per step, summed over the ranks on the emulated engine (which runs one rank
+  at a time, so these add up to its wall time less the hand-offs between ranks, ``hand-off``), the mean rank's on
+  the distributed engine (whose ranks run side by side; ``waiting``: the wall time that CPU does not cover);
 * ``host_per_layer_ms``: (step − the floor's step) ÷ (ranks × MoE layers) for the emulated engine: the host
   overhead of one MoE layer on one rank in one step;
 * ``tokens_per_s`` and the losses of every step (the same maths: compared bit for bit with the baseline).
@@ -36,7 +37,7 @@ def probe_path() -> Path:
 
 ENGINES = ("emulated", "distributed")
 PHASE_ORDER = ("plan", "forward exchange", "expert compute", "backward exchange", "replica gradients",
-               "optimizer and redistribution", "records", "evaluation", "other", "hand-off")
+               "optimizer and redistribution", "records", "evaluation", "other", "hand-off", "waiting")
 
 
 def with_values(argv: list[str], values: dict[str, str]) -> list[str]:
@@ -82,13 +83,17 @@ def summarise(ranks: list[dict], train_argv: list[str], eval_every: int = 15) ->
     cpu = statistics.median(sum(r["cpu"][i + 1] - r["cpu"][i] for r in ranks) for i in range(warmup, warmup + measured))
     phase["other"] = max(cpu - sum(phase.values()), 0.0)
     engine = train_argv[train_argv.index("--engine") + 1]
+    world = int(train_argv[train_argv.index("--ranks") + 1])
     if engine == "emulated":  # one rank at a time: the wall time the ranks' CPU does not cover is their hand-offs
         phase["hand-off"] = max(step - cpu, 0.0)
+    else:  # ranks side by side: the mean rank's CPU per phase, and the wall time it does not cover (its waits)
+        phase = {name: sec / world for name, sec in phase.items()}
+        cpu /= world
+        phase["waiting"] = max(step - cpu, 0.0)
     evals = rank0.get("calls", {}).get("evaluation", 0)
     eval_wall = rank0.get("walls", {}).get("evaluation", 0.0) / evals if evals else 0.0
     phase["evaluation"] = eval_wall / eval_every
     tokens = int(train_argv[train_argv.index("--batch") + 1]) * int(train_argv[train_argv.index("--seq-len") + 1])
-    world = int(train_argv[train_argv.index("--ranks") + 1])
     return {"engine": engine, "system": train_argv[train_argv.index("--policy") + 1], "ranks": world,
             "steps_measured": measured, "step_s": step, "step_amortized_s": step + eval_wall / eval_every,
             "eval_s": eval_wall, "tokens_per_s": tokens * world / step, "phase_s": phase, "cpu_s": cpu,
