@@ -87,7 +87,8 @@ def step_phases(path: str | Path):
         ax.barh(range(len(bars)), widths, left=left, color=f"C{k}", label=phase)
         left = [a + w for a, w in zip(left, widths)]
     if len(floor):
-        ax.axvline(float(floor.iloc[0]), color="k", ls="--", lw=1, label="floor: dense, one process, the emulated runs' tokens")
+        ax.axvline(float(floor.iloc[0]), color="k", ls="--", lw=1,
+                   label="floor: dense, one process, the emulated runs' tokens")
     ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=6)
     ax.invert_yaxis()
     ax.set(xlabel="seconds per step by phase (thread CPU: the ranks' sum on the emulated engine, the mean rank's on "
