@@ -71,7 +71,7 @@ import-graph: setup
 
 # two workers (pytest-xdist): one per core of the 2-core machine this is sized for
 test: lint
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --durations=15
 
 # also the tests marked slow (large shapes, long runs)
 test-all: lint
