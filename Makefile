@@ -12,7 +12,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 STAMP := $(VENV)/.lrmoe-installed
 MODE ?= quick
 
-.PHONY: setup links lint import-graph test test-all test-core browser test-browser reproduce figures clean-venv
+.PHONY: setup links lint import-graph test test-numerics test-all test-core browser test-browser reproduce figures clean-venv
 
 # Python keeps the bytecode it compiles (its default; some machines switch that off with PYTHONDONTWRITEBYTECODE).
 # The tests and the main job start dozens of Python processes: without the cache each one compiles pandas,
@@ -72,6 +72,16 @@ import-graph: setup
 # two workers (pytest-xdist): one per core of the 2-core machine this is sized for
 test: lint
 	$(PY) -m pytest -q -n 2 --durations=15
+
+# The numerics-sensitive tests (tolerances against references: the drop-in, bf16 autocast, the layer, the kernels)
+# again under other vector units than this CPU's: ATEN's baseline kernels (`default`) and AVX2. Their tolerances come
+# from the arithmetic, so they hold on any CPU (CI runs this after `make test`).
+NUMERICS_TESTS := tests/test_hf_amp.py tests/test_hf.py tests/test_reference.py tests/test_layer.py \
+	tests/test_grouped_gemm.py tests/test_compact.py tests/test_gradient_error.py tests/test_clip.py \
+	tests/test_layer_lrmoe.py tests/test_layer_symi.py
+test-numerics: setup
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -n 2 $(NUMERICS_TESTS)
+	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -n 2 $(NUMERICS_TESTS)
 
 # also the tests marked slow (large shapes, long runs)
 test-all: lint

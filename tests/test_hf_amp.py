@@ -9,14 +9,18 @@ and LRMoE where it trims nothing), within bf16's tolerance:
 
 * losses: relative 4e-3, one bf16 epsilon (2^-8);
 * first-step gradients: relative L2 error 3e-2 per tensor (every GEMM input rounded to 8 bits of mantissa);
-* weights after 3 AdamW steps: an L2 error of at most 0.35 of the tensor's update (Adam divides each gradient by
-  its own size, so a coordinate whose gradient is bf16 noise still moves by a whole learning rate, either way;
-  the experts in fp32 against bf16 give about 0.2 here).
+* weights after 3 AdamW steps: Adam divides each gradient by its own size, so a coordinate whose gradient is bf16
+  noise still moves by a whole learning rate, either way, and how far the updates move depends on how many such
+  coordinates a tensor has, which depends on the CPU's bf16 kernels (measured 0.16-0.23 of the update with AVX-512,
+  up to 0.39 with ATEN_CPU_CAPABILITY=default). The bound is the same comparison made for the unswapped model: its
+  autocast run against its own fp32 run is one bf16 perturbation of the same updates; the swapped run rounds the same
+  GEMM inputs in another order, at most two such perturbations, so its update error is at most twice the unswapped
+  model's, per tensor, plus the gradients' tolerance (measured ratio at most 1.30 on both settings).
 
 Against the same system's fp32 run (GLM's LRMoE, which trims, and SYMI-dropless), the losses agree to a
-relative 2e-3; the first-step gradients (every system, both families) within 0.5 relative L2 per dense tensor and
-0.35 per expert tensor, since autocast moves HF's router too and some tokens route to other experts: as far from
-fp32 as the unswapped model under autocast is, within 2e-2 per tensor. The gradients the optimizer sees are fp32
+relative 2e-3; the first-step gradients (every system, both families) as far from fp32 as the unswapped model under
+autocast is, within 2e-2 per tensor (autocast moves HF's router too and some tokens route to other experts, so both
+are far from fp32: up to 0.39 relative L2 for a router gate). The gradients the optimizer sees are fp32
 (the dense ones and the expert slots'), so the fp32 master step is unchanged.
 """
 
@@ -39,7 +43,7 @@ BATCH, SEQ, STEPS, LR = 2, 8, 3, 1e-2
 LOSS_RTOL = 2.0 ** -8
 FP32_LOSS_RTOL = 2e-3
 GRAD_REL = 3e-2
-UPDATE_REL = 0.35
+UPDATE_PERTURBATIONS = 2  # the swapped run's update error: at most two of autocast's own (module doc)
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
 
 
@@ -107,10 +111,13 @@ def test_under_autocast_the_experts_move_and_compute_bf16():
 def _train(rank: int, family: str, system: str, against: str) -> dict:
     """3 steps of the swapped model under autocast (AdamW; GLM's bias update off so that HF can follow), and of
     the reference: the unswapped model on the mean loss over every rank's batch under the same autocast
-    (``against="hf"``), or the same swapped system without autocast (``against="fp32"``)."""
+    (``against="hf"``, beside the unswapped model's fp32 run: autocast's own update error), or the same swapped
+    system without autocast (``against="fp32"``)."""
     world = dist.get_world_size()
     model = tiny_model(family)
     ref, start = copy.deepcopy(model), copy.deepcopy(model.state_dict())
+    ref32 = copy.deepcopy(model) if against == "hf" else None
+    ref32_opt = torch.optim.AdamW(ref32.parameters(), lr=LR, weight_decay=0.0) if ref32 is not None else None
     ep = swap_moe_blocks(model, system)
     opt = ep.optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.0, bias_rate=0.0)
     if against == "hf":
@@ -138,6 +145,9 @@ def _train(rank: int, family: str, system: str, against: str) -> dict:
             ref_loss.backward()
             ref_opt.step()
             theirs = {n: p.grad.clone() for n, p in ref.named_parameters()}
+            (sum(ref32(ids(step, r), labels=ids(step, r)).loss for r in range(world)) / world).backward()
+            ref32_opt.step()
+            ref32_opt.zero_grad()
         else:
             ref_loss = ref(x, labels=x).loss
             ref_loss.backward()
@@ -152,6 +162,9 @@ def _train(rank: int, family: str, system: str, against: str) -> dict:
             out["grads"] = {n: rel(mine[n], theirs[n]) for n in theirs}
     got, want = model.state_dict(), ref.state_dict()  # collective: the experts gathered
     out["update"] = {n: rel(got[n] - start[n], want[n] - start[n]) for n in want if (want[n] - start[n]).norm() > 0}
+    if ref32 is not None:  # autocast's own update error, the unswapped model's
+        fp32 = ref32.state_dict()
+        out["amp_update"] = {n: rel(want[n] - start[n], fp32[n] - start[n]) for n in out["update"]}
     return out
 
 
@@ -175,8 +188,9 @@ def test_the_drop_in_trains_under_autocast_as_the_unswapped_model_does():
             continue  # elsewhere, so the gradients are compared with HF's under the same autocast only
         worst = max(out["grads"].items(), key=lambda kv: kv[1])
         assert worst[1] < GRAD_REL, (case, worst)
-        worst = max(out["update"].items(), key=lambda kv: kv[1])
-        assert worst[1] < UPDATE_REL, (case, worst)
+        bound = {n: UPDATE_PERTURBATIONS * out["amp_update"][n] + GRAD_REL for n in out["update"]}
+        over = {n: (err, bound[n]) for n, err in out["update"].items() if err >= bound[n]}
+        assert not over, (case, over)
 
 
 # -- against the same system's fp32 run, gradients --------------------------------------------------------------
@@ -185,7 +199,7 @@ def test_the_drop_in_trains_under_autocast_as_the_unswapped_model_does():
 # 0.39 relative L2 (Qwen's last router gate; GLM 0.13), experts up to 0.25 (GLM 0.23), the same for every system
 # to 1e-3). The error is autocast's own: the unswapped HF model under autocast against its fp32 run differs by as
 # much, tensor by tensor (measured gap at most 5.2e-3 Qwen, 2.3e-3 GLM).
-FP32_DENSE_REL, FP32_EXPERT_REL, FP32_GAP = 0.5, 0.35, 2e-2
+FP32_GAP = 2e-2
 FP32_SYSTEMS = ("static-ep", "symi-dropless", "lrmoe")
 
 
@@ -224,7 +238,5 @@ def test_under_autocast_every_system_s_gradients_follow_its_fp32_run(family):
         errs = out[system]
         assert errs.keys() == out["hf"].keys(), (system, errs.keys() ^ out["hf"].keys())
         for name, err in errs.items():
-            tol = FP32_EXPERT_REL if ".experts." in name else FP32_DENSE_REL
-            assert err < tol, (family, system, name, err)
             # as far from fp32 as the unswapped model under autocast is, within bf16's own noise
             assert abs(err - out["hf"][name]) < FP32_GAP, (family, system, name, err, out["hf"][name])
