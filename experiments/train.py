@@ -44,8 +44,8 @@ hold both; their load columns are the last micro-batch's.
 --timeout S bounds how long a rank waits for the others in a collective (default 5 minutes), not the run: past it
 the run ends naming the rank(s) that did not arrive and where they are (lrmoe.runtime.distributed.launch); a healthy
 run of any length is never stopped (--engine emulated: its in-process launcher bounds the whole run instead).
-Every argument is checked before any rank starts (argparse errors, status 2), the expert slots' memory against what
-the machine has available too; Ctrl-C ends the run with one line and status 130.
+Every argument is checked before any rank starts (argparse errors, status 2), the experts' memory at a step's peak
+against what the machine has available too; Ctrl-C ends the run with one line and status 130.
 
 --clip-grad X clips every step's gradient to a global L2 norm of X over the dense parameters and the experts (each
 expert once, after its replicas' gradients are summed; lrmoe.runtime.clip), as torch.nn.utils.clip_grad_norm_ would
@@ -128,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bias-rate", type=non_negative_float_arg, default=1e-3,
                         help="aux-free selection-bias update rate (GLM; 0: no balancing)")
     parser.add_argument("--extra-slots", type=non_negative_int_arg, default=1,
-                        help="replica slots per rank beside E/N home slots (bounded by the memory the ranks' slots "
-                             "need: every slot holds an expert's weights and gradient in every MoE layer)")
+                        help="replica slots per rank beside E/N home slots (bounded by the memory the ranks' experts "
+                             "need at a step's peak: every slot's weights, gradient and working copy in every MoE "
+                             "layer, the plans, buffers and optimizer shards)")
     parser.add_argument("--eps", type=non_negative_float_arg, default=0.1,
                         help="LRMoE balance slack (fraction of the mean load a rank may exceed)")
     parser.add_argument("--replica-grad", choices=REPLICA_GRAD_MODES, default="range",
@@ -204,7 +205,7 @@ def parse_args(argv=None):
 def check_args(args) -> None:
     """Everything a rank would otherwise find out on its own, checked once before any rank starts or any record is
     written: the output paths (lrmoe.integrations.tracking_args), the presets, the world size against
-    the experts, the system in that world, the expert slots' memory on this machine
+    the experts, the system in that world, the experts' memory at a step's peak on this machine
     (lrmoe.training.sizing.check_slot_memory), the text files and their validation split, and which run --resume
     continues (lrmoe.training.resume.plan_resume: sets ``args.run_id`` and ``args.start_step``). SystemExit with one
     message."""

@@ -18,7 +18,7 @@ from lrmoe.training import loop
 from lrmoe.training.models import NativeModel
 from lrmoe.training.resume import RUN_ARG_DEFAULTS
 from lrmoe.training.schedule import lr_at
-from lrmoe.training.sizing import cost_model, slot_memory, system_context
+from lrmoe.training.sizing import cost_model, expert_memory, system_context
 
 train = load_experiment("train")
 pytestmark = [pytest.mark.script, pytest.mark.timeout(600)]
@@ -199,13 +199,14 @@ def test_bad_values_are_argparse_errors_naming_the_flag(capsys, argv, flag):
 
 
 def test_extra_slots_are_bounded_by_the_memory_the_machine_has(tmp_path, capsys):
-    """--extra-slots 100000 passed the checks and allocated about 10 GB per rank; the slots' memory is now estimated
-    (weights and gradient of every slot in every MoE layer) and refused, before any rank starts and before any file
-    is written (the results file's lock too), when the ranks' slots would not fit."""
+    """--extra-slots 100000 passed the checks and allocated about 10 GB per rank; the experts' memory is now estimated
+    (lrmoe.training.sizing.expert_memory: every slot's weights, gradient and working copy in every MoE layer, the
+    plans, buffers and optimizer shards) and refused, before any rank starts and before any file is written (the
+    results file's lock too), when the ranks' experts would not fit. (Issue 53's case: tests/test_sizing.py.)"""
     out = tmp_path / "r.jsonl"
     err = refused(capsys, tmp_path, "--extra-slots", "10000000", "--out", str(out))
-    assert "--extra-slots 10000000: the expert slots alone need" in err and "GiB of memory it has available" in err
-    assert "10000008 slots x 2 MoE layers x 48 KiB" in err  # 16/2 home slots + the extra, 3·64·32 fp32 × 2
+    assert "--extra-slots 10000000: the experts need" in err and "GiB of memory it has available" in err
+    assert "10000008 slots x 2 MoE layers x 24 KiB: weights" in err  # 16/2 home slots + the extra, 3·64·32 fp32
     assert list(tmp_path.iterdir()) == []  # no results file, no checkpoint folder, no .r.jsonl.lock
 
 
@@ -227,13 +228,14 @@ def _slot_bytes(rank, args):
 
 
 def test_the_slot_memory_estimate_is_what_the_model_allocates():
-    """The estimate the check uses against the slots a rank's model really holds (weights, and a gradient as large)."""
+    """The estimate's weights and gradients against the slots a rank's model really holds (weights, and a gradient
+    as large). (The whole estimate against a real run's peak memory: tests/test_sizing.py.)"""
     from lrmoe.runtime.distributed.launch import launch
 
     args = train.parse_args(["--ranks", "1", "--extra-slots", "3", "--policy", "lrmoe"])
     args.run_id = "x"
-    estimate, _ = slot_memory(args, model_preset(args.preset), 1)
-    assert launch(_slot_bytes, 1, args, timeout_s=120)[0] == estimate
+    estimate = expert_memory(args, model_preset(args.preset), 1)
+    assert launch(_slot_bytes, 1, args, timeout_s=120)[0] == estimate.weights + estimate.grads
 
 
 def test_the_cost_model_prices_each_system_as_the_simulator_builds_it():

@@ -6,7 +6,7 @@ its launch; everything a rank does lives here.
 * :mod:`~lrmoe.training.models`: the two architectures behind one interface (lrmoe's own transformer, Hugging Face's
   Qwen3-MoE / GLM-4.5 on the expert-parallel layer) and the function that builds a rank's model;
 * :mod:`~lrmoe.training.sizing`: what a run is sized by: the system context (experts, ranks, slots), the memory the
-  expert slots of a rank need, and the modelled time of a step's plans (--cost-model);
+  experts of a rank need at a step's peak, and the modelled time of a step's plans (--cost-model);
 * :mod:`~lrmoe.training.records`: one step's results row and the validation loss;
 * :mod:`~lrmoe.training.resume`: the arguments that define a run, its checkpoint folder, which run --resume
   continues and where;

@@ -1,8 +1,10 @@
 """What a training run is sized by: the facts its system's policy is built from (experts, ranks, slots), the memory
-the expert slots of one rank need (bounded by what the machine has), and the modelled time of a step's plans
-(--cost-model: the plans priced as full-size pairs on a cluster preset)."""
+the experts of one rank need at a step's peak (bounded by what the machine has), and the modelled time of a step's
+plans (--cost-model: the plans priced as full-size pairs on a cluster preset)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from lrmoe.checks import available_memory_bytes
 from lrmoe.config import MoEConfig, cluster_preset, full_scale_preset
@@ -19,31 +21,90 @@ def system_context(args, cfg, ranks: int, ranks_per_node: int | None = None) -> 
                          ranks_per_node=None if ranks_per_node in (None, ranks) else ranks_per_node)
 
 
-def slot_memory(args, cfg: MoEConfig, world: int) -> tuple[float, str]:
-    """(bytes, how they add up) the expert slots of one rank hold: E/N home slots plus --extra-slots in each MoE
-    layer, each an expert's weights and their gradient (lrmoe.bytemodel.memory: a slot's footprint), in the slots'
-    dtype (fp32 in lrmoe's model; the preset's in HF's). A lower bound on the rank's memory."""
-    from lrmoe.bytemodel.memory import footprint
+@dataclass(frozen=True)
+class ExpertMemory:
+    """The bytes one rank's experts hold at the peak of a training step (:func:`expert_memory`), by part. S slots of
+    P = 3·D·F numbers of e bytes (the slots' dtype) in each of L MoE layers; H = min(E, S) distinct experts hosted.
 
+    weights    L·S·P·e   the slots (the replica store's ``slots_SW``)
+    grads      L·S·P·e   their gradients (``slots_SW.grad``), every layer's, until its expert step
+    working    S·P·w     one layer's working copy, the largest of: the backward's weight gradient before it is
+                         stored (its three parts and their concatenation, while that layer's gradient is not yet
+                         held: w = e; with k > 1 micro-batches the later ones add a whole new copy into the held
+                         gradient: w = 2e), and the expert step's stack of one expert's replica gradients (w = e,
+                         plus its fp32 copy when the slots are narrower: w = e + 4)
+    plans      L·k·8·(2·N·G + 2·N·S + G), G = N·S: the k micro-batches' plans' slot tables (int64 forward and
+                         retained pairs [N, G], placements [N, S], weight-push sources [G])
+    exchange   3·H·P·e   one layer's redistribution (the send and receive buffers, and the assembled ``full``
+                         [H, P]); the replica-gradient sync's buffers are no larger
+    optimizer  (4·L + 1)·E·⌈P/N⌉·4   fp32 master shard, two Adam moments and the collected gradient shard of
+                         every layer, and one Adam update's temporary: E/N experts' worth, independent of S
+
+    The parts are added (the working copy and the exchange do not coincide: an upper bound by at most the exchange);
+    the first four grow with the slots (:attr:`slot_bytes`). Process memory (torch, the dense model, activations,
+    the corpus) is not counted."""
+
+    slots: int
+    moe_layers: int
+    slot_numel: int  # P
+    elem: int  # e
+    weights: int
+    grads: int
+    working: int
+    plans: int
+    exchange: int
+    optimizer: int
+
+    @property
+    def slot_bytes(self) -> int:
+        """The part that grows with the slots per rank."""
+        return self.weights + self.grads + self.working + self.plans
+
+    @property
+    def total(self) -> int:
+        return self.slot_bytes + self.exchange + self.optimizer
+
+    def describe(self) -> str:
+        """The parts, as the refusal of :func:`check_slot_memory` names them."""
+        return (f"{self.slots} slots x {self.moe_layers} MoE layers x {self.slot_numel * self.elem / 2**10:.0f} KiB: "
+                f"weights {_size(self.weights)} + gradients {_size(self.grads)} + a layer's working copy "
+                f"{_size(self.working)} + plans {_size(self.plans)}; redistribution buffers {_size(self.exchange)}; "
+                f"fp32 master shards and Adam state {_size(self.optimizer)}")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def expert_memory(args, cfg: MoEConfig, ep: int) -> ExpertMemory:
+    """The bytes one rank's experts hold at a step's peak (:class:`ExpertMemory`, its parts and formulas) in an EP
+    group of ``ep`` ranks: E/ep home slots plus --extra-slots in each MoE layer (the most any system holds), in the
+    slots' dtype (fp32 in lrmoe's model; the preset's in HF's), with --micro-batches micro-batches per step. A pure
+    function of the arguments."""
     elem = cfg.dtype_bytes if args.hf_config else 4
-    slots = cfg.num_experts // world + args.extra_slots
-    per_slot = footprint(cfg.hidden, cfg.expert_ffn, elem).slot
-    return (slots * cfg.num_moe_layers * per_slot,
-            f"{slots} slots x {cfg.num_moe_layers} MoE layers x {per_slot / 2**10:.0f} KiB (weights and gradient)")
+    E, N, L, k = cfg.num_experts, ep, cfg.num_moe_layers, args.micro_batches
+    S, P = E // N + args.extra_slots, 3 * cfg.hidden * cfg.expert_ffn
+    G = N * S
+    working = max(2 * elem if k > 1 else elem, elem + 4 if elem < 4 else elem)
+    return ExpertMemory(slots=S, moe_layers=L, slot_numel=P, elem=elem, weights=L * S * P * elem,
+                        grads=L * S * P * elem, working=S * P * working, plans=L * k * 8 * (2 * N * G + 2 * N * S + G),
+                        exchange=3 * min(E, S) * P * elem, optimizer=(4 * L + 1) * E * -(-P // N) * 4)
 
 
 def check_slot_memory(args, cfg: MoEConfig, world: int, ep: int | None = None) -> None:
-    """ValueError when the slots of the ranks this machine runs (every rank, under the fork launcher) would not fit
-    in the memory it has available: --extra-slots is bounded by what the machine can hold. ``ep``: the EP group's
-    size, whose E/EP home slots each rank holds (default: the world)."""
-    per_rank, how = slot_memory(args, cfg, world if ep is None else ep)
+    """ValueError when the experts of the ranks this machine runs (every rank, under the fork launcher) would not
+    fit in the memory it has available (:func:`expert_memory`: slots, their gradients and working copies, plans,
+    redistribution buffers, optimizer shards): --extra-slots is bounded by what the machine can hold. ``ep``: the
+    EP group's size, whose E/EP home slots each rank holds (default: the world)."""
+    need = expert_memory(args, cfg, world if ep is None else ep)
     env = torchrun_env()
     local = world if env is None else env.local_world_size
     available = available_memory_bytes()
-    if available is not None and per_rank * local > available:
-        raise ValueError(f"--extra-slots {args.extra_slots}: the expert slots alone need {per_rank / 2**30:.2f} GiB "
-                         f"per rank ({how}), {per_rank * local / 2**30:.2f} GiB for the {local} ranks on this "
-                         f"machine, more than the {available / 2**30:.2f} GiB of memory it has available")
+    if available is not None and need.total * local > available:
+        raise ValueError(f"--extra-slots {args.extra_slots}: the experts need {need.total / 2**30:.2f} GiB per rank "
+                         f"at a step's peak ({need.describe()}), {need.total * local / 2**30:.2f} GiB for the "
+                         f"{local} ranks on this machine, more than the {available / 2**30:.2f} GiB of memory it "
+                         f"has available")
 
 
 def cost_model(args, cfg: MoEConfig, ep: int, ranks_per_node: int | None = None):
