@@ -40,29 +40,15 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from lrmoe.cli import StageFailed, run_entry, script_parser
+# what a stage is and writes, and the stages' scheduling, are the library's (light modules: no torch for --help)
+from lrmoe.harness.job_schedule import Running, StageProcess, run_stages
+from lrmoe.harness.job_stages import (Stage, account, argv_difference, stage_complete, stage_identity, stage_label,
+                                      stage_outputs)
 from lrmoe.integrations.tracking_args import folder_problem
-from lrmoe.results import Manifest, atomic_write_text, read_headers
-
-
-@dataclass
-class Stage:
-    name: str
-    # the script the stage runs: its name in lrmoe.experiments (:func:`entry_point` imports it), or the entry point
-    # itself (a function of the command line: a script's cli or main)
-    entry: str | Callable[[list[str]], object]
-    quick: list[str] = field(default_factory=list)
-    full: list[str] = field(default_factory=list)
-    # which Markdown table of the stage's output goes into the summary (its headline): its index, or the title of
-    # the section ("## <title>") whose first table it is, where the stage prints other tables before it
-    table: int | str = -1
-    # runs beside the stages after it (a deterministic stage on one thread: the simulator), until a measured stage
-    background: bool = False
-    # times something on this machine: waits for every background stage, so that nothing runs beside it
-    measured: bool = False
+from lrmoe.results import Manifest, atomic_write_text
 
 
 STAGES = [
@@ -95,38 +81,6 @@ STAGES = [
 ]
 
 
-def markdown_tables(text: str, which: int | str = -1) -> str:
-    """The ``which``-th Markdown table a stage printed (default the last: experiments print the headline last), or,
-    for a string, the first table of the last section titled ``## <which>...`` ("" when there is none)."""
-    blocks, current, sections = [], [], []
-    for line in text.splitlines():
-        if line.startswith("|"):
-            current.append(line)
-            continue
-        if current:
-            blocks.append(current)
-            current = []
-        if line.startswith("## "):
-            sections.append((line[3:], len(blocks)))  # the title, and the index its first table will have
-    if current:
-        blocks.append(current)
-    if isinstance(which, str):
-        starts = [start for title, start in sections if title.startswith(which) and start < len(blocks)]
-        return "\n".join(blocks[starts[-1]]) if starts else ""
-    return "\n".join(blocks[which]) if len(blocks) >= abs(which) else ""
-
-
-def stage_outputs(out: Path, name: str, names: list[str]) -> list[Path]:
-    """What stage ``name`` (of the stages ``names``) writes in ``out``: its results file (and lock, marker,
-    captured output), the files named after it (figures, report, checkpoints, cached models) and its work folder;
-    not those of another stage whose name starts with this one's."""
-    longer = [other for other in names if other != name and other.startswith(name)]
-    named = [p for p in (*out.glob(f"{name}.*"), *out.glob(f"{name}_*"))
-             if not any(p.name.startswith((f"{other}.", f"{other}_")) or p.name == other for other in longer)]
-    hidden = [out / f".{name}.jsonl.{what}" for what in ("lock", "manifest.json")]
-    return [*named, *hidden, out / f".{name}.stdout", out / name]
-
-
 def figure_outputs(out: Path) -> list[Path]:
     """The figures the job draws (its 'figures' part)."""
     from lrmoe.paper_figures.figures import names
@@ -141,36 +95,6 @@ def outputs_of(out: Path, part: str, names: list[str]) -> list[Path]:
     if part == "summary":
         return [out / "SUMMARY.md"]
     return stage_outputs(out, part, names)
-
-
-def account(manifest: Manifest, out: Path, stage: str, names: list[str]) -> None:
-    """Record in ``manifest`` what stage ``stage`` wrote: every file under its names (the job refused to start
-    where one was not its own, so any there now is the stage's) and its W&B runs (the run ids of its results
-    file's headers)."""
-    manifest.add(*(p for p in stage_outputs(out, stage, names) if p.exists() or p.is_symlink()), tag=stage,
-                 save=False)
-    for header in read_headers(out / f"{stage}.jsonl"):
-        if header.get("run_id"):
-            manifest.wandb_runs[header["run_id"]] = [stage, "wandb"]
-    if stage in manifest.open:
-        manifest.open.remove(stage)
-    manifest.save()
-
-
-def stage_argv(stage: Stage, mode: str, out: Path) -> list[str]:
-    """The stage's own arguments in this mode."""
-    return [a.format(out=out) for a in stage_identity(stage, mode)[2:]]
-
-
-def stage_identity(stage: Stage, mode: str) -> list[str]:
-    """What decides a stage's results: the mode and its arguments (before the folder is filled in, so that a moved
-    folder is the same run). What a stage wrote is reused only for the same identity."""
-    return ["--mode", mode, *(stage.quick if mode == "quick" else stage.full)]
-
-
-def argv_difference(old: list[str], new: list[str]) -> str:
-    """The arguments that differ between two command lines, as 'was ... ; now ...'."""
-    return f"was `{' '.join(old) or '(none)'}`, now `{' '.join(new) or '(none)'}`"
 
 
 def output_dir(out_dir: str | None, mode: str) -> Path:
@@ -201,77 +125,6 @@ def entry_point(stage: Stage) -> Callable[[list[str]], object]:
         raise ValueError(f"stage {stage.name}: no script named {stage.entry!r} (the job runs {', '.join(scripts)})")
     module = scripts[stage.entry]
     return getattr(module, "cli", module.main)
-
-
-def stage_label(stage: Stage) -> str:
-    """The stage's script as its messages name it (``ablate.py``)."""
-    return f"{stage.entry}.py" if isinstance(stage.entry, str) else getattr(stage.entry, "__name__", stage.name)
-
-
-class StageProcess:
-    """A stage's process: forked from the job, it runs the stage's entry point and exits with its status. It reads
-    like :class:`subprocess.Popen` (``pid``, ``poll``, ``wait``, ``returncode``: negative for a signal), which the
-    scheduling below uses."""
-
-    def __init__(self, pid: int):
-        self.pid, self.returncode = pid, None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self) -> int:
-        if self.returncode is None:
-            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-        return self.returncode
-
-
-@dataclass
-class Running:
-    """A started stage: its process, its captured stdout (a file: a background stage's output may outgrow a pipe
-    that nobody reads while it runs), when it started and, once :func:`supervise` has seen it end, when it ended (a
-    background stage is collected only at a later stage boundary, which must not count as its time)."""
-
-    stage: Stage
-    proc: StageProcess
-    stdout: Path
-    started: float
-    ended: float | None = None
-
-
-def note_ends(runs: list[Running]) -> None:
-    """Note the end time of every stage in ``runs`` whose process has exited."""
-    for run in runs:
-        if run.ended is None and run.proc.poll() is not None:
-            run.ended = time.time()
-
-
-def supervise(foreground: Running | None, background: list[Running], every_s: float = 0.2) -> None:
-    """Poll until ``foreground`` has ended (None: every background stage has), or until a background stage has
-    failed, noting each stage's end as it happens."""
-    awaited = background if foreground is None else [foreground]
-    while True:
-        note_ends([*awaited, *background])
-        if any(b.ended is not None and b.proc.returncode for b in background):
-            return
-        if all(r.ended is not None for r in awaited):
-            return
-        time.sleep(every_s)
-
-
-def stop(runs: list[Running]) -> None:
-    """Kill the stages in ``runs``, each with its whole process group (the ranks it started too); their output is
-    dropped: they did not complete."""
-    for run in runs:
-        try:
-            os.killpg(run.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        run.proc.wait()
-        run.stdout.unlink(missing_ok=True)
 
 
 def start_stage(stage: Stage, argv: list[str], env: dict, out: Path) -> Running:
@@ -333,28 +186,6 @@ def _stage_process(stage: Stage, argv: list[str], env: dict, stdout: Path, paren
         os._exit(code)
 
 
-def finish_stage(run: Running, out: Path) -> tuple[int, str]:
-    """Wait for a started stage; print its output. On success write its end marker (its part of the summary).
-    Returns (exit status, summary section)."""
-    code = run.proc.wait()
-    note_ends([run])
-    text = run.stdout.read_text()
-    run.stdout.unlink(missing_ok=True)
-    print(text, end="", flush=True)
-    if code:
-        print(f"error: stage {run.stage.name} failed with exit status {code}", file=sys.stderr)
-        return code, ""
-    section = (f"{markdown_tables(text, run.stage.table)}\n\n({run.ended - run.started:.0f} s; results: "
-               f"{run.stage.name}.jsonl)")
-    atomic_write_text(out / f"{run.stage.name}.done", section)
-    return 0, section
-
-
-def stage_complete(out: Path, stage: Stage) -> bool:
-    """A stage is complete when its end marker and its results file both exist."""
-    return (out / f"{stage.name}.done").is_file() and (out / f"{stage.name}.jsonl").is_file()
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line (light modules only: tests/test_cli.py)."""
     parser = script_parser(__doc__)
@@ -413,76 +244,11 @@ def main(argv=None, stages: list[Stage] | None = None) -> int:
         print(f"--overwrite: removed {len(removed)} file(s) and folder(s) the job's earlier run wrote", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "SUMMARY.md").unlink(missing_ok=True)  # the job's end marker: present only once this run completes
-    # each stage starts its own W&B service, which dies with it: none that outlives a killed stage (one this job
-    # inherited) keeps the stage's W&B run open, so the resumed stage can continue that run
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-    env.update(WANDB_DIR=str(out), MPLBACKEND="Agg")
     summary = [f"# lrmoe reproduction ({args.mode} mode)", ""]
-    sections: dict[str, str] = {}
-    background: list[Running] = []
     started = time.time()
-
-    def collect_background(wait: bool) -> int:
-        """Finish the background stages that ended (with ``wait``: every one, once it has); the first failure's
-        status (0: none), after stopping the others: a failed stage fails the job at once, never half-way later."""
-        if wait:
-            supervise(None, background)
-        note_ends(background)
-        for run in [b for b in background if b.ended is not None]:
-            background.remove(run)
-            code, sections[run.stage.name] = finish_stage(run, out)
-            if code:
-                stop(background)
-                return code
-        return 0
-
-    from lrmoe.runtime.distributed.launch import terminate_on_sigterm
-
-    stages_run: list[Running] = []
-    restore = terminate_on_sigterm()  # SIGTERM: SystemExit here, so the stages below are stopped on the way out
-    try:
-        for stage in stages:
-            if args.only and stage.name not in args.only:
-                continue
-            results = out / f"{stage.name}.jsonl"
-            done = out / f"{stage.name}.done"
-            if stage_complete(out, stage):
-                print(f"== {stage.name}: complete, skipped (--resume)")
-                sections[stage.name] = done.read_text()
-                continue
-            done.unlink(missing_ok=True)
-            if code := collect_background(wait=stage.measured):
-                return code
-            extra = stage_argv(stage, args.mode, out)
-            manifest.identity[stage.name] = stage_identity(stage, args.mode)
-            manifest.open.append(stage.name)
-            manifest.add(out / f"{stage.name}.jsonl", out / f".{stage.name}.stdout", out / f"{stage.name}.done",
-                         tag=stage.name)
-            argv = ["--out", str(results), *extra]
-            if results.exists():  # an interrupted stage: its tracker supersedes what the killed attempt left
-                argv.append("--resume")
-            how = " (in the background: the next stages run beside it)" if stage.background else ""
-            print(f"== {stage.name}{how}: {stage_label(stage)} {' '.join(argv)}", flush=True)
-            run = start_stage(stage, argv, env, out)
-            stages_run.append(run)
-            if stage.background:
-                background.append(run)
-                continue
-            supervise(run, background)
-            if run.ended is None:  # a background stage failed: stop this one and report that one's failure
-                stop([run])
-                return collect_background(wait=False)
-            code, sections[stage.name] = finish_stage(run, out)
-            if code:
-                stop(background)
-                return code
-        if code := collect_background(wait=True):
-            return code
-    finally:  # an error, Ctrl-C or SIGTERM of the job: no stage, nor any rank of one, keeps running
-        stop([run for run in stages_run if run.proc.poll() is None])
-        restore()
-        for run in stages_run:
-            account(manifest, out, run.stage.name, names)
+    code, sections = run_stages(stages, args.only, args.mode, out, manifest, names, start_stage)
+    if code:
+        return code
     for stage in stages:
         if stage.name not in sections and stage_complete(out, stage):  # --only: the other stages' last results
             sections[stage.name] = (out / f"{stage.name}.done").read_text()

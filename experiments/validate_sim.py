@@ -34,13 +34,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# The parser needs only these light modules; the validation harness, the simulator (torch) and pandas load in the
-# functions that calibrate, compare and report.
+# The parser needs only these light modules; the validation harness (lrmoe.harness.sim_validation and
+# lrmoe.harness.sim_validation_run: torch, the simulator) and pandas load in the functions that calibrate, compare and
+# report.
 from lrmoe.analysis.protocol import REGIMES
 from lrmoe.cli import positive_int_arg
 from lrmoe.cli import run_entry, script_parser
@@ -49,102 +48,18 @@ from lrmoe.integrations.tracking_args import check_tracking_args
 if TYPE_CHECKING:
     import pandas as pd
 
-TARGET = 0.20  # median |error|: target 4 of DESIGN.md §5.8
 QUICK_BENCH = ["--quick", "--no-grad-error"]
 REGIME_STEPS, REGIME_WARMUP = 32, 2  # --regimes: per arm; about 4 minutes a regime at layer_bench's default size
 FULL_BENCH = ["--no-grad-error", "--policies", "static-ep", "capacity-cf1", "symi-cf1", "symi-dropless", "lrmoe-m1",
               "lrmoe-m2", "lrmoe-padded"]
 
 
-
-
-def regime_point(config: dict, raw: pd.DataFrame, calibration: Path, cal: dict) -> tuple[pd.DataFrame, dict]:
-    """One regime's measured point: the replayed plans (checked against what the bench counted), the cost model's
-    prediction of every phase for them on the CPU calibration, the ratio table with the plans' facts, and the
-    per-phase error of the covered phases (CPU clock). SystemExit when the replay is not the run."""
-    from lrmoe.bytemodel.layout import PHASES as LAYER_PHASES
-    from lrmoe.harness.sim_validation import (COVERED, PHASE_GROUPS, SPANS, check_replay, compare, in_order,
-                                              measured_phase_ms, phase_group_ms, plan_facts, predict, ratio_table,
-                                              replay_plans)
-    from lrmoe.sim.cost import PHASES as MODEL_PHASES
-
-    replay = replay_plans(config)
-    mismatches = check_replay(raw, replay, config)
-    if len(mismatches):
-        raise SystemExit(f"validate_sim.py: error: the replayed plans of regime {config['regime']} differ from the "
-                         f"bench's in {len(mismatches)} counted quantities:\n{fmt(mismatches.head(5))}")
-    clock = "cpu" if "clocks" in cal else None
-    predicted = predict(replay, config, calibration, clock, phases=MODEL_PHASES)
-    measured = measured_phase_ms(raw, "cpu", phases=LAYER_PHASES)
-    table = ratio_table(predicted, measured).merge(plan_facts(raw), on=["trace", "policy"], how="left")
-    table = in_order(table, config["policies"], "span", SPANS)
-    groups = in_order(phase_group_ms(predicted, measured), config["policies"], "group", PHASE_GROUPS)
-    groups = groups.assign(regime=config["regime"])
-    cells = compare(predicted[predicted["phase"].isin(COVERED)], measured[measured["phase"].isin(COVERED)])
-    match = config["regime_match"]
-    info = {"regime": config["regime"], "zipf_s": match["zipf_s"], "runs": match["runs"], "trace": match["trace"],
-            "spare_slots": config["spare_slots"], "eps": config["eps"], "gamma": config["gamma"],
-            "rhos": match["rhos"], "steps": int(config["steps"]), "rank_steps": len(raw),
-            "covered_median_abs_error": float(cells["error"].abs().median())}
-    return table.assign(regime=config["regime"]), groups, info
-
-
-def regime_report(table: pd.DataFrame, groups: pd.DataFrame, infos: dict, cal_path: Path, config: dict,
-                  figure: str) -> str:
-    from lrmoe.harness.sim_validation import PHASE_GROUPS, bench_shapes
-
-    model, n, base, _ = bench_shapes(config)
-    lines = [f"# Measured points of the frontier protocol: the real layer on {n} gloo ranks (CPU)", "",
-             f"![measured vs modelled]({figure})", "",
-             f"The layer of `experiments/layer_bench.py --regime R` ({model.name}, E = {model.num_experts}, "
-             f"k = {model.top_k}, D = {model.hidden}, F = {model.expert_ffn}, {config['tokens_per_rank']} tokens per "
-             f"rank, {config['dtype']}), every arm of the regime in turn inside each step on the same tokens; the "
-             f"cost model priced with this machine's CPU calibration (`{cal_path.name}`) on the same plans (replayed "
-             "and checked against every pair and byte the bench counted). Times are CPU times of a 2-core machine "
-             "shared with other work: ratios, never GPU results.", "",
-             "Statistic: per step, the slowest rank's CPU time summed over the layer's forward and backward phases "
-             "(the bench's headline), median over steps, ÷ SYMI-dropless's; the model's the same on its predicted "
-             "per-rank phase times. `q25`–`q75`: quartiles of the per-step measured ratio. `stragglers`: the "
-             "simulator's statistic (the sum over phases of each phase's slowest rank) of the model. `difference`: "
-             "modelled − measured ratio.", ""]
-    for regime, info in infos.items():
-        df = table[table["regime"] == regime]
-        runs, trace = info["runs"], info["trace"]
-        lines += [f"## Regime {regime}", "",
-                  f"{REGIMES[regime].description}. Settings: {info['spare_slots']} spare slot(s) per rank beside "
-                  f"{base} home slots, ε {info['eps']:g}, γ {info['gamma']:g}, ρ ∈ {info['rhos']}; Zipf s "
-                  f"{info['zipf_s']:.4f}, matched to the runs' static-EP slowest rank ÷ mean "
-                  f"{runs['rank_max_over_mean']:.3f} ({runs['runs']} runs) at the bench's own trace: the replayed "
-                  f"trace has {trace['rank_max_over_mean']:.3f} "
-                  f"(per-expert Gini {trace['gini']:.3f} against the runs' {runs['gini']:.3f}; hottest ÷ mean "
-                  f"{trace['expert_max_over_mean']:.2f} against {runs['expert_max_over_mean']:.2f}, not matched). "
-                  f"{info['steps']} measured steps per arm. Median |error| of the model over the covered phases' "
-                  f"cells: {info['covered_median_abs_error']:.1%}.", ""]
-        layer = df[df["span"] == "layer"]
-        cols = ["policy", "slots_per_rank", "retained_pct", "measured_ms", "measured_ratio", "measured_ratio_q25",
-                "measured_ratio_q75", "modelled_ratio", "difference", "stragglers_ratio"]
-        lines += ["Layer (forward + backward), slowest rank:", "", fmt(layer[cols]), ""]
-        wide = df.pivot_table(index="policy", columns="span", values=["measured_ratio", "modelled_ratio"],
-                              sort=False)
-        wide.columns = [f"{span} {side.replace('_ratio', '')}" for side, span in wide.columns]
-        order = [f"{span} {side}" for span in ("covered", "iteration") for side in ("measured", "modelled")]
-        lines += ["The covered phases only (both sides the same phases) and the iteration (with the optimizer "
-                  "step), ÷ SYMI-dropless's:", "", wide[order].reset_index().to_markdown(index=False, floatfmt=".3f"),
-                  ""]
-        g = groups[groups["regime"] == regime]
-        cells = g.assign(ms=[f"{a:.2f} / {b:.2f}" for a, b in zip(g["measured_ms"], g["modelled_ms"])])
-        cells = cells.pivot_table(index="policy", columns="group", values="ms", aggfunc="first", sort=False)
-        lines += ["Where the time goes: slowest rank's ms per step in each group of phases, median over steps, "
-                  "measured / modelled:", "", cells[list(PHASE_GROUPS)].reset_index().to_markdown(index=False), ""]
-    return "\n".join(lines)
-
-
 def regimes_main(args) -> pd.DataFrame:
     """--regimes: run layer_bench at each regime's settings, calibrate once, price the same plans, report."""
-    import pandas as pd
     from tqdm import tqdm
 
-    from lrmoe.harness.sim_validation import REFERENCE, read_bench
+    from lrmoe.harness.sim_validation import read_bench
+    from lrmoe.harness.sim_validation_run import log_regime_points, regime_points, regime_report
     from lrmoe.integrations.reports import write_report
     from lrmoe.integrations.tracking import Tracker
 
@@ -158,23 +73,13 @@ def regimes_main(args) -> pd.DataFrame:
         raise SystemExit(f"validate_sim.py: error: the regimes' benches differ in shape ({shapes}): one calibration "
                          "cannot price them")
     first = next(iter(benches.values()))[0]
-    cal_path, cal = calibration_file(args, first, out.parent)
-    tables, groups, infos = [], [], {}
-    for regime, (config, raw) in benches.items():
-        table, group, infos[regime] = regime_point(config, raw, cal_path, cal)
-        tables.append(table)
-        groups.append(group)
-    table, groups = pd.concat(tables, ignore_index=True), pd.concat(groups, ignore_index=True)
+    cal_path, cal = calibration_file(args, first)
+    table, groups, infos = regime_points(benches, cal_path, cal)
     config_out = {**vars(args), "benches": {r: str(bench_path(args, r)) for r in benches},
                   "calibration": str(cal_path)}
     with Tracker("validate_sim", config_out, results=out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
-        run.log_table("calibration", constants_table(cal), calibration_file=str(cal_path))
-        run.log_table("regime_ratio", table)
-        run.log_table("regime_phase_group", groups)
-        run.log_summary({"regimes": infos, "reference": REFERENCE, "calibration": str(cal_path),
-                         **{f"{r['regime']}/{r['policy']}/{r['span']}/{side}": r[f"{side}_ratio"]
-                            for r in table.to_dict("records") for side in ("measured", "modelled")}})
+        log_regime_points(run, table, groups, infos, cal, cal_path)
         import matplotlib.pyplot as plt
 
         from lrmoe.paper_figures.sim_figures import ratios
@@ -182,7 +87,8 @@ def regimes_main(args) -> pd.DataFrame:
         fig, _ = ratios(run.results)
         figs = run.log_figure("ratios", fig)
         plt.close(fig)
-    text = regime_report(table, groups, infos, cal_path, first, figs[0].name)
+    text = regime_report(table, groups, infos, cal_path, first, figs[0].name,
+                         {r: REGIMES[r].description for r in infos})
     if isinstance(args.reuse_benches, str):  # a re-pricing: say whose measurements these are
         names = ", ".join(f"`{bench_path(args, r).name}`" for r in benches)
         source = Path(args.reuse_benches).name
@@ -284,66 +190,18 @@ def run_bench(args, out_dir: Path, regime: str | None = None) -> Path:
     return path
 
 
-def calibration_file(args, config: dict, out_dir: Path) -> tuple[Path, dict]:
-    from lrmoe.harness.calibrate_cpu import calibrate, spec_for_bench, write_calibration
-    from lrmoe.harness.sim_validation import bench_shapes
+def calibration_file(args, config: dict) -> tuple[Path, dict]:
+    """--calibration, else a calibration measured for the bench of ``config`` and written beside --out."""
+    from lrmoe.harness.sim_validation_run import calibration_file as calibrated
 
-    if args.calibration:
-        path = Path(args.calibration)
-        if not path.is_file():
-            raise ValueError(f"--calibration {str(path)!r} is not a file")
-        return path, json.loads(path.read_text())
-    model, n, base, _ = bench_shapes(config)
-    spec = spec_for_bench(n, model.hidden, model.expert_ffn, model.num_experts, model.top_k,
-                          int(config["tokens_per_rank"]), base + int(config["spare_slots"]), config["dtype"],
-                          quick=args.quick, seed=args.seed)
-    t0 = time.time()
-    data = calibrate(spec)
-    data["provenance"]["seconds"] = round(time.time() - t0, 1)
-    data["provenance"]["for_bench"] = {k: config[k] for k in ("model", "hidden", "ffn", "tokens_per_rank", "dtype",
-                                                              "world_size")}
-    path = calibration_path(args)
-    write_calibration(data, path, overwrite=args.overwrite or args.resume)
-    return path, data
-
-
-def fmt(df: pd.DataFrame, floatfmt: str = ".3f") -> str:
-    return df.to_markdown(index=False, floatfmt=floatfmt)
-
-
-def constants_table(cal: dict) -> pd.DataFrame:
-    """The calibrated constants of each clock, in readable units, with the fits' median relative errors."""
-    import pandas as pd
-
-    from lrmoe.harness.calibrate_cpu import CLOCKS
-
-    rows = []
-    for clock in CLOCKS:
-        c = cal.get("clocks", {}).get(clock, cal if clock == cal.get("clock", "cpu") else None)
-        if c is None:
-            continue
-        fits = c.get("fits", {})
-        rows.append({"clock": clock, "GEMM GFLOP/s": c["peak_flops"] / 1e9, "m_half rows": c["gemm"]["m_half"],
-                     "launch us": c["gemm"]["launch_s"] * 1e6, "a2a latency us": c["a2a_latency"] * 1e6,
-                     "a2a GB/s": c["a2a_bw"] / 1e9, "mem copy GB/s": c["mem_bw"] / 1e9,
-                     "GEMM fit err": fits.get("gemm", {}).get("median_rel_error", float("nan")),
-                     "GEMM fwd err": fits.get("gemm", {}).get("median_rel_error_fwd", float("nan")),
-                     "GEMM bwd err": fits.get("gemm", {}).get("median_rel_error_bwd", float("nan")),
-                     "a2a fit err": fits.get("a2a", {}).get("median_rel_error", float("nan"))})
-        sized = [m for m in c.get("measurements", {}).get("a2a", []) if m["bytes_sent"] > 0 and "p2p_seconds" in m]
-        if sized:  # the diagnostic: the layer's point-to-point exchange against the all-to-all, same bytes
-            rows[-1]["a2a ms (median)"] = statistics.median(m["seconds"] for m in sized) * 1e3
-            rows[-1]["p2p ms (median, not used)"] = statistics.median(m["p2p_seconds"] for m in sized) * 1e3
-    return pd.DataFrame(rows)
+    return calibrated(args.calibration, config, calibration_path(args), quick=args.quick, seed=args.seed,
+                      overwrite=args.overwrite or args.resume)
 
 
 def main(argv=None) -> pd.DataFrame:
     args = parse_args(argv)
-    import pandas as pd
-
-    from lrmoe.harness.calibrate_cpu import CLOCKS
-    from lrmoe.harness.sim_validation import (EXCLUDED, bench_shapes, check_replay, compare, measured_phase_ms,
-                                              phase_table, predict, read_bench, relative_error, replay_plans)
+    from lrmoe.harness.sim_validation import read_bench
+    from lrmoe.harness.sim_validation_run import log_phase_validation, phase_validation, print_phase_report
     from lrmoe.integrations.tracking import Tracker
 
     if args.regimes:
@@ -354,39 +212,12 @@ def main(argv=None) -> pd.DataFrame:
     out.parent.mkdir(parents=True, exist_ok=True)
     bench_path = Path(args.bench) if args.bench else run_bench(args, out.parent)
     config, raw = read_bench(bench_path)
-    cal_path, cal = calibration_file(args, config, out.parent)
-    replay = replay_plans(config)
-    mismatches = check_replay(raw, replay, config)
-    clocks = [c for c in CLOCKS if c in cal.get("clocks", {})] or [cal.get("clock", "cpu")]
-    primary = clocks[0]
-    cells = pd.concat([compare(predict(replay, config, cal_path, c if "clocks" in cal else None).assign(clock=c),
-                               measured_phase_ms(raw, c)) for c in clocks], ignore_index=True)
-    table = phase_table(cells, primary)
-    med = {c: float(cells.loc[cells["clock"] == c, "error"].abs().median()) for c in clocks}
-    med_slowest = {c: float(cells.loc[cells["clock"] == c, "error_step_slowest"].abs().median()) for c in clocks}
-    mine = cells[cells["clock"] == primary]
-    model, n, _, _ = bench_shapes(config)
-    totals = cells.groupby(["clock", "trace", "policy"], sort=False)[["predicted_ms", "measured_ms"]].sum()
-    totals = totals.reset_index()
-    totals["error"] = relative_error(totals["predicted_ms"], totals["measured_ms"])
-    consts = constants_table(cal)
+    cal_path, cal = calibration_file(args, config)
+    v = phase_validation(config, raw, cal_path, cal)
     config_out = {**vars(args), "bench": str(bench_path), "calibration": str(cal_path)}
     with Tracker("validate_sim", config_out, results=out, seed=args.seed, overwrite=args.overwrite,
                  resume=args.resume, wandb=not args.no_wandb) as run:
-        run.log_table("calibration", consts, calibration_file=str(cal_path))
-        run.log_table("replay_mismatch", mismatches)
-        run.log_table("cell", cells)
-        run.log_table("covered_total", totals)
-        run.log_table("phase", table, clock=primary)
-        for phase, why in EXCLUDED.items():
-            run.log({"table": "excluded", "phase": phase, "reason": why})
-        run.log_summary({"clock": primary, "median_abs_error": med[primary],
-                         "median_abs_error_by_clock": med, "median_abs_error_slowest_rank_by_clock": med_slowest,
-                         "target": TARGET, "target_met": med[primary] <= TARGET,
-                         "replay_mismatches": len(mismatches), "cells": len(mine), "bench": str(bench_path),
-                         "calibration": str(cal_path),
-                         "bench_shape": {"ranks": n, "model": model.name, "hidden": model.hidden,
-                                         "ffn": model.expert_ffn, "tokens_per_rank": config["tokens_per_rank"]}})
+        log_phase_validation(run, v, config, bench_path, cal_path)
         import matplotlib.pyplot as plt
 
         from lrmoe.paper_figures.sim_figures import predicted_vs_measured
@@ -394,36 +225,8 @@ def main(argv=None) -> pd.DataFrame:
         fig, _ = predicted_vs_measured(run.results)
         figs = run.log_figure("predicted_vs_measured", fig)
         plt.close(fig)
-
-    prov = cal.get("provenance", {})
-    print(f"\nCPU calibration: {cal_path} ({prov.get('date', '?')}, {prov.get('device', '?')}, torch "
-          f"{prov.get('torch', '?')}); fit errors are median relative errors over the micro-benchmark sizes")
-    print(fmt(consts, ".3g"))
-    print("(a2a / p2p ms: medians over the micro-benchmark's packet sizes of the layer's all-to-all and of its "
-          "point-to-point exchange; the cost model charges gradient collection and redistribution, which run as "
-          "point-to-point exchanges, as all-to-alls)")
-    if len(mismatches):
-        print(f"\nReplay: {len(mismatches)} counted quantities differ from the replayed plans (first ones below); "
-              f"the predictions are for plans the benchmark did not run.")
-        print(fmt(mismatches.head(10)))
-    else:
-        print(f"\nReplay: the replayed plans reproduce every pair and byte the benchmark counted "
-              f"({raw.shape[0]} rank-steps).")
-    print("\nExcluded phases (not covered by the cost model, or not timed by the layer):")
-    for phase, why in EXCLUDED.items():
-        print(f"* {phase}: {why}")
-    print("\nSum of the covered phases per (trace, policy), medians over steps:")
-    print(fmt(totals))
-    steps = int(cells["steps"].max())
-    for c in clocks:
-        print(f"\nMedian |error| over the {int((cells['clock'] == c).sum())} (trace, policy, phase) cells, {c} "
-              f"clock: {med[c]:.1%} (target <= {TARGET:.0%}: {'met' if med[c] <= TARGET else 'not met'}); against "
-              f"the literal slowest rank of every phase: {med_slowest[c]:.1%}.")
-    print(f"Times are medians over {steps} noisy steps on a shared CPU. results: {out}; figure: {figs[0]}")
-    print(f"\nPrediction error per covered phase, {primary} clock (medians over "
-          f"{mine.groupby(['trace', 'policy']).ngroups} trace x policy cells):")
-    print(fmt(table))
-    return table
+    print_phase_report(v, raw, cal_path, cal, out, figs[0])
+    return v.table
 
 
 if __name__ == "__main__":

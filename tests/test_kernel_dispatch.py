@@ -115,9 +115,11 @@ def _load_bench():
 
 @needs_interp
 def test_bench_gpu_code_paths_run_on_cpu_interpreted(interp):
-    """The GPU part of experiments/bench_kernels.py runs once, unattended: exercise its functions here on CPU,
-    with the interpreter standing in for compiled Triton and float32 for bf16."""
-    bench = _load_bench()
+    """The GPU part of experiments/bench_kernels.py runs once, unattended: exercise its functions
+    (lrmoe.harness.kernel_bench) here on CPU, with the interpreter standing in for compiled Triton and float32 for
+    bf16."""
+    from lrmoe.harness import kernel_bench as bench
+
     gen = torch.Generator().manual_seed(0)
     cpu = torch.device("cpu")
     checks = bench.check_bf16_paths(cpu, gen, D=16, F=8, E=3, M=24, T=6, k=2, backend="interpret",

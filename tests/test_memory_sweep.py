@@ -198,7 +198,7 @@ def test_the_headline_names_the_fastest_arm_whose_gap_claim_holds_and_says_when_
     holds says so instead of naming a system."""
     import argparse
 
-    from lrmoe.experiments import memory_sweep
+    from lrmoe.analysis.memory_sweep_report import report
 
     def cell(label, arm_times):
         recs = [_rec("symi-dropless", 30, 8, 9.0, fits=False, skew=label),
@@ -222,7 +222,7 @@ def test_the_headline_names_the_fastest_arm_whose_gap_claim_holds_and_says_when_
 
     args = argparse.Namespace(quality=quality, no_band=True, models=[], cluster="a100-40gb-x8", nodes=2)
     run = Run()
-    text = memory_sweep.report(records, run, args).splitlines()
+    text = report(records, run, args).splitlines()
     rows = [line for line in text if line.startswith("| qwen3-30b-a3b |")]
     prod = [r for r in rows if "production" in r and " 32 | " in r]
     assert any("| arms | lrmoe-rho0.75-unbiased (12) | 0.800 (10)" in r and "C4 ρ0.75 undecided" in r for r in prod)

@@ -9,6 +9,7 @@ from _scripts import load_experiment
 
 from lrmoe.analysis import fidelity_sources as sources
 from lrmoe.config import model_preset
+from lrmoe.harness.job_stages import markdown_tables
 from lrmoe.results import read_results
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +97,7 @@ def test_trained_source_records_have_the_expected_fields(fidelity, tmp_path, cor
     assert {row["metric"] for row in summary["ratio_to_random"]} == {"m2"}
     assert (tmp_path / "fid_fidelity.png").exists()
     # the main job shows the second-to-last table: it must be the ratio-to-random headline
-    headline = load_experiment("reproduce").markdown_tables(capsys.readouterr().out, -2)
+    headline = markdown_tables(capsys.readouterr().out, -2)
     assert headline.splitlines()[0].split("|")[1:4] == [" mode     ", " metric   ", "   all "]
     assert "trained-3 / text ρ=0.5" in headline.splitlines()[0]
 

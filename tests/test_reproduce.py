@@ -14,6 +14,8 @@ import time
 import pytest
 from _scripts import load_experiment
 
+from lrmoe.harness.job_stages import Stage, markdown_tables
+
 reproduce = load_experiment("reproduce")
 
 def stand_in(argv):
@@ -30,7 +32,7 @@ def stand_in(argv):
 
 
 def stages(fail_background=False):
-    stage = reproduce.Stage
+    stage = Stage
     return [stage("first", stand_in, quick=["--sleep", "0.1"]),
             stage("simulate", stand_in, quick=["--sleep", "2", "--fail", str(int(fail_background))],
                   background=True),
@@ -135,8 +137,9 @@ def test_sigterm_of_the_main_job_stops_its_stage_and_the_stage_s_ranks(tmp_path)
     out = tmp_path / "job"
     driver = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import ranked\n"
               f"from lrmoe.experiments import reproduce\n"
+              f"from lrmoe.harness.job_stages import Stage\n"
               f"reproduce.main(['--out-dir', {str(out)!r}, '--only', 'ranked'], "
-              f"stages=[reproduce.Stage('ranked', ranked.main)])\n")
+              f"stages=[Stage('ranked', ranked.main)])\n")
     job = subprocess.Popen([sys.executable, "-c", driver], start_new_session=True)
     try:
         pids = wait_for_pids(out, "*.pid", 3, job)  # the stage and its two ranks
@@ -152,14 +155,14 @@ def test_a_stage_summary_can_name_its_table_by_section_title():
     its table by the section title: the summary shows where memory binds, not an ablation group's empty table."""
     text = ("| a | b |\n|---|---|\n| 1 | 2 |\n\n## Where memory binds\n\n| binds from GB |\n|---|\n| 31.7 |\n\n"
             "## Next\n| x |")
-    assert reproduce.markdown_tables(text, "Where memory binds") == "| binds from GB |\n|---|\n| 31.7 |"
-    assert reproduce.markdown_tables(text, "Nowhere") == "" and reproduce.markdown_tables(text, 0).startswith("| a")
+    assert markdown_tables(text, "Where memory binds") == "| binds from GB |\n|---|\n| 31.7 |"
+    assert markdown_tables(text, "Nowhere") == "" and markdown_tables(text, 0).startswith("| a")
     (stage,) = [s for s in reproduce.STAGES if s.name == "memory_sweep"]
     # the title is the one the memory sweep's report prints (its committed report), and its table says where
     from lrmoe.paper_figures import RESULTS_DIR
 
     report = (RESULTS_DIR / "memory_pressure_regimes.md").read_text()
-    table = reproduce.markdown_tables(report, stage.table)
+    table = markdown_tables(report, stage.table)
     assert "binds from GB" in table and len(table.splitlines()) > 2
 
 
@@ -180,7 +183,7 @@ def wandb_stand_in(argv):
 
 
 def wandb_stages(tmp_path):
-    return [reproduce.Stage("first", wandb_stand_in), reproduce.Stage("second", wandb_stand_in)]
+    return [Stage("first", wandb_stand_in), Stage("second", wandb_stand_in)]
 
 
 def run_folders(out, stage):
@@ -279,7 +282,7 @@ def test_a_stage_runs_its_entry_point_in_a_process_forked_from_the_job_and_its_e
         raise RuntimeError("loss is nan at step 7")
 
     out = tmp_path / "job"
-    staged = [reproduce.Stage("train", diverges, quick=["--steps", "9"]), *stages()[3:]]
+    staged = [Stage("train", diverges, quick=["--steps", "9"]), *stages()[3:]]
     assert reproduce.main(["--out-dir", str(out), "--only", "train", "bench"], stages=staged) == 1
     err = capfd.readouterr().err
     assert "RuntimeError: loss is nan at step 7" in err
@@ -294,9 +297,9 @@ def test_every_stage_of_the_main_job_runs_its_script_s_entry_point():
     for stage in reproduce.STAGES:
         module = load_experiment(stage.entry)
         assert reproduce.entry_point(stage) is getattr(module, "cli", module.main), stage.name
-    assert reproduce.entry_point(reproduce.Stage("ablate", "ablate")) is load_experiment("ablate").cli
+    assert reproduce.entry_point(Stage("ablate", "ablate")) is load_experiment("ablate").cli
     with pytest.raises(ValueError, match="no script named 'trian'"):
-        reproduce.entry_point(reproduce.Stage("train", "trian"))
+        reproduce.entry_point(Stage("train", "trian"))
 
 
 def test_the_job_and_its_stages_work_in_the_working_directory_not_the_script_s_folder(tmp_path, monkeypatch):
@@ -312,7 +315,7 @@ def test_the_job_and_its_stages_work_in_the_working_directory_not_the_script_s_f
     monkeypatch.chdir(tmp_path)
     assert reproduce.output_dir(None, "quick") == Path("outputs/quick")
     assert reproduce.output_dir("elsewhere", "full") == Path("elsewhere")
-    staged = [reproduce.Stage("where", where)]
+    staged = [Stage("where", where)]
     for argv, out in ((["--only", "where"], tmp_path / "outputs" / "quick"),
                       (["--only", "where", "--out-dir", "mine"], tmp_path / "mine")):
         assert reproduce.main(argv, stages=staged) == 0

@@ -440,7 +440,7 @@ def test_validate_sim_killed_midway_resumes_to_the_records_of_an_unbroken_run(tm
 DRIVER = textwrap.dedent("""
     import sys
     from lrmoe.experiments import reproduce
-    from lrmoe.experiments.reproduce import Stage
+    from lrmoe.harness.job_stages import Stage
 
     STAGES = [  # the main job's first stage and its simulator stage, each a few seconds
         Stage("trace_stats", "trace_stats",

@@ -24,6 +24,7 @@ COMMITTED = {
     "frontier.frontier": ("frontier_protocol_weak_16seeds.jsonl", None),
     "convergence.curves": ("convergence.jsonl", None),
     "bench_scoring.select_time": ("bench_scoring.jsonl", None),
+    "bench_step.phases": ("bench_step.jsonl", None),
     "layer_bench.policies": ("layer_bench_constrained.jsonl", None),
     "layer_bench.phases": ("layer_bench_constrained.jsonl", None),
     "metric_fidelity.fidelity": ("metric_fidelity.jsonl", "weights"),

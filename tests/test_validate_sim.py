@@ -18,6 +18,7 @@ from lrmoe.harness.calibrate_cpu import (CalibrationSpec, across_ranks, calibrat
                                          fit_gemm, fit_line, spec_for_bench, write_calibration)
 from lrmoe.bytemodel.layout import STEP_PHASES
 from lrmoe.harness import sim_validation as sv
+from lrmoe.harness.sim_validation_run import regime_point
 from lrmoe.sim.cost import cpu_gloo_preset
 from lrmoe.results import read_results
 
@@ -352,7 +353,7 @@ def test_a_regime_point_prices_the_plans_the_layer_ran(tmp_path):
     spec = CalibrationSpec(num_ranks=2, hidden=32, ffn=16, num_experts=16, gemm_rows=(1, 8, 32, 128),
                            gemm_groups=(1, 8), a2a_bytes=(0, 1024, 65536), repeats=3)
     cal = write_calibration(calibration_data(spec, _fake_ranks(spec)), tmp_path / "cal.json")
-    table, groups, info = vs.regime_point(config, raw, cal, json.loads(cal.read_text()))
+    table, groups, info = regime_point(config, raw, cal, json.loads(cal.read_text()))
 
     # the regime reached the layer: its slots, its skew (static EP's counted pairs are the matched trace's), its rho
     facts = table[table["span"] == "layer"].set_index("policy")

@@ -8,4 +8,6 @@ simulator, beside the harness; scripts and notebooks read results through it).
 * :mod:`~lrmoe.analysis.fidelity`: the gradient fidelity of backward recalibration (recalibrated against full
   gradients of one MoE layer, and every metric against random); :mod:`~lrmoe.analysis.fidelity_sources`: its data
   sources (random-init layers on random data, trained layers on text with their real inputs and gradients).
+* :mod:`~lrmoe.analysis.ablation_report`: the ablation's tables (every run, the headline with its band, the
+  assumptions); :mod:`~lrmoe.analysis.memory_sweep_report`: the memory-pressure sweep's report.
 """

@@ -10,5 +10,11 @@
   tables;
 * :mod:`~lrmoe.harness.gradient_error`: the layer's gradient error against the full gradient (every routed pair kept),
   over all ranks' shards;
+* :mod:`~lrmoe.harness.sim_validation_run`: the simulator's validation run (calibration file, per-phase comparison,
+  the frontier protocol's measured points), its logged tables and reports;
+* :mod:`~lrmoe.harness.job_stages`: the main job's stages (what each writes, its identity, its summary tables);
+  :mod:`~lrmoe.harness.job_schedule`: their processes and scheduling;
+* :mod:`~lrmoe.harness.kernel_bench`: the kernel benchmark's measurements and correctness checks (compaction, grouped
+  GEMM); :mod:`~lrmoe.harness.kernel_bench_run`: its run over the CPU and GPU parts, its summary and tables;
 * :mod:`~lrmoe.harness.import_graph`: the package's import graph against its contracts (``make import-graph``).
 """

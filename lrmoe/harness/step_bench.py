@@ -151,7 +151,7 @@ def floor_step(steps: int, warmup: int, preset: str, ranks: int, batch: int, seq
             times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
-    return {"engine": "floor", "system": "dense reference", "ranks": 1, "steps_measured": steps - warmup,
+    return {"engine": "floor", "model": "dense reference", "ranks": 1, "steps_measured": steps - warmup,
             "step_s": statistics.median(times[warmup:]), "step_amortized_s": statistics.median(times[warmup:]),
             "tokens_per_s": batch * ranks * seq_len / statistics.median(times[warmup:])}
 
@@ -195,7 +195,7 @@ def table(rows: list[dict]) -> str:
              "|---|---|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         if r["engine"] == "floor":
-            lines.append(f"| floor | {r['system']} | {r['step_s']:.3f} | | | 1 | | | |")
+            lines.append(f"| floor | {r['model']} | {r['step_s']:.3f} | | | 1 | | | |")
             continue
         shares = sorted(r.get("phase_share", {}).items(), key=lambda kv: -kv[1])[:3]
         lines.append(

@@ -9,7 +9,10 @@ cluster preset.
 * :mod:`~lrmoe.sim.simulated_systems`: the registry's systems (:mod:`lrmoe.systems`) as the simulator runs and
   prices them;
 * :mod:`~lrmoe.sim.cells`: a sweep's cells and the rules every system of a cell is built by (the ablation's and
-  the frontier's).
+  the frontier's);
+* :mod:`~lrmoe.sim.ablation`: the ablation's sweep (experiments/ablate.py): every (cell, system) simulated, one
+  record each, with the sensitivity band;
+* :mod:`~lrmoe.sim.memory_sweep`: the memory-pressure sweep's budgets, where memory binds, which placement wins.
 
 Shape letters (DESIGN.md §8 has the full glossary): I iterations, L layers, N ranks, S slots per rank, G = N·S
 global slots, E experts, H phases of the cost model.

@@ -6,7 +6,8 @@ which the E/N home slots fit beside the buffers of the mean load up to a generou
 
 * builds that grid (:func:`budget_grid`): one point per replica slot's worth of memory (every MoE layer's weights
   and gradients of one more slot) from the smallest budget to the one where every system holds its most spare slots
-  beside buffers for twice the mean load, then coarse points up to the top;
+  beside buffers for twice the mean load, then coarse points up to the top; and picks one model's budgets from the
+  script's flags (:func:`budgets`);
 * reads the sweep's records (the ablation's, :mod:`lrmoe.experiments.ablate`): where memory binds, i.e. the budgets
   at which some system holds fewer slots than it does at the largest budget (:func:`binding_range`), each system's
   out-of-memory line (the smallest budget it fits), and, per budget, each placement with and without the retention
@@ -22,10 +23,12 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import replace
 
-from lrmoe.config import ClusterConfig, MoEConfig
+from lrmoe.config import ClusterConfig, MoEConfig, cluster_preset, model_preset
+from lrmoe.sim.cells import TOKENS
 from lrmoe.sim.cost import CostModel
 
 GB = 1e9
+QUICK_SPARE = (1, 3, 6)  # quick mode: the budgets that hold the home slots and this many spare slots at the mean load
 # The placements compared, each without and with LRMoE's retention budget rho = 0.75 (registry names). SYMI's trimmed
 # variant trims at random (the control); the others with m2 top-k.
 PLACEMENTS = {"LRMoE": ("lrmoe", "lrmoe-rho0.75"), "online": ("online", "online-rho0.75"),
@@ -74,6 +77,19 @@ def budget_grid(model: MoEConfig, cluster: ClusterConfig, tokens_per_rank: int, 
     top = grid[-1]
     grid += [top + (i + 1) * coarse_step_gb for i in range(int((max_gb - top) / coarse_step_gb - 0.5))]
     return sorted({round(min(b, max_gb), 2) for b in grid} | {round(max_gb, 2)})
+
+
+def budgets(args, model_name: str) -> list[float]:
+    """The budgets of one model of experiments/memory_sweep.py (``args``: its flags): ``--mem-gb``, quick mode's three
+    (:data:`QUICK_SPARE`), or the grid (:func:`budget_grid`) on ``--nodes`` nodes of ``--cluster``."""
+    model, cluster = model_preset(model_name), cluster_preset(args.cluster).with_nodes(args.nodes)
+    tokens = TOKENS.get(model_name, 2048)
+    if args.mem_gb:
+        return sorted(args.mem_gb)
+    if args.quick:
+        return [round(fit_gb(model, cluster, tokens, spare, 1.2) + 0.005, 2) for spare in QUICK_SPARE]
+    return budget_grid(model, cluster, tokens, max_gb=args.max_gb, fine_step_gb=args.step_gb,
+                       coarse_step_gb=args.coarse_step_gb, saturate_load=args.saturate_load)
 
 
 def _cells(records: Iterable[dict]) -> dict[tuple, dict[float, dict[str, dict]]]:
