@@ -43,3 +43,15 @@ def test_setup_reinstalls_a_venv_whose_lrmoe_is_another_checkouts(tmp_path):
         assert run.returncode == 0, run.stderr
         assert ("setting up" in run.stdout) is reinstalled and stamp.exists() is not reinstalled, run.stdout
         assert ("not from this checkout" in run.stdout) is reinstalled
+
+
+def test_every_console_script_names_an_entry_point_that_exists():
+    """pyproject's console scripts (lrmoe-train, lrmoe-ablate, lrmoe-tq-sweep, ...) each point at a function of
+    the installed package: a renamed or moved entry point fails here, not in a user's shell."""
+    import importlib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"lrmoe-train", "lrmoe-ablate", "lrmoe-tq-sweep", "lrmoe-hf-checkpoint", "lrmoe-reproduce"} <= set(scripts)
+    for name, target in scripts.items():
+        module, attr = target.split(":")
+        assert callable(getattr(importlib.import_module(module), attr)), name
