@@ -43,7 +43,6 @@ and capacity leave them empty. The table reports each policy's counted peak agai
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -208,20 +207,12 @@ def check_regime(args: argparse.Namespace, counts_INE: torch.Tensor, ctx) -> dic
     return measured
 
 
-def _fork_main(rank: int, args: argparse.Namespace) -> list[dict]:
-    import torch
-
-    from lrmoe.harness.layer_bench_rank import run_rank
-
-    return run_rank(rank, args, torch.device("cpu"))
-
-
 def report(args: argparse.Namespace, records: list[dict], world_size: int) -> pd.DataFrame:
     """The tables of the ranks' records (lrmoe.harness.layer_bench_summary) into the results file, its two figures,
     and the target trace's phases, the policies and the targets printed; returns the per-phase table."""
     import matplotlib
 
-    from lrmoe.harness.layer_bench_summary import tables
+    from lrmoe.harness.layer_bench_summary import print_tables, tables
     from lrmoe.integrations.tracking import Tracker
 
     matplotlib.use("Agg")
@@ -243,15 +234,7 @@ def report(args: argparse.Namespace, records: list[dict], world_size: int) -> pd
             fig, _ = getattr(run_figures, name)(run.results)
             figs += run.log_figure(name, fig)
             plt.close(fig)
-    shown = phases[phases["trace"] == on]
-    shown = shown.astype(object).where(shown.notna(), None)  # no "nan" for phases that move no bytes
-    print(f"Per phase on {on} (all traces in the results file):")
-    print(shown.to_markdown(index=False, floatfmt=".3f", missingval=""))
-    print()
-    print(totals.to_markdown(index=False, floatfmt=".3f"))
-    print()
-    print(f"LRMoE targets on {on} (benchmarks, not tests):")
-    print(goals.to_markdown(index=False, floatfmt=".3f") if len(goals) else "(no LRMoE policy ran)")
+    print_tables(phases, totals, goals, on)
     print(f"results: {args.out}; figure: {figs[0]}")
     return phases
 
@@ -294,31 +277,12 @@ def main(argv=None):
 
 
 def run(args: argparse.Namespace):
-    """The benchmark of ``args`` (parsed): checked, measured on its ranks, reported by rank 0."""
-    from lrmoe.runtime.distributed.torchrun import torchrun_env
+    """The benchmark of ``args`` (parsed): checked, measured on its ranks (torchrun's or forked ones:
+    lrmoe.harness.layer_bench_rank.run_ranks), reported by rank 0."""
+    from lrmoe.harness.layer_bench_rank import run_ranks
 
     check_args(args)
-    if torchrun_env() is not None:  # one of torchrun's ranks
-        import torch
-        import torch.distributed as dist
-
-        from lrmoe.harness.layer_bench_rank import run_rank
-        from lrmoe.runtime.distributed.comm import init_process_group_from_env
-
-        info = init_process_group_from_env()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
-        records = run_rank(info.rank, args, info.device)
-        gathered = [None] * info.world_size if info.rank == 0 else None
-        dist.gather_object(records, gathered, dst=0)
-        out = report(args, [r for part in gathered for r in part], info.world_size) if info.rank == 0 else None
-        dist.barrier()
-        dist.destroy_process_group()
-        return out
-    from lrmoe.runtime.distributed.launch import launch
-
-    parts = launch(_fork_main, args.ranks, args, timeout_s=args.timeout)
-    return report(args, [r for part in parts for r in part], args.ranks)
-
+    return run_ranks(args, lambda records, world: report(args, records, world))
 
 if __name__ == "__main__":
     main()

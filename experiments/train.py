@@ -204,39 +204,25 @@ def parse_args(argv=None):
 
 def check_args(args) -> None:
     """Everything a rank would otherwise find out on its own, checked once before any rank starts or any record is
-    written: the output paths (lrmoe.integrations.tracking_args), the presets, the world size against
-    the experts, the system in that world, the experts' memory at a step's peak on this machine
-    (lrmoe.training.sizing.check_slot_memory), the text files and their validation split, and which run --resume
-    continues (lrmoe.training.resume.plan_resume: sets ``args.run_id`` and ``args.start_step``). SystemExit with one
-    message."""
+    written: the world of the launch and its EP size (lrmoe.training.launch.launch_world), the output paths
+    (lrmoe.integrations.tracking_args), the presets, the world size against the experts, the system in that world,
+    the experts' memory at a step's peak on this machine (lrmoe.training.sizing.check_slot_memory), the text files
+    and their validation split, and which run --resume continues (lrmoe.training.resume.plan_resume: sets
+    ``args.run_id`` and ``args.start_step``). SystemExit with one message."""
     from lrmoe.config import cluster_preset, full_scale_preset, model_preset
     from lrmoe.integrations.data import load_corpus
     from lrmoe.integrations.tracking_args import check_tracking_args, output_problem
-    from lrmoe.runtime.distributed.mesh import ep_problem, ep_ranks_per_node, resolve_ep_size
-    from lrmoe.runtime.distributed.torchrun import torchrun_env
+    from lrmoe.runtime.distributed.mesh import ep_ranks_per_node
     from lrmoe.systems import check_systems
+    from lrmoe.training.launch import launch_world
     from lrmoe.training.resume import plan_resume
     from lrmoe.training.sizing import check_slot_memory, system_context
 
     parser = build_parser()
     try:
-        env = torchrun_env()
+        world, rpn, ep = launch_world(args)  # torchrun's environment or --ranks, and --ep-size against them
     except ValueError as exc:
         parser.error(str(exc))
-    if args.torchrun and env is None:
-        parser.error("--torchrun: this process was not started by torchrun (no RANK, LOCAL_WORLD_SIZE, ... in its "
-                     "environment); drop --torchrun to fork --ranks ranks here")
-    if args.engine == "emulated" and env is not None:
-        parser.error("--engine emulated runs its ranks as threads of one process: run it with python, not torchrun")
-    world = args.ranks if env is None else env.world_size
-    rpn = world if env is None else env.local_world_size
-    ep = resolve_ep_size(args.ep_size, world, rpn)
-    if problem := ep_problem(ep, world, rpn):
-        parser.error(problem)
-    for flag, used in (("--hf-config", args.hf_config), ("--engine emulated", args.engine == "emulated")):
-        if used and ep != world:  # one EP group: HF's swap and the in-process group know no mesh
-            parser.error(f"{flag} runs with EP = the world ({world} ranks); --ep-size {ep} is not supported there "
-                         f"(pass --ep-size {world})")
     check_tracking_args(parser, args, "train", {"--trace-out": args.trace_out})
     if args.ckpt_dir and (problem := output_problem("--ckpt-dir", Path(args.ckpt_dir) / "step", replace=True)):
         parser.error(problem)
@@ -265,52 +251,11 @@ def check_args(args) -> None:
 
 def run(args) -> list[dict]:
     """Train the run of ``args`` (parsed and checked: :func:`check_args`) on its ranks: as one of torchrun's, or on
-    the fork launcher's --ranks processes, or on the emulated engine's in-process ranks; rank 0's records."""
-    from lrmoe.integrations.data import load_corpus
-    from lrmoe.runtime.distributed.torchrun import torchrun_env
-    from lrmoe.training.loop import worker
-    from lrmoe.training.resume import hold_checkpoints
+    the fork launcher's --ranks processes, or on the emulated engine's in-process ranks (lrmoe.training.launch);
+    rank 0's records."""
+    from lrmoe.training.launch import run_ranks
 
-    if torchrun_env() is not None:  # one of torchrun's ranks
-        import torch.distributed as dist
-
-        from lrmoe.runtime.distributed.comm import init_process_group_from_env
-
-        info = init_process_group_from_env(timeout_s=args.timeout)  # --timeout bounds each collective's wait
-        chosen = [args.run_id, args.start_step]
-        dist.broadcast_object_list(chosen, src=0)  # a new run's id and the resumed step: rank 0's
-        args.run_id, args.start_step = chosen
-        held = hold_checkpoints(args) if info.rank == 0 else None  # rank 0 holds the folder for the run
-        try:
-            if held is not None and args.overwrite:
-                held.remove_own()
-            dist.barrier()
-            history = worker(info.rank, args)
-        finally:
-            if held is not None:
-                held.release()
-        dist.destroy_process_group()
-        return history
-    held = hold_checkpoints(args)
-    try:
-        if held is not None and args.overwrite:
-            held.remove_own()
-        if args.engine == "emulated":  # the same worker on in-process ranks (lrmoe.runtime.inprocess)
-            from lrmoe.runtime.inprocess import launch_inprocess
-
-            return launch_inprocess(worker, args.ranks, args, timeout_s=args.timeout)[0]
-
-        from lrmoe.runtime.distributed.launch import launch
-
-        # Read the corpus and import what the ranks' optimizers import, once, here: the forked ranks inherit both (a
-        # process reads a corpus once) instead of spending seconds on each.
-        load_corpus(args.data, max_bytes=args.max_bytes)
-        # no bound on the run's length; --timeout bounds each collective's wait, and past it names the ranks that hang
-        return launch(worker, args.ranks, args, timeout_s=None, pg_timeout_s=args.timeout,
-                      preload=("torch._dynamo",))[0]
-    finally:
-        if held is not None:
-            held.release()
+    return run_ranks(args)
 
 
 def _check_and_run(args) -> list[dict]:

@@ -16,5 +16,7 @@
   :mod:`~lrmoe.harness.job_schedule`: their processes and scheduling;
 * :mod:`~lrmoe.harness.kernel_bench`: the kernel benchmark's measurements and correctness checks (compaction, grouped
   GEMM); :mod:`~lrmoe.harness.kernel_bench_run`: its run over the CPU and GPU parts, its summary and tables;
+* :mod:`~lrmoe.harness.planner_bench`: the planner benchmark's measurements per policy, E and N (old plan, placement,
+  critical path, the previous implementation), its summary and tables;
 * :mod:`~lrmoe.harness.import_graph`: the package's import graph against its contracts (``make import-graph``).
 """

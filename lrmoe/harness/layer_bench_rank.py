@@ -9,12 +9,14 @@ bytes and pairs are checked against the formulas of :mod:`lrmoe.runtime.distribu
 
 ``run_rank`` reads the benchmark's arguments (an argparse namespace): those of
 :mod:`lrmoe.harness.layer_bench_setup`, and ``model``, ``hidden``, ``ffn``, ``policies``, ``replica_grad``,
-``dtype``, ``no_grad_error``.
+``dtype``, ``no_grad_error``. ``run_ranks`` runs it on every rank (torchrun's, or the fork launcher's) and hands
+the records to the script's report.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,8 @@ from lrmoe.runtime.distributed.replica import RangeGroups
 from lrmoe.runtime.layer import EPMoELayer, initial_placement
 from lrmoe.runtime.reference import ReferenceMoE
 from lrmoe.runtime.routing import RouterOutput
+
+T = TypeVar("T")
 
 
 def tokens_from_counts(counts_E: torch.Tensor, num_tokens: int, top_k: int, gen: torch.Generator):
@@ -123,3 +127,31 @@ def run_rank(rank: int, args, device: torch.device) -> list[dict]:
                     "budget_bytes": memory.budget_bytes, "floor_excess": int(plan.floor_excess_N[rank]),
                     **errors, **record})
     return records
+
+
+def fork_rank(rank: int, args) -> list[dict]:
+    """One rank of the fork launcher: gloo on the CPU."""
+    return run_rank(rank, args, torch.device("cpu"))
+
+
+def run_ranks(args, report: Callable[[list[dict], int], T]) -> T | None:
+    """Every rank's records, then ``report(records, world_size)``: as one of torchrun's ranks (the records gathered
+    on rank 0, which reports; the others return None), or on the fork launcher's ``args.ranks`` gloo ranks."""
+    import os
+
+    from lrmoe.runtime.distributed.comm import init_process_group_from_env
+    from lrmoe.runtime.distributed.launch import launch
+    from lrmoe.runtime.distributed.torchrun import torchrun_env
+
+    if torchrun_env() is not None:  # one of torchrun's ranks
+        info = init_process_group_from_env()
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
+        records = run_rank(info.rank, args, info.device)
+        gathered = [None] * info.world_size if info.rank == 0 else None
+        dist.gather_object(records, gathered, dst=0)
+        out = report([r for part in gathered for r in part], info.world_size) if info.rank == 0 else None
+        dist.barrier()
+        dist.destroy_process_group()
+        return out
+    parts = launch(fork_rank, args.ranks, args, timeout_s=args.timeout)
+    return report([r for part in parts for r in part], args.ranks)

@@ -1,5 +1,6 @@
 """The layer benchmark's tables from its per-rank records (lrmoe.harness.layer_bench_rank): per phase, per policy,
-and the three LRMoE targets of DESIGN.md §5.8 (item 5), measured against SYMI-dropless on one trace.
+and the three LRMoE targets of DESIGN.md §5.8 (item 5), measured against SYMI-dropless on one trace; and their
+printout.
 """
 
 from __future__ import annotations
@@ -118,3 +119,16 @@ def tables(records: list[dict], policies: list[str], skew: str, skew_params: lis
     phases, totals = summarise(raw)
     on = target_trace(labels, skew_params, skew)
     return raw, phases, totals, on, targets(totals, on)
+
+
+def print_tables(phases: pd.DataFrame, totals: pd.DataFrame, goals: pd.DataFrame, on: str) -> None:
+    """The target trace's phases, the per-policy table and the LRMoE targets, as Markdown on stdout."""
+    shown = phases[phases["trace"] == on]
+    shown = shown.astype(object).where(shown.notna(), None)  # no "nan" for phases that move no bytes
+    print(f"Per phase on {on} (all traces in the results file):")
+    print(shown.to_markdown(index=False, floatfmt=".3f", missingval=""))
+    print()
+    print(totals.to_markdown(index=False, floatfmt=".3f"))
+    print()
+    print(f"LRMoE targets on {on} (benchmarks, not tests):")
+    print(goals.to_markdown(index=False, floatfmt=".3f") if len(goals) else "(no LRMoE policy ran)")

@@ -1,5 +1,5 @@
-"""The training loop of ``experiments/train.py`` as library code: the script keeps its command line, its checks and
-its launch; everything a rank does lives here.
+"""The training loop of ``experiments/train.py`` as library code: the script keeps its command line and its checks;
+everything a rank does, and the launch of the ranks, lives here.
 
 * :mod:`~lrmoe.training.schedule`: the learning-rate schedule (constant, or warm-up then cosine), a pure function of
   the step, and torch's scheduler along it;
@@ -10,7 +10,9 @@ its launch; everything a rank does lives here.
 * :mod:`~lrmoe.training.records`: one step's results row and the validation loss;
 * :mod:`~lrmoe.training.resume`: the arguments that define a run, its checkpoint folder, which run --resume
   continues and where;
-* :mod:`~lrmoe.training.loop`: one rank's training loop (batches, steps, records, checkpoints, the recorded trace).
+* :mod:`~lrmoe.training.loop`: one rank's training loop (batches, steps, records, checkpoints, the recorded trace);
+* :mod:`~lrmoe.training.launch`: the world a launch gives and its EP size (checked before any rank starts), and the
+  launch: one of torchrun's ranks, the fork launcher's, or the emulated engine's.
 
 Nothing is imported here, and :mod:`~lrmoe.training.schedule` imports torch only to build the scheduler, so a script's
 parser can read the schedule names without loading torch.
