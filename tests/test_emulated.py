@@ -143,7 +143,7 @@ def test_a_timed_out_launch_names_the_slow_rank_and_stops_its_threads_and_hooks_
 
 # -- train.py: the engines against each other -------------------------------------------------------------------------
 def _run(tmp, engine: str, policy: str, steps: int, ranks: int = 4, preset: str = "qwen3-30b-a3b-debug",
-         extra_slots: int = 1, batch: int = 4, seq_len: int = 64, eval_batches: int = 2):
+         extra_slots: int = 1, batch: int = 4, seq_len: int = 64, eval_batches: int = 2, replica_grad: str = "range"):
     """One train.py run at the protocol's settings (docs/protocols/frontier.md §10.2: cosine with warm-up, aux 0.1, ε
     0.1, 1 spare slot per 4 home slots), its per-step records and its checkpoint of the last step (every tensor
     whole)."""
@@ -154,7 +154,7 @@ def _run(tmp, engine: str, policy: str, steps: int, ranks: int = 4, preset: str 
                           "--warmup", str(min(10, steps - 1)), "--aux-coef", "0.1", "--extra-slots", str(extra_slots),
                           "--eps", "0.1", "--seed", "1000", "--ckpt-every", str(steps), "--out", str(out),
                           "--trace-out", str(tmp / f"{engine}-{policy}.npz"), "--max-bytes", "400000",
-                          "--no-wandb", "--quiet", "--timeout", "1800"])
+                          "--no-wandb", "--quiet", "--timeout", "1800", "--replica-grad", replica_grad])
     states = [read_full_state(step_folder(train.parse_args(["--out", str(out)]).ckpt_dir, steps))]
     return history, states
 
@@ -208,6 +208,19 @@ def test_emulated_training_equals_the_distributed_runtime_over_a_few_steps(tmp_p
     exchange), 3 steps at 4 ranks: the same losses and weights."""
     policy = "lrmoe-rho0.75-early-unbiased"
     assert_same_run(_run(tmp_path, "emulated", policy, 3), _run(tmp_path, "distributed", policy, 3))
+
+
+@pytest.mark.script
+def test_the_two_replica_gradient_modes_train_bitwise_the_same_on_the_emulated_engine(tmp_path):
+    """docs/protocols/time_to_quality.md §11.6 Record 3: the sweep's runs use `shard`, the pilot's `range`, as the
+    same maths: LRMoE with replicas on 4 emulated ranks, 4 steps, the same losses and every checkpoint tensor bit
+    for bit."""
+    policy = "lrmoe-rho0.75-unbiased"
+    (tmp_path / "range").mkdir()
+    (tmp_path / "shard").mkdir()
+    worst = assert_same_run(_run(tmp_path / "range", "emulated", policy, 4),
+                            _run(tmp_path / "shard", "emulated", policy, 4, replica_grad="shard"), rel=0.0)
+    assert worst == 0.0
 
 
 @pytest.mark.slow

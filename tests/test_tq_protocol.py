@@ -61,6 +61,10 @@ def test_train_arguments(tmp_path, arm, budget, regime):
     args = train.parse_args(argv)
     assert (args.engine, args.steps, args.ranks, args.policy) == ("emulated", round(300 * budget), 16, arm)
     assert "--resume" in run.train_argv(tmp_path, resume=True)
+    assert f["--replica-grad"] == "range"  # the pilot's mode; the sweep's is shard (§11.6 Record 3)
+    sweep = P.TQRun("sweep", regime, 3000, arm, budget)
+    assert flags(sweep.train_argv(tmp_path))["--replica-grad"] == "shard"
+    assert "--replica-grad" not in sweep.identity_argv()
 
 
 def test_model_pilot_reads_steps_25_and_300(tmp_path):

@@ -59,7 +59,9 @@ SEED_RUNS = (*DROPLESS_BUDGETS, *((a, 1.0) for a in (*LRMOE_ARMS, *CONTROLS)))  
 
 # train.py flags that do not change what a run computes (a run's identity leaves them out)
 NOT_IDENTITY = ("--out", "--trace-out", "--ckpt-dir", "--resume", "--quiet", "--no-wandb", "--ckpt-every",
-                "--timeout")
+                "--timeout", "--replica-grad")
+# §11.6 Record 3: the replica-gradient mode of each stage's runs (bitwise the same maths; not part of a run's identity)
+REPLICA_GRAD = {"model-pilot": "range", "pilot": "range", "sweep": "shard"}
 
 
 @dataclass(frozen=True)
@@ -112,9 +114,11 @@ class TQRun:
 
     def train_argv(self, work: Path, resume: bool = False, timeout_s: float | None = None) -> list[str]:
         """The whole command line: the identity, the run's own files (results, trace, checkpoints), quiet, no W&B,
-        and ``timeout_s`` as train.py's --timeout (the emulated engine's bound on the whole run) when given."""
+        the stage's replica-gradient mode (:data:`REPLICA_GRAD`), and ``timeout_s`` as train.py's --timeout (the
+        emulated engine's bound on the whole run) when given."""
         return [*self.identity_argv(), "--out", str(self.results(work)), "--trace-out", str(self.trace(work)),
-                "--ckpt-every", str(CKPT_EVERY), "--quiet", "--no-wandb", *(["--resume"] if resume else []),
+                "--ckpt-every", str(CKPT_EVERY), "--quiet", "--no-wandb", "--replica-grad", REPLICA_GRAD[self.stage],
+                *(["--resume"] if resume else []),
                 *(["--timeout", f"{timeout_s:.0f}"] if timeout_s is not None else [])]
 
 
