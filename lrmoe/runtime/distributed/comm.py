@@ -125,12 +125,8 @@ def exchange_flat(send: dict[int, torch.Tensor], recv_numel: dict[int, int], dty
     in_splits = [send[q].numel() if q in send else 0 for q in range(world)]
     out_splits = [int(recv_numel.get(q, 0)) for q in range(world)]
     parts = [send[q] for q in range(world) if in_splits[q]]
-    flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
-    if world == 1:
-        return {}
-    out = torch.empty(sum(out_splits), dtype=dtype, device=device)
-    dist.all_to_all_single(out, flat.to(device), output_split_sizes=out_splits, input_split_sizes=in_splits,
-                           group=group)
+    flat = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=dtype, device=device)
+    out = _a2a(flat, in_splits, out_splits, group)
     pieces = out.split(out_splits)
     return {q: pieces[q] for q in sorted(recv_numel)}
 

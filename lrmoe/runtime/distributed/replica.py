@@ -293,7 +293,8 @@ class ReplicaStore(nn.Module):
         self._bytes(phase, (sum(in_splits) - in_splits[me]) * elem, (sum(out_splits) - out_splits[me]) * elem)
         return out
 
-    def _p2p(self, phase: str, send: dict[int, torch.Tensor], recv_numel: dict[int, int]) -> dict[int, torch.Tensor]:
+    def _exchange_peers(self, phase: str, send: dict[int, torch.Tensor],
+                        recv_numel: dict[int, int]) -> dict[int, torch.Tensor]:
         """:func:`exchange_flat` inside the EP group (one collective; every rank of the group calls it), counting
         the bytes that leave and reach this rank."""
         got = exchange_flat(send, recv_numel, self.dtype, self.device, self.ep_group)
@@ -345,35 +346,33 @@ class ReplicaStore(nn.Module):
         chunks = {e: shard_sizes(self.numel, hi - lo + 1) for e, (lo, hi) in spans.items()}
         pieces = {e: self._reduced[e].split(chunks[e]) for e in spans}
         # 1. reduce-scatter: chunk k of my sum of e to member k; from every other member, its chunk of mine
-        send, recv = {}, {}
-        for e, (lo, hi) in spans.items():
-            for k in range(hi - lo + 1):
-                if lo + k != me:
-                    send.setdefault(lo + k, []).append(pieces[e][k])
-                    recv.setdefault(lo + k, []).append((e, chunks[e][me - lo]))
-        got = self._p2p("replica_sync", {q: torch.cat(b) for q, b in send.items()},
-                        {q: sum(n for _, n in r) for q, r in recv.items()})
-        parts = {q: dict(zip((e for e, _ in r), got[q].split([n for _, n in r]))) for q, r in recv.items()}
+        parts = self._exchange_chunks([(lo + k, e, pieces[e][k], chunks[e][me - lo]) for e, (lo, hi) in spans.items()
+                                       for k in range(hi - lo + 1) if lo + k != me])
         reduced = {}
         for e, (lo, hi) in spans.items():
             hosting = (lo + hosts_NE[lo:hi + 1, e].nonzero().flatten()).tolist()
-            acc = (pieces[e][me - lo] if hosting[0] == me else parts[hosting[0]][e]).to(torch.float32, copy=True)
+            acc = (pieces[e][me - lo] if hosting[0] == me else parts[hosting[0], e]).to(torch.float32, copy=True)
             for q in hosting[1:]:
-                acc += (pieces[e][me - lo] if q == me else parts[q][e]).to(torch.float32)
+                acc += (pieces[e][me - lo] if q == me else parts[q, e]).to(torch.float32)
             reduced[e] = acc.to(self.dtype)
         # 2. all-gather: my reduced chunk of e to every other member; theirs back
+        parts = self._exchange_chunks([(lo + k, e, reduced[e], chunks[e][k]) for e, (lo, hi) in spans.items()
+                                       for k in range(hi - lo + 1) if lo + k != me])
+        for e, (lo, hi) in spans.items():
+            self._reduced[e] = torch.cat([reduced[e] if lo + k == me else parts[lo + k, e] for k in range(hi - lo + 1)])
+
+    def _exchange_chunks(self, messages: list[tuple[int, int, torch.Tensor, int]]
+                         ) -> dict[tuple[int, int], torch.Tensor]:
+        """One exchange of the range sync: ``messages`` (peer, expert, the chunk sent to the peer, the elements
+        received from it) in ascending expert order, the same order on both sides of every pair; (peer, expert) ->
+        the chunk received."""
         send, recv = {}, {}
-        for e, (lo, hi) in spans.items():
-            for k in range(hi - lo + 1):
-                if lo + k != me:
-                    send.setdefault(lo + k, []).append(reduced[e])
-                    recv.setdefault(lo + k, []).append((e, chunks[e][k]))
-        got = self._p2p("replica_sync", {q: torch.cat(b) for q, b in send.items()},
-                        {q: sum(n for _, n in r) for q, r in recv.items()})
-        parts = {q: dict(zip((e for e, _ in r), got[q].split([n for _, n in r]))) for q, r in recv.items()}
-        for e, (lo, hi) in spans.items():
-            self._reduced[e] = torch.cat([reduced[e] if lo + k == me else parts[lo + k][e]
-                                          for k in range(hi - lo + 1)])
+        for q, e, chunk, n in messages:
+            send.setdefault(q, []).append(chunk)
+            recv.setdefault(q, []).append((e, n))
+        got = self._exchange_peers("replica_sync", {q: torch.cat(b) for q, b in send.items()},
+                                   {q: sum(n for _, n in r) for q, r in recv.items()})
+        return {(q, e): part for q, r in recv.items() for (e, _), part in zip(r, got[q].split([n for _, n in r]))}
 
     def _sync_shard(self) -> None:
         hosted = [hosted_experts(self.sync_placement(), n) for n in range(self.num_ranks)]
@@ -408,7 +407,6 @@ class ReplicaStore(nn.Module):
     def _collect_range(self) -> torch.Tensor:
         plan = self._sync_plan if self._sync_plan is not None else sync_plan(self.sync_placement(), self.num_experts)
         src_NE = plan.source_NE
-        elem = torch.tensor([], dtype=self.dtype).element_size()
         send, recv_numel, recv_experts = {}, {}, {}
         for peer in range(self.num_ranks):
             if peer == self.rank:
@@ -421,14 +419,13 @@ class ReplicaStore(nn.Module):
             if need:
                 recv_numel[peer] = len(need) * self.shard_numel
                 recv_experts[peer] = need
-        got = exchange_flat(send, recv_numel, self.dtype, self.device, self.ep_group)
+        got = self._exchange_peers("grad_collect", send, recv_numel)
         lo, hi = self.bounds[self.rank]
         shards_EW = torch.zeros(self.num_experts, hi - lo, dtype=torch.float32, device=self.device)
         for e in (src_NE[self.rank] == self.rank).nonzero().flatten().tolist():
             shards_EW[e] = self._reduced[e][lo:hi].to(torch.float32)
         for peer, need in recv_experts.items():
             shards_EW[need] = got[peer].view(len(need), hi - lo).to(torch.float32)
-        self._bytes("grad_collect", sum(b.numel() for b in send.values()) * elem, sum(recv_numel.values()) * elem)
         return shards_EW
 
     def _collect_shard(self) -> torch.Tensor:
@@ -471,7 +468,6 @@ class ReplicaStore(nn.Module):
         if nxt.shape[1] != self.slots_per_rank:
             raise ValueError(f"next_placement_NS has {nxt.shape[1]} slots per rank; the store has "
                              f"{self.slots_per_rank}")
-        elem = torch.tensor([], dtype=self.dtype).element_size()
         with self._phase("redistribute"), torch.no_grad():
             wanted = {m: hosted_experts(nxt, m) for m in range(self.num_ranks)}
             mine = wanted[self.rank]
@@ -479,7 +475,7 @@ class ReplicaStore(nn.Module):
                     if m != self.rank and es}
             recv_numel = {q: len(mine) * (hi - lo) for q, (lo, hi) in enumerate(self.bounds)
                           if q != self.rank and mine and hi > lo}
-            got = exchange_flat(send, recv_numel, self.dtype, self.device, self.ep_group)
+            got = self._exchange_peers("redistribute", send, recv_numel)
             full = torch.empty(len(mine), self.numel, dtype=self.dtype, device=self.device)
             for q, (lo, hi) in enumerate(self.bounds):
                 if q == self.rank:
@@ -492,8 +488,6 @@ class ReplicaStore(nn.Module):
                     self.slots_SW[j].copy_(full[row[e]])
                 else:
                     self.slots_SW[j].zero_()
-            self._bytes("redistribute", sum(b.numel() for b in send.values()) * elem,
-                        sum(recv_numel.values()) * elem)
         self.placement_NS, self.resident_NS = nxt, None
         self.unpushed_grads, self.unpushed_hosts_NE = {}, None
         self.slots_SW.grad = None
@@ -522,7 +516,7 @@ class ReplicaStore(nn.Module):
         if bool((held_G[src_G[pushed_G]] != want_G[pushed_G]).any()):
             raise ValueError("a push copies a slot that does not hold the pushed expert")
         rows = push_rows(tgt, src_G)
-        me, elem = self.rank, self.slots_SW.element_size()
+        me = self.rank
         local = self.local_slot_expert()
         with self._phase("weight_push"), torch.no_grad():
             send, recv_numel = {}, {}
@@ -533,7 +527,7 @@ class ReplicaStore(nn.Module):
                 got = rows[(rows[:, 0] == m) & (rows[:, 1] == me), 2]
                 if len(got):
                     recv_numel[m] = len(got) * self.numel
-            got = exchange_flat(send, recv_numel, self.dtype, self.device, self.ep_group)
+            got = self._exchange_peers("weight_push", send, recv_numel)
             for j in range(S):
                 g = me * S + j
                 if not bool(pushed_G[g]):
@@ -545,8 +539,6 @@ class ReplicaStore(nn.Module):
                     experts = rows[(rows[:, 0] == q) & (rows[:, 1] == me), 2].tolist()
                     i = experts.index(e)
                     self.slots_SW[j].copy_(got[q][i * self.numel:(i + 1) * self.numel])
-            self._bytes("weight_push", sum(b.numel() for b in send.values()) * elem,
-                        sum(recv_numel.values()) * elem)
         if self.resident_NS is None:
             self.resident_NS = self.placement_NS
         self.placement_NS = tgt
